@@ -1,0 +1,46 @@
+"""The `asyncgrpo` command: `serve` starts the embedded generation server, `demo` trains the bundled
+tiny model. Imports are lazy so that `asyncgrpo --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="Start the embedded generation server (a vLLM-compatible subset).",
+        description="Serve MODEL over HTTP with the subset of vLLM's protocol that asyncgrpo uses.",
+    )
+    p.add_argument("model", help="Model id or path, e.g. asyncgrpo/tiny-chat.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, local only).")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu).")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
+    p.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion (tokens).")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences decoded together.")
+    p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens.")
+    p.add_argument("--api-key", default=None, help="Require this bearer token on /v1 and /inference routes.")
+    p.add_argument("--served-model-name", default=None, help="Name reported by /v1/models.")
+    p.add_argument("--seed", type=int, default=0, help="Seed for requests that send none.")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from asyncgrpo.server.app import main as serve_main
+
+    return serve_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
