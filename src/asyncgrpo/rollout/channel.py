@@ -1,0 +1,92 @@
+"""What crosses the process boundary between the trainer (rank 0) and the rollout process.
+
+    trainer (rank 0)                                   rollout process
+    ----------------                                   ---------------
+    model_version  (Value, int)   -- written by ---->  read when a group starts (stamps samples)
+    token_allowance (Value, int)  -- written by ---->  read before starting a group (staleness limit)
+    consumed_tokens (Value, int)  -- written by ---->  queued tokens = produced - consumed
+    stop_event                    -- set by -------->  loops wind down, close() hooks run
+    heartbeat (Value, float)      <---- written by --  every second, wall clock (time.time())
+    failed_event + errors (Queue) <---- written by --  a worker exception: type, message, traceback
+    metrics (Queue)               <---- written by --  (name, value) records, see asyncgrpo.metrics
+    samples (Queue)               <---- written by --  QueuedSample and GroupFinished items
+
+Everything here is created by the trainer with a spawn context and handed to the child; values are
+plain multiprocessing primitives so no manager process is needed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class QueuedSample:
+    """One training sample and where it came from.
+
+    `sample` is an `asyncgrpo.packing.tree.Sample` (token ids, trained mask, sampler log-probs,
+    advantage, group id, model version, ...). `position` is the prompt's index in the rollout
+    process's prompt stream (epoch * len(dataset) + index within the epoch's order); the trainer uses
+    it to count epochs and the resume position.
+    """
+
+    sample: Any
+    position: int
+    row_index: int
+    queued_at: float
+    num_generated_tokens: int
+
+
+@dataclass(frozen=True)
+class GroupFinished:
+    """Sent once per prompt after its samples (if any) were queued.
+
+    `num_samples` samples of this prompt are in the queue ahead of this marker (0 when the group was
+    dropped for zero reward std or the prompt was rejected by `filter_prompt`): the prompt counts as
+    trained once the trainer has consumed that many samples of it.
+    """
+
+    position: int
+    row_index: int
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """An exception raised in the rollout process, with its formatted traceback."""
+
+    type_name: str
+    message: str
+    traceback: str
+
+
+@dataclass
+class RolloutChannel:
+    """The shared primitives of one trainer <-> rollout-process pair (see the module docstring)."""
+
+    samples: Any
+    metrics: Any
+    errors: Any
+    model_version: Any
+    token_allowance: Any
+    consumed_tokens: Any
+    heartbeat: Any
+    stop_event: Any
+    failed_event: Any
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> "RolloutChannel":
+        return cls(
+            samples=ctx.Queue(),
+            metrics=ctx.Queue(),
+            errors=ctx.Queue(),
+            model_version=ctx.Value("q", 0),
+            token_allowance=ctx.Value("q", int(initial_allowance)),
+            consumed_tokens=ctx.Value("q", 0),
+            heartbeat=ctx.Value("d", 0.0),
+            stop_event=ctx.Event(),
+            failed_event=ctx.Event(),
+        )
