@@ -1,0 +1,215 @@
+"""The trainer's input: scored samples from the rollout queue -> micro-batches of packed rows.
+
+    channel.samples --take--> drop stale --> TokenBudgetBatcher --> micro-batch (one row per process)
+          ^                                                              |
+          |  waits (perf/rollout_wait_s) only when the queue is empty    v
+          |  and checks the rollout process's health every poll     rank 0 scatters rows, every rank
+          |                                                          packs its row and trains on it
+
+Rank 0 owns the queue; with several processes it sends each rank its row (one object collective per
+micro-batch), so the batcher's cross-row balancing is the only place that decides who trains what.
+A partially filled micro-batch is closed when the queue stays empty for `flush_after_s` (the rollout
+process may be held back by the staleness limit, which counts these very samples) or when the last
+prompt of the run is accounted for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_lib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncgrpo import metrics as M
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
+from asyncgrpo.train.progress import TrainedPrompts
+from asyncgrpo.train.staleness import is_stale
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MicroBatchInput:
+    """What `training_step` receives: this rank's samples and the micro-batch totals."""
+
+    samples: list[Any]
+    num_trained_tokens_global: int
+    stats: dict[str, float] = field(default_factory=dict)
+    positions: list[int] = field(default_factory=list)
+
+
+class RolloutBatches:
+    """Iterable of `MicroBatchInput`s, one per micro-batch, for this rank."""
+
+    def __init__(
+        self,
+        *,
+        channel: Any,
+        batcher: Any,
+        progress: TrainedPrompts,
+        check_health: Callable[[], None],
+        current_version: Callable[[], int],
+        record: Callable[[str, float], None],
+        max_staleness: int,
+        token_budget: int,
+        total_positions: int | None,
+        flush_after_s: float = 2.0,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.channel = channel
+        self.batcher = batcher
+        self.progress = progress
+        self.check_health = check_health
+        self.current_version = current_version
+        self.record = record
+        self.max_staleness = max_staleness
+        self.token_budget = token_budget
+        self._warned_oversize = False
+        self.total_positions = total_positions
+        self.flush_after_s = flush_after_s
+        self.poll_s = poll_s
+        self.wait_s = 0.0  # time the trainer waited on an empty queue since the last `pop_wait_s`
+        self._ready: list[Any] = []  # closed micro-batches not yet handed out
+        self._meta: dict[int, QueuedSample] = {}  # id(sample) -> its queue item, while in the batcher
+        self._markers_seen = 0
+        self._finished = False
+
+    # -- rank 0: the queue side -------------------------------------------------------------------
+
+    def pop_wait_s(self) -> float:
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
+
+    def _take(self, item: Any) -> None:
+        if isinstance(item, GroupFinished):
+            self._markers_seen += 1
+            self.progress.on_group_finished(item.position, item.num_samples)
+            return
+        assert isinstance(item, QueuedSample), f"unexpected item in the rollout queue: {type(item).__name__}"
+        version = self.current_version()
+        staleness = version - item.sample.model_version
+        self.record(M.SAMPLE_STALENESS_MEAN, staleness)
+        self.record(M.SAMPLE_STALENESS_MAX, staleness)
+        if is_stale(item.sample.model_version, version, self.max_staleness):
+            self.record(M.SAMPLE_DROPPED_STALE_COUNT, 1)
+            self._consume([item])
+            return
+        if len(item.sample.token_ids) > self.token_budget:
+            if not self._warned_oversize:
+                logger.warning(
+                    "dropping a sample of %d tokens: it exceeds token_budget=%d (counted in %s); raise "
+                    "`token_budget` or lower `max_completion_length`",
+                    len(item.sample.token_ids), self.token_budget, M.BATCH_DROPPED_OVERSIZE_COUNT,
+                )
+                self._warned_oversize = True
+            self.record(M.BATCH_DROPPED_OVERSIZE_COUNT, 1)
+            self._consume([item])
+            return
+        self.record(M.SAMPLE_TIME_IN_QUEUE_S, time.time() - item.queued_at)
+        self.record(M.ROLLOUT_QUEUE_SIZE, _qsize(self.channel.samples))
+        self._meta[id(item.sample)] = item
+        self._ready.extend(self.batcher.add(item.sample))
+
+    def _consume(self, items: list[QueuedSample]) -> None:
+        """Samples leave the pipeline (trained or dropped): free their tokens and count their prompts."""
+        tokens = sum(len(it.sample.token_ids) for it in items)
+        with self.channel.consumed_tokens.get_lock():
+            self.channel.consumed_tokens.value += tokens
+        for it in items:
+            self.progress.on_sample_consumed(it.position)
+
+    def _run_finished(self) -> bool:
+        return self.total_positions is not None and self._markers_seen >= self.total_positions
+
+    def _next_micro_batch(self) -> Any | None:
+        """Block until a micro-batch is closed; None when the run has nothing more to train."""
+        empty_since = None
+        while not self._ready:
+            if self._run_finished():
+                self._ready.extend(self.batcher.flush())
+                if not self._ready:
+                    return None
+                break
+            try:
+                t0 = time.perf_counter()
+                item = self.channel.samples.get(timeout=self.poll_s)
+                self.wait_s += time.perf_counter() - t0
+                empty_since = None
+                self._take(item)
+                # drain what is already there without waiting, so a burst fills rows in one go
+                while not self._ready:
+                    try:
+                        self._take(self.channel.samples.get_nowait())
+                    except queue_lib.Empty:
+                        break
+            except queue_lib.Empty:
+                self.wait_s += time.perf_counter() - t0
+                self.check_health()
+                now = time.monotonic()
+                empty_since = empty_since or now
+                if now - empty_since >= self.flush_after_s:
+                    self._ready.extend(self.batcher.flush())
+                    empty_since = None
+        return self._ready.pop(0)
+
+    # -- every rank -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[MicroBatchInput]:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        while not self._finished:
+            payload: list[Any] = [None] * world
+            if rank == 0:
+                micro_batch = self._next_micro_batch()
+                if micro_batch is None:
+                    self._finished = True
+                else:
+                    payload = self._split(micro_batch, world)
+            if world > 1:
+                received: list[Any] = [None]
+                dist.scatter_object_list(received, payload if rank == 0 else None, src=0)
+                mine = received[0]
+            else:
+                mine = payload[0]
+            if mine is None:
+                self._finished = True
+                return
+            yield mine
+
+    def _split(self, micro_batch: Any, world: int) -> list[MicroBatchInput]:
+        rows = micro_batch.rows
+        assert len(rows) == world, f"batcher made {len(rows)} rows for {world} processes"
+        items_per_row = [[self._meta.pop(id(sample)) for sample in row] for row in rows]
+        num_trained = sum(sum(it.sample.trained_mask) for row in items_per_row for it in row)
+        stats = dict(getattr(micro_batch, "stats", {}) or {})
+        for row in items_per_row:
+            self._consume(row)
+        return [
+            MicroBatchInput(
+                samples=[it.sample for it in row],
+                num_trained_tokens_global=int(num_trained),
+                stats=stats,
+                positions=[it.position for it in row],
+            )
+            for row in items_per_row
+        ]
+
+
+def _qsize(q: Any) -> int:
+    try:
+        return q.qsize()
+    except NotImplementedError:  # macOS multiprocessing queues
+        return -1
+
+
+def move_to(row: Any, device: torch.device) -> Any:
+    """Move every tensor field of a packed row to `device` (non-blocking where it can)."""
+    for name, value in vars(row).items():
+        if isinstance(value, torch.Tensor):
+            setattr(row, name, value.to(device, non_blocking=True))
+    return row

@@ -1,0 +1,106 @@
+"""The trainer's connection to the inference server: detection, pause/resume and weight pushes.
+
+The HTTP client and the weight sender are asyncio objects; the trainer is synchronous. `ServerLink`
+owns one event loop on a daemon thread and runs every call there with a timeout, so the training loop
+never blocks on a dead server for longer than `timeout_s`.
+
+One weight sync (DESIGN section 7):
+
+    pause(mode=keep) -> push(named tensors, version) -> resume
+    a failure anywhere leaves the server resumed and raises with what happened
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from asyncgrpo.generation.client import GenerationClient
+
+logger = logging.getLogger(__name__)
+
+
+class ServerLink:
+    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
+        self._thread.start()
+        self.client = GenerationClient(base_url, timeout_s=timeout_s, api_key=api_key)
+        self._sender = None
+        self.info = None
+        self._run(self.client.start())
+
+    def _run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s or self.timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"the inference server at {self.base_url} did not answer within {timeout_s or self.timeout_s:.0f}s; "
+                "check that it is running and healthy, or raise `vllm_server_timeout`"
+            ) from None
+
+    def connect(self) -> Any:
+        """Wait for the server (bounded by `vllm_server_timeout`) and detect its features."""
+        self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
+        self.info = self._run(self.client.detect())
+        return self.info
+
+    def init_weight_transfer(self, device: torch.device) -> None:
+        from asyncgrpo.sync.sender import WeightSender
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self._sender = WeightSender(self.client, backend=backend, device=device, timeout_s=self.timeout_s)
+        self._run(self._sender.init())
+
+    def sync_weights(
+        self,
+        named_tensors: Callable[[], Any],
+        *,
+        version: str,
+    ) -> dict[str, float]:
+        """Pause (keep), push, resume. Returns the time split for `perf/weight_sync_*`."""
+        assert self._sender is not None, "init_weight_transfer() must run before sync_weights()"
+        t0 = time.perf_counter()
+        self._run(self.client.pause(mode="keep", clear_cache=True))
+        t_paused = time.perf_counter()
+        try:
+            self._run(self._sender.push(named_tensors(), version=version))
+        except BaseException:
+            self._resume_after_failure()
+            raise
+        t_pushed = time.perf_counter()
+        self._run(self.client.resume())
+        t_done = time.perf_counter()
+        return {
+            "pause_s": t_paused - t0,
+            "transfer_s": t_pushed - t_paused,
+            "total_s": t_done - t0,
+        }
+
+    def _resume_after_failure(self) -> None:
+        try:
+            self._run(self.client.resume(), timeout_s=30)
+        except Exception as exc:  # the push error is the one to report; say the resume failed too
+            logger.error("resuming the server after a failed weight sync also failed: %s", exc)
+
+    def close(self) -> None:
+        async def _close() -> None:
+            if self._sender is not None:
+                await self._sender.close()
+            await self.client.close()
+
+        try:
+            self._run(_close(), timeout_s=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)

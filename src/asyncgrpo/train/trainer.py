@@ -1,0 +1,513 @@
+"""`AsyncGRPOTrainer`: a `transformers.Trainer` whose batches come from a live rollout process.
+
+    train()
+      |- check picklability, connect to the server, resolve token_budget, initial weight push
+      |- spawn the rollout process (AsyncRolloutLoop) ------------------------------+
+      |- Trainer's loop:                                                            | samples
+      |     get_batch_samples -> RolloutBatches (queue -> stale drop -> batcher) <--+
+      |     training_step: pack row -> tree-attention forward -> log-probs -> loss -> backward
+      |     optimizer step -> on_step_end: token allowance, weight sync, version++
+      '- stop the rollout process (always), close the server link
+
+What waits on what: a step waits only when the queue is empty (`perf/rollout_wait_s`); the rollout
+process waits only when it is `max_staleness` steps ahead (`rollout/backpressure_s`). Every wait
+has a timeout and checks the other side's health, so a failure surfaces as an error, never a hang.
+This module wires; the math lives in `asyncgrpo.train.logprobs` and `asyncgrpo.train.loss`, the
+packing in `asyncgrpo.packing`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue as queue_lib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+
+from asyncgrpo import metrics as M
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data.prompts import validate_prompt_dataset
+from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.packing.attention import enable_tree_attention, tree_attention_context
+from asyncgrpo.packing.batcher import TokenBudgetBatcher
+from asyncgrpo.packing.model_support import check_supported
+from asyncgrpo.packing.tree import pack_row
+from asyncgrpo.rollout.channel import RolloutChannel
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.worker import RolloutWorker, check_picklable
+from asyncgrpo.train.logprobs import token_logprobs
+from asyncgrpo.train.loss import grpo_loss
+from asyncgrpo.train.model_setup import (
+    decoder_and_head,
+    eos_token_ids,
+    load_policy,
+    load_tokenizer,
+    weights_for_server,
+)
+from asyncgrpo.train.progress import TrainedPrompts
+from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches, move_to
+from asyncgrpo.train.server_link import ServerLink
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_STATE_NAME = "rollout_state.json"
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO: a rollout process streams scored samples while this trainer consumes them.
+
+    Args:
+        model: model id or path (bundled ids such as `asyncgrpo/tiny-chat` work offline), or a
+            `PreTrainedModel` (its attention is switched to the tree-attention backend).
+        reward_funcs: a reward function or a list of them (sync or `async def`, picklable).
+        args: an `AsyncGRPOConfig`; default config when None.
+        train_dataset: a conversational dataset with a `prompt` column; optional with a single
+            `environment_factory` (then `max_steps` is required).
+        processing_class: the tokenizer; loaded from the model when None.
+        callbacks, optimizers: as in `transformers.Trainer`.
+        peft_config: wrap the model with PEFT (weights are synced merged).
+        tools, environment_factory: agent training (see the rollout loop).
+
+    Subclass and set `loop_cls` to an `AsyncRolloutLoop` subclass to customise generation,
+    filtering or advantages.
+    """
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Callable | list[Callable] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: Any = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable | dict[str, Callable] | None = None,
+    ) -> None:
+        if args is None:
+            args = AsyncGRPOConfig(output_dir="asyncgrpo-output")
+        if not isinstance(args, AsyncGRPOConfig):
+            raise TypeError(f"`args` must be an AsyncGRPOConfig, got {type(args).__name__}")
+
+        if isinstance(model, str):
+            self.model_id = model
+            model = load_policy(
+                model, dtype=args.dtype, init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code
+            )
+        elif isinstance(model, PreTrainedModel):
+            self.model_id = model.config._name_or_path
+        else:
+            raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+        check_supported(model.config)
+        enable_tree_attention(model)
+
+        if processing_class is None:
+            revision = (args.model_init_kwargs or {}).get("revision")
+            processing_class = load_tokenizer(self.model_id, trust_remote_code=args.trust_remote_code, revision=revision)
+
+        if peft_config is not None:
+            model = _wrap_peft(model, peft_config)
+
+        if reward_funcs is None:
+            reward_funcs = []
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        for i, fn in enumerate(self.reward_funcs):
+            if not callable(fn):
+                raise TypeError(
+                    f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; reward models given as ids or "
+                    "PreTrainedModels are not supported: wrap the model behind a picklable reward function"
+                )
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        if not self.reward_funcs and environment_factory is None:
+            raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class defines get_reward")
+        if train_dataset is None:
+            if environment_factory is None or isinstance(environment_factory, dict):
+                raise ValueError(
+                    "`train_dataset` is required unless a single `environment_factory` provides the prompts from reset()"
+                )
+            if args.max_steps <= 0:
+                raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
+        else:
+            validate_prompt_dataset(train_dataset, environment=environment_factory is not None)
+        self.prompt_dataset = train_dataset
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity,
+            train_dataset=None,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.add_callback(_PipelineCallback(self))
+        self._window = MetricsWindow()
+        self._server: ServerLink | None = None
+        self._worker: RolloutWorker | None = None
+        self._channel: RolloutChannel | None = None
+        self._batches: RolloutBatches | None = None
+        self._progress: TrainedPrompts | None = None
+        self.model_version = 0
+        self._step = _StepTotals()
+        self._completions_table: list[dict] = []
+
+    # -- set-up and tear-down of the pipeline ------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
+        self._check_picklable()
+        args = self.args
+        start_position, self.model_version = self._rollout_state(resume_from_checkpoint)
+        if self.is_world_process_zero():
+            self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
+        user_max_steps = args.max_steps
+        try:
+            info = self._server.connect() if self._server else None
+            self._token_budget = self._resolve_token_budget(info)
+            self._warn_dtype(info)
+            total_positions = self._total_positions(start_position)
+            if args.max_steps <= 0:
+                # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
+                args.max_steps = max(1, total_positions * args.num_generations)
+            if self._server is not None:
+                self._start_rollout(info, start_position)
+            self._batches = self._make_batches(total_positions, start_position)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            args.max_steps = user_max_steps
+            self._shutdown()
+
+    def _check_picklable(self) -> None:
+        check_picklable(self.loop_cls, "loop_cls")
+        for i, fn in enumerate(self.reward_funcs):
+            check_picklable(fn, f"reward_funcs[{i}]")
+        for i, tool in enumerate(self.tools):
+            check_picklable(tool, f"tools[{i}]")
+        if self.environment_factory is not None:
+            check_picklable(self.environment_factory, "environment_factory")
+
+    def _rollout_state(self, resume_from_checkpoint: str | bool | None) -> tuple[int, int]:
+        if not resume_from_checkpoint:
+            return 0, 0
+        path = resume_from_checkpoint
+        if path is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            path = get_last_checkpoint(self.args.output_dir)
+            if path is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
+        state_file = os.path.join(path, ROLLOUT_STATE_NAME)
+        if not os.path.isfile(state_file):
+            logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_NAME)
+            return 0, 0
+        with open(state_file) as f:
+            state = json.load(f)
+        return int(state["trained_position"]), int(state["model_version"])
+
+    def _resolve_token_budget(self, info: Any) -> int:
+        if self.args.token_budget is not None:
+            return int(self.args.token_budget)
+        if info is None or info.max_model_len is None:
+            raise ValueError("token_budget is None and the server did not report max_model_len: set `token_budget`")
+        return int(info.max_model_len)
+
+    def _warn_dtype(self, info: Any) -> None:
+        if info is None or not getattr(info, "dtype", None):
+            return
+        trainer_dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
+        server_dtype = str(info.dtype).replace("torch.", "")
+        if server_dtype != trainer_dtype:
+            logger.warning(
+                "the server runs in %s and the trainer in %s: importance ratios will carry that mismatch "
+                "(watch sampling/sampling_logp_difference); start the server with --dtype %s to close it",
+                server_dtype, trainer_dtype, trainer_dtype,
+            )
+
+    def _total_positions(self, start_position: int) -> int | None:
+        if self.args.max_steps > 0 or self.prompt_dataset is None:
+            return None  # max_steps stops the run; the rollout cycles through epochs
+        try:
+            n = len(self.prompt_dataset)
+        except TypeError:
+            return None  # a stream: it ends when the rollout process runs out of prompts
+        return int(math.ceil(self.args.num_train_epochs * n))
+
+    def _start_rollout(self, info: Any, start_position: int) -> None:
+        args = self.args
+        ctx = mp.get_context("spawn")
+        initial = args.world_size * self._token_budget * args.gradient_accumulation_steps * max(args.max_staleness, 1)
+        self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
+        self._channel.model_version.value = self.model_version
+        self._server.init_weight_transfer(self.args.device)
+        self._sync_weights()  # the server serves exactly the weights being trained
+        loop_kwargs = dict(
+            config=args,
+            model_name=info.model_name,
+            dataset=self.prompt_dataset,
+            reward_funcs=self.reward_funcs,
+            processing_class=self.processing_class,
+            eos_token_ids=eos_token_ids(self.model, self.processing_class),
+            tools=self.tools,
+            environment_factory=self.environment_factory,
+            dataset_start_index=start_position,
+        )
+        self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
+        self._worker.start()
+
+    def _make_batches(self, total_positions: int | None, start_position: int) -> RolloutBatches:
+        self._progress = TrainedPrompts(start_position)
+        batcher = TokenBudgetBatcher(token_budget=self._token_budget, num_processes=self.args.world_size)
+        return RolloutBatches(
+            channel=self._channel,
+            batcher=batcher,
+            progress=self._progress,
+            check_health=self._check_worker_health,
+            current_version=lambda: self.model_version,
+            record=self._window.record,
+            max_staleness=self.args.max_staleness,
+            token_budget=self._token_budget,
+            total_positions=total_positions,
+        )
+
+    def _check_worker_health(self) -> None:
+        if self._worker is not None:
+            self._worker.check_health()
+
+    def _shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # -- the Trainer hooks ---------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> RolloutBatches:
+        assert self._batches is not None, "train() builds the rollout pipeline before the Trainer asks for data"
+        return self._batches
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
+        batch: list[MicroBatchInput] = []
+        for _ in range(num_batches):
+            try:
+                batch.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        self._step.wait_s += self._batches.pop_wait_s()
+        if not batch:
+            self.control.should_training_stop = True
+        return batch, None
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0  # MFU is reported as perf/fwd_bwd_mfu from forwarded tokens, not through Trainer's flos
+
+    def training_step(self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None) -> torch.Tensor:
+        args = self.args
+        model.train()
+        device = args.device
+        t0 = time.perf_counter()
+        row = move_to(pack_row(inputs.samples), device)
+        body, head = decoder_and_head(model)
+        with self.compute_loss_context_manager(), tree_attention_context(row):
+            hidden = body(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state[0]
+            logps = token_logprobs(
+                hidden,
+                head.weight,
+                row.pred_index,
+                row.target_ids,
+                temperature=args.temperature,
+                lm_head_bias=getattr(head, "bias", None),
+                logit_softcapping=getattr(model.config, "final_logit_softcapping", None),
+                topk_ids=row.topk_ids if args.score_centering else None,
+                candidate_ids=row.candidate_ids,
+                candidate_offsets=row.candidate_offsets,
+            )
+            loss, loss_metrics = grpo_loss(
+                logps,
+                sampler_logprobs=row.sampler_logprobs,
+                advantages=row.advantages,
+                sample_index=row.sample_index,
+                topk_sampler_logprobs=row.topk_logprobs if args.score_centering else None,
+                num_trained_tokens_global=inputs.num_trained_tokens_global,
+                gradient_accumulation_steps=args.gradient_accumulation_steps,
+                score_centering=args.score_centering,
+                epsilon=args.epsilon,
+                epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            )
+        t_fwd = time.perf_counter()
+        self.accelerator.backward(loss)
+        t_bwd = time.perf_counter()
+        self._step.add_micro_batch(row, inputs, loss_metrics, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
+        return loss.detach()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._drain_worker_metrics()
+        logs = {**logs, **self._window.reduce()}
+        super().log(logs, start_time) if start_time is not None else super().log(logs)
+
+    def _drain_worker_metrics(self) -> None:
+        if self._channel is None:
+            return
+        while True:
+            try:
+                record = self._channel.metrics.get_nowait()
+            except queue_lib.Empty:
+                return
+            except (EOFError, OSError):
+                return
+            self._window.add_record(record)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if not self.is_world_process_zero() or self._progress is None:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with open(os.path.join(folder, ROLLOUT_STATE_NAME), "w") as f:
+            json.dump({"trained_position": self._progress.trained_position, "model_version": self.model_version}, f)
+
+    # -- what happens after each optimizer step ---------------------------------------------------
+
+    def _after_optimizer_step(self) -> None:
+        args = self.args
+        step_totals, self._step = self._step, _StepTotals()
+        if self._channel is not None:
+            allowance = max(args.max_staleness, 1) * max(step_totals.raw_tokens, 1)
+            self._channel.token_allowance.value = int(allowance)
+        sync_s: dict[str, float] = {}
+        if self.state.global_step % args.weight_sync_steps == 0:
+            sync_s = self._sync_weights()
+            self.model_version += 1
+            if self._channel is not None:
+                self._channel.model_version.value = self.model_version
+        step_totals.record_into(self._window, sync_s, self._token_budget, args.world_size)
+
+    def _sync_weights(self) -> dict[str, float]:
+        if self._server is None:
+            return {}
+        dtype = _DTYPE_NAMES.get(str(self._server.info.dtype).replace("torch.", ""), torch.float32)
+        return self._server.sync_weights(
+            lambda: weights_for_server(self.model, dtype), version=f"step-{self.state.global_step}"
+        )
+
+
+class _PipelineCallback(TrainerCallback):
+    """Runs the trainer's after-step work at the Trainer's `on_step_end`."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._step.started_at = self.trainer._step.started_at or time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._step.optimizer_started = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._step.optimizer_s = time.perf_counter() - self.trainer._step.optimizer_started
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._after_optimizer_step()
+
+
+class _StepTotals:
+    """Sums over the micro-batches of one optimizer step, turned into batch/* and perf/* metrics."""
+
+    def __init__(self) -> None:
+        self.started_at = 0.0
+        self.optimizer_started = 0.0
+        self.optimizer_s = 0.0
+        self.wait_s = 0.0
+        self.fwd_s = 0.0
+        self.fwd_bwd_s = 0.0
+        self.micro_batches = 0
+        self.forwarded_tokens = 0
+        self.raw_tokens = 0
+        self.trained_tokens = 0
+        self.samples = 0
+        self.groups: set[int] = set()
+        self.rows: list[tuple[int, int]] = []  # (forwarded tokens, samples) per row
+        self.loss_metrics: list[dict] = []
+
+    def add_micro_batch(self, row: Any, inputs: MicroBatchInput, loss_metrics: dict, *, fwd_s: float, fwd_bwd_s: float) -> None:
+        self.micro_batches += 1
+        self.fwd_s += fwd_s
+        self.fwd_bwd_s += fwd_bwd_s
+        self.forwarded_tokens += int(row.input_ids.numel())
+        self.raw_tokens += sum(len(s.token_ids) for s in inputs.samples)
+        self.trained_tokens += int(row.target_ids.numel())
+        self.samples += len(inputs.samples)
+        self.groups.update(s.group_id for s in inputs.samples)
+        self.rows.append((int(row.input_ids.numel()), len(inputs.samples)))
+        self.loss_metrics.append(loss_metrics)
+        self.batch_stats = inputs.stats
+
+    def record_into(self, window: MetricsWindow, sync_s: dict[str, float], token_budget: int, world_size: int) -> None:
+        step_s = time.perf_counter() - self.started_at if self.started_at else 0.0
+        r = window.record
+        r(M.BATCH_FORWARDED_TOKENS_PER_STEP, self.forwarded_tokens * world_size)
+        r(M.BATCH_TRAINED_TOKENS_PER_STEP, self.trained_tokens * world_size)
+        r(M.BATCH_SAMPLES_PER_STEP, self.samples * world_size)
+        r(M.BATCH_GROUPS_PER_STEP, len(self.groups))
+        r(M.BATCH_MICROBATCHES_PER_STEP, self.micro_batches)
+        if self.forwarded_tokens:
+            r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_tokens / self.forwarded_tokens)
+            r(M.BATCH_PACKING_RATIO, self.raw_tokens / self.forwarded_tokens)
+        for tokens, samples in self.rows:
+            r(M.BATCH_SAMPLES_PER_ROW, samples)
+            r(M.BATCH_ROW_TOKENS_MEAN, tokens)
+            r(M.BATCH_ROW_TOKENS_MAX, tokens)
+            r(M.BATCH_ROW_FILL_FRAC, tokens / token_budget)
+        for name in (M.BATCH_ROW_IMBALANCE, M.BATCH_PAD_FRAC):
+            value = getattr(self, "batch_stats", {}).get(name)
+            if value is not None:
+                r(name, value)
+        r(M.NUM_TOKENS_INCREMENT, self.forwarded_tokens * world_size)
+        r(M.PERF_STEP_S, step_s)
+        r(M.PERF_FWD_BWD_S, self.fwd_bwd_s)
+        r(M.PERF_FWD_S, self.fwd_s)
+        r(M.PERF_OPTIMIZER_S, self.optimizer_s)
+        r(M.PERF_ROLLOUT_WAIT_S, self.wait_s)
+        if self.fwd_bwd_s > 0:
+            window.record_rate(M.PERF_FWD_BWD_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, self.fwd_bwd_s)
+        if step_s > 0:
+            window.record_rate(M.PERF_WALL_CLOCK_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, step_s)
+            window.record_rate(M.PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S, self.trained_tokens, step_s)
+        if sync_s:
+            r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"])
+            r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
+            r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
+            r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
+        for lm in self.loss_metrics:
+            for name, value in lm.items():
+                window.record(name, value)
+
+
+def _identity(features: Any) -> Any:
+    return features
+
+
+def _wrap_peft(model: PreTrainedModel, peft_config: Any) -> Any:
+    from peft import get_peft_model
+
+    targets = getattr(peft_config, "target_modules", None) or []
+    if isinstance(targets, str):
+        targets = [targets]
+    if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
+        raise ValueError("PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save")
+    return get_peft_model(model, peft_config)
