@@ -43,7 +43,7 @@ from asyncgrpo.rollout.channel import RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_picklable
 from asyncgrpo.train.logprobs import token_logprobs
-from asyncgrpo.train.loss import grpo_loss
+from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
     decoder_and_head,
     eos_token_ids,
@@ -162,6 +162,8 @@ class AsyncGRPOTrainer(Trainer):
         self.model_version = 0
         self._step = _StepTotals()
         self._completions_table: list[dict] = []
+        self._loss_stats: LossStats | None = None
+        self._num_tokens_forwarded = 0
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
@@ -334,29 +336,36 @@ class AsyncGRPOTrainer(Trainer):
                 candidate_ids=row.candidate_ids,
                 candidate_offsets=row.candidate_offsets,
             )
-            loss, loss_metrics = grpo_loss(
-                logps,
-                sampler_logprobs=row.sampler_logprobs,
-                advantages=row.advantages,
-                sample_index=row.sample_index,
-                topk_sampler_logprobs=row.topk_logprobs if args.score_centering else None,
+            result = policy_loss(
+                logps.target_logprobs,
+                row.sampler_logprobs,
+                row.advantages,
+                row.sample_index,
                 num_trained_tokens_global=inputs.num_trained_tokens_global,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 score_centering=args.score_centering,
+                topk_logprobs=logps.topk_logprobs,
+                sampler_topk_logprobs=row.topk_logprobs if args.score_centering else None,
+                entropy=logps.entropy,
                 epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-                clip_min=args.vllm_importance_sampling_clip_min,
-                clip_max=args.vllm_importance_sampling_clip_max,
+                epsilon_high=args.epsilon_high,
+                is_clip_min=args.vllm_importance_sampling_clip_min,
+                is_clip_max=args.vllm_importance_sampling_clip_max,
             )
+            loss = result.loss
         t_fwd = time.perf_counter()
         self.accelerator.backward(loss)
         t_bwd = time.perf_counter()
-        self._step.add_micro_batch(row, inputs, loss_metrics, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
+        self._step.add_micro_batch(row, inputs, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
+        self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
         return loss.detach()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._drain_worker_metrics()
-        logs = {**logs, **self._window.reduce()}
+        logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
+        if self._loss_stats is not None:
+            logs.update(loss_metrics(_all_reduce_stats(self._loss_stats)))
+            self._loss_stats = None
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
     def _drain_worker_metrics(self) -> None:
@@ -396,6 +405,7 @@ class AsyncGRPOTrainer(Trainer):
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
         step_totals.record_into(self._window, sync_s, self._token_budget, args.world_size)
+        self._num_tokens_forwarded += step_totals.forwarded_tokens * args.world_size
 
     def _sync_weights(self) -> dict[str, float]:
         if self._server is None:
@@ -412,9 +422,6 @@ class _PipelineCallback(TrainerCallback):
     def __init__(self, trainer: AsyncGRPOTrainer) -> None:
         self.trainer = trainer
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._step.started_at = self.trainer._step.started_at or time.perf_counter()
-
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._step.optimizer_started = time.perf_counter()
 
@@ -429,7 +436,7 @@ class _StepTotals:
     """Sums over the micro-batches of one optimizer step, turned into batch/* and perf/* metrics."""
 
     def __init__(self) -> None:
-        self.started_at = 0.0
+        self.started_at = time.perf_counter()  # a step runs from the end of the previous one
         self.optimizer_started = 0.0
         self.optimizer_s = 0.0
         self.wait_s = 0.0
@@ -442,9 +449,8 @@ class _StepTotals:
         self.samples = 0
         self.groups: set[int] = set()
         self.rows: list[tuple[int, int]] = []  # (forwarded tokens, samples) per row
-        self.loss_metrics: list[dict] = []
 
-    def add_micro_batch(self, row: Any, inputs: MicroBatchInput, loss_metrics: dict, *, fwd_s: float, fwd_bwd_s: float) -> None:
+    def add_micro_batch(self, row: Any, inputs: MicroBatchInput, *, fwd_s: float, fwd_bwd_s: float) -> None:
         self.micro_batches += 1
         self.fwd_s += fwd_s
         self.fwd_bwd_s += fwd_bwd_s
@@ -454,11 +460,10 @@ class _StepTotals:
         self.samples += len(inputs.samples)
         self.groups.update(s.group_id for s in inputs.samples)
         self.rows.append((int(row.input_ids.numel()), len(inputs.samples)))
-        self.loss_metrics.append(loss_metrics)
         self.batch_stats = inputs.stats
 
     def record_into(self, window: MetricsWindow, sync_s: dict[str, float], token_budget: int, world_size: int) -> None:
-        step_s = time.perf_counter() - self.started_at if self.started_at else 0.0
+        step_s = time.perf_counter() - self.started_at
         r = window.record
         r(M.BATCH_FORWARDED_TOKENS_PER_STEP, self.forwarded_tokens * world_size)
         r(M.BATCH_TRAINED_TOKENS_PER_STEP, self.trained_tokens * world_size)
@@ -477,7 +482,6 @@ class _StepTotals:
             value = getattr(self, "batch_stats", {}).get(name)
             if value is not None:
                 r(name, value)
-        r(M.NUM_TOKENS_INCREMENT, self.forwarded_tokens * world_size)
         r(M.PERF_STEP_S, step_s)
         r(M.PERF_FWD_BWD_S, self.fwd_bwd_s)
         r(M.PERF_FWD_S, self.fwd_s)
@@ -493,9 +497,18 @@ class _StepTotals:
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
             r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
-        for lm in self.loss_metrics:
-            for name, value in lm.items():
-                window.record(name, value)
+
+
+def _all_reduce_stats(stats: LossStats) -> LossStats:
+    """Loss statistics summed (and min/max-ed) over all processes."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stats
+    for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN), (stats.maxs, dist.ReduceOp.MAX)):
+        for value in values.values():
+            dist.all_reduce(value, op=op)
+    return stats
 
 
 def _identity(features: Any) -> Any:

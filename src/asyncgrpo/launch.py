@@ -1,0 +1,106 @@
+"""Start and stop an embedded generation server in a subprocess (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedServer:
+    """`asyncgrpo serve MODEL` as a child process, stopped by pid on exit.
+
+    >>> with EmbeddedServer("asyncgrpo/tiny-chat") as server:
+    ...     print(server.url)
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        port: int | None = None,
+        device: str = "cpu",
+        extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.port = port or free_port()
+        self.device = device
+        self.extra_args = list(extra_args or [])
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env
+        self.process: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "EmbeddedServer":
+        cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", self.model, "--port", str(self.port),
+               "--device", self.device, *self.extra_args]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "w")
+        out = self._log_file or subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"the embedded server exited with code {self.process.returncode} during start-up"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"the embedded server did not answer /health within {self.startup_timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+        self.process = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> "EmbeddedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
