@@ -3,6 +3,39 @@
 Generation runs on an inference server (vLLM, or the embedded server of this package); a rollout
 process streams and scores completions while the trainer consumes them, so generation and
 gradient updates overlap.
+
+    from asyncgrpo import AsyncGRPOTrainer, AsyncGRPOConfig, AsyncRolloutLoop, Rollout
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# Public names -> defining module. Imported on first use so that `import asyncgrpo` (and the
+# spawned rollout process) stays light.
+_PUBLIC = {
+    "AsyncGRPOTrainer": "asyncgrpo.train.trainer",
+    "AsyncGRPOConfig": "asyncgrpo.config",
+    "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
+    "Rollout": "asyncgrpo.types",
+    "RolloutGroup": "asyncgrpo.types",
+    "TurnRecord": "asyncgrpo.types",
+}
+
+__all__ = list(_PUBLIC)
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo.train.trainer import AsyncGRPOTrainer
+    from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")

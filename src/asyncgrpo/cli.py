@@ -34,10 +34,32 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="Train the bundled tiny model on arithmetic with RL and show held-out accuracy before/after.",
+        description="Start the embedded server, train asyncgrpo/tiny-chat with AsyncGRPOTrainer, report accuracy.",
+    )
+    from asyncgrpo.demo import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from asyncgrpo.demo import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
+    _add_demo(subparsers)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 
