@@ -160,6 +160,7 @@ class AsyncGRPOTrainer(Trainer):
         self._batches: RolloutBatches | None = None
         self._progress: TrainedPrompts | None = None
         self.model_version = 0
+        self.last_trained_position = 0
         self._step = _StepTotals()
         self._completions_table: list[dict] = []
         self._loss_stats: LossStats | None = None
@@ -287,6 +288,8 @@ class AsyncGRPOTrainer(Trainer):
             self._worker.check_health()
 
     def _shutdown(self) -> None:
+        if self._progress is not None:
+            self.last_trained_position = self._progress.trained_position
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
