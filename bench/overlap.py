@@ -1,0 +1,135 @@
+"""Overlap benchmark: the same training work, asynchronous vs strictly on-policy.
+
+Both runs train the same model on the same prompts for the same number of optimizer steps against
+the embedded server. `max_staleness=4` lets generation run ahead of training; `max_staleness=0`
+makes every rollout wait for the weights of the previous step (generation and training alternate).
+The ratio of wall-clock per step is the overlap speedup.
+
+    python bench/overlap.py                        # CPU, bundled tiny model
+    python bench/overlap.py --device cuda --model asyncgrpo/tiny-chat
+
+Writes bench/results/overlap_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_once(args: argparse.Namespace, url: str, max_staleness: int, out_dir: Path) -> dict:
+    import torch
+    from datasets import Dataset
+
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.rewards import accuracy_reward
+    from asyncgrpo.tasks import arithmetic
+
+    dataset = Dataset.from_list(arithmetic.make_dataset(args.prompts, seed=args.seed))
+    config = AsyncGRPOConfig(
+        output_dir=str(out_dir / f"staleness{max_staleness}"),
+        vllm_server_base_url=url,
+        max_steps=args.steps,
+        max_staleness=max_staleness,
+        learning_rate=1e-5,
+        num_generations=args.num_generations,
+        max_completion_length=48,
+        gradient_accumulation_steps=args.grad_accum,
+        token_budget=args.token_budget,
+        bf16=args.device == "cuda",
+        use_cpu=args.device == "cpu",
+        gradient_checkpointing=False,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=args.seed,
+    )
+    trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=dataset, args=config)
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    logs = [e for e in trainer.state.log_history if "perf/step_s" in e]
+    steady = logs[args.warmup_steps:] or logs
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    def mean(key: str) -> float:
+        values = [e[key] for e in steady if key in e]
+        return statistics.fmean(values) if values else float("nan")
+
+    return {
+        "max_staleness": max_staleness,
+        "steps": len(logs),
+        "wall_s": wall,
+        "step_s_mean": mean("perf/step_s"),
+        "rollout_wait_s_mean": mean("perf/rollout_wait_s"),
+        "backpressure_s_mean": mean("rollout/backpressure_s"),
+        "fwd_bwd_s_mean": mean("perf/fwd_bwd_s"),
+        "weight_sync_s_mean": mean("perf/weight_sync_s"),
+        "staleness_mean": mean("sample/staleness_mean"),
+        "samples_per_step": mean("batch/samples_per_step"),
+        "reward_mean": mean("reward"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="asyncgrpo/tiny-chat")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=512)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-url", default=None, help="A running server instead of starting one.")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+
+    from asyncgrpo.launch import EmbeddedServer
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/asyncgrpo-overlap")
+    server = None if args.server_url else EmbeddedServer(
+        args.model, device=args.device, log_path=work / "server.log").start()
+    url = args.server_url or server.url
+    try:
+        runs = [run_once(args, url, staleness, work) for staleness in (4, 0)]
+    finally:
+        if server is not None:
+            server.stop()
+    asynchronous, on_policy = runs
+    speedup = on_policy["step_s_mean"] / asynchronous["step_s_mean"]
+    print(f"{'':16}{'step_s':>10}{'rollout_wait_s':>16}{'backpressure_s':>16}{'fwd_bwd_s':>11}{'sync_s':>9}")
+    for name, r in (("async (4)", asynchronous), ("on-policy (0)", on_policy)):
+        print(f"{name:16}{r['step_s_mean']:>10.3f}{r['rollout_wait_s_mean']:>16.3f}{r['backpressure_s_mean']:>16.3f}"
+              f"{r['fwd_bwd_s_mean']:>11.3f}{r['weight_sync_s_mean']:>9.3f}")
+    print(f"overlap speedup (on-policy step time / async step time): {speedup:.2f}x")
+    result = {
+        "benchmark": "overlap",
+        "command": "python bench/overlap.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                        if v is not None and k != "out"),
+        "device": args.device,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+        "speedup": speedup,
+    }
+    path = out_dir / f"overlap_{args.device}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
