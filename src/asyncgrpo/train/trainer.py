@@ -381,7 +381,7 @@ class AsyncGRPOTrainer(Trainer):
                 return
             except (EOFError, OSError):
                 return
-            self._window.add_record(record)
+            self._window.add(record)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
@@ -408,6 +408,7 @@ class AsyncGRPOTrainer(Trainer):
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
         step_totals.record_into(self._window, sync_s, self._token_budget, args.world_size)
+        self._window.end_step()
         self._num_tokens_forwarded += step_totals.forwarded_tokens * args.world_size
 
     def _sync_weights(self) -> dict[str, float]:
