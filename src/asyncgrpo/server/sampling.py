@@ -1,0 +1,210 @@
+"""Sampling math of the embedded server: pure, batched functions over the running sequences.
+
+Order of processing for every row (vLLM's order with `--logprobs-mode processed_logprobs`):
+
+    logits -> repetition penalty / bans -> temperature -> min_p -> top_k -> top_p -> processed log-probs
+           -> sample (greedy at temperature 0, else a seeded exponential race)
+
+Definitions (the invariants the tests check against a plain loop):
+- Tokens are ordered by processed logit, descending, ties broken by the LOWER token id. Every filter
+  keeps a prefix of that order, so the candidate set of a row is a prefix of it:
+  min_p keeps `logit >= max_logit + log(min_p)`; top_k keeps the first k tokens (exactly k, ties at
+  the boundary resolved by id); top_p keeps a token when the probability mass strictly before it,
+  renormalised over what min_p and top_k kept, is `< top_p`.
+- Processed log-probs are the log-softmax over the candidates; excluded tokens are `-inf`.
+- Temperature 0 means greedy (argmax, lowest id on ties); its log-probs are taken at temperature 1.
+- Randomness is a counter-based hash of (seed, output position, token id) mapped to a uniform `u`;
+  the sampled token is `argmax_j log p_j - log(-log u_j)` over the candidates (Gumbel-max, the same
+  as vLLM's exponential race). It does not depend on batching or on the other rows.
+- The rank of the sampled token is the number of tokens whose processed log-prob is `>=` its own
+  (vLLM's definition); the top-k list uses positional ranks 1..k.
+
+No I/O, clock, logging or globals; host-side facts that choose the code path (how many sorted
+columns are needed) travel in `SamplingBatch` as Python ints so the functions never synchronise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step (all tensors on the logits' device, length B)."""
+
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor  # float32 in (0, 1]
+    min_p: torch.Tensor  # float32 in [0, 1]
+    seeds: torch.Tensor  # int64
+    positions: torch.Tensor  # int64: index of the token being drawn in the output
+    num_sorted: int  # columns of the sorted candidate list; 0 = no sort, >= vocab = full sort
+    num_top_logprobs: int  # K of the top-K log-prob list (max over rows)
+    mask_width: int  # columns of the candidate-id output (max top_k over rows that want masks)
+    all_top_k: bool  # every row has top_k > 0, so all candidates lie in the sorted columns
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """What one step sampled (device tensors)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32, processed log-prob of the sampled token
+    ranks: torch.Tensor  # [B] int64, 1-based
+    top_ids: torch.Tensor  # [B, K] int64, best first
+    top_logprobs: torch.Tensor  # [B, K] float32 (-inf for excluded tokens)
+    mask_ids: torch.Tensor  # [B, W] int64, candidate ids ascending, padded with -1
+    num_candidates: torch.Tensor  # [B] int64
+
+
+def plan_columns(
+    top_ks: list[int], top_ps: list[float], num_top_logprobs: int, mask_width: int, vocab_size: int
+) -> int:
+    """How many sorted columns a batch needs (host-side, from the request parameters).
+
+    A full sort is needed only when some row restricts by top_p without top_k; otherwise the top
+    `max(top_k, K, mask_width)` columns are enough. Rows without top_k and top_p need no sort.
+    """
+    if any(k <= 0 and p < 1.0 for k, p in zip(top_ks, top_ps)):
+        return vocab_size
+    sorted_rows = [k for k in top_ks if k > 0]
+    if not sorted_rows:
+        return 0
+    return min(vocab_size, max(max(sorted_rows), num_top_logprobs, mask_width))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """vLLM/CTRL repetition penalty: for tokens in `seen` ([B, V] bool, prompt or output), divide a
+    positive logit by `penalty` ([B]) and multiply a negative one. Returns a new tensor."""
+    pen = penalty.to(logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalised, logits)
+
+
+def sortable_keys(values: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys whose descending order is (value descending, token id ascending).
+
+    values: [B, V] float32. The float's bits are mapped to an int32 that orders like the float, then
+    shifted left by 32 bits, and the low bits hold `2^32 - 1 - id`.
+    """
+    assert values.dtype == torch.float32, values.dtype
+    bits = values.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(values.shape[-1], device=values.device, dtype=torch.int64)
+    return ordered * (1 << 32) + (_M32 - ids)
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for 0 <= h < 2^32 without int64 overflow (16-bit halves)."""
+    return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), a pure function of (seed, position, token id).
+
+    seeds, positions: [B] int64; token_ids: [B, N] or [N] int64. Returns [B, N] float32 with 24
+    random bits each.
+    """
+    row = _fmix32((seeds & _M32) ^ 0x243F6A88)
+    row = _fmix32(row ^ ((seeds >> 32) & _M32))
+    row = _fmix32(row ^ (positions & _M32) ^ 0x13198A2E)
+    tok = _fmix32(_mul32(token_ids & _M32, 0x9E3779B1) ^ 0x03707344)
+    if tok.dim() == 1:
+        tok = tok[None, :]
+    h = _fmix32(row[:, None] ^ tok)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Process logits ([B, V], any float dtype) and draw one token per row; see the module docstring."""
+    b, v = logits.shape
+    device = logits.device
+    greedy = batch.temperature <= 0
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = logits.float() / temperature[:, None]
+    keep = scaled > _NEG_INF
+    top = scaled.max(dim=-1, keepdim=True).values
+    keep &= scaled >= top + torch.log(batch.min_p)[:, None]
+    keys = sortable_keys(scaled)
+
+    ncol = min(batch.num_sorted, v)
+    order = sorted_keys = None
+    if ncol > 0:
+        if ncol >= v:
+            sorted_keys, order = keys.sort(dim=-1, descending=True)
+        else:
+            sorted_keys, order = keys.topk(ncol, dim=-1)
+        prefix = keep.gather(1, order)
+        cols = torch.arange(ncol, device=device)
+        k_eff = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, ncol))
+        prefix &= cols[None, :] < k_eff[:, None]
+        vals = scaled.gather(1, order).masked_fill(~prefix, _NEG_INF)
+        probs = torch.softmax(vals, dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        prefix &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
+        count = prefix.sum(dim=-1, keepdim=True)
+        threshold = sorted_keys.gather(1, (count - 1).clamp(min=0))
+        restricted = (batch.top_k > 0) | (batch.top_p < 1.0)
+        keep &= (keys >= threshold) | ~restricted[:, None]
+
+    masked = scaled.masked_fill(~keep, _NEG_INF)
+    lp = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+    if order is not None and batch.all_top_k and ncol < v:
+        cand_ids = order
+        cand_lp = lp.gather(1, order)
+    else:
+        cand_ids = torch.arange(v, device=device)
+        cand_lp = lp
+    u = hash_uniform(batch.seeds, batch.positions, cand_ids)
+    race = cand_lp - torch.log(-torch.log(u))
+    score = torch.where(greedy[:, None], cand_lp, race)
+    pick = score.argmax(dim=-1, keepdim=True)
+    if cand_ids.dim() == 2:
+        token_ids = cand_ids.gather(1, pick)
+    else:
+        token_ids = pick
+    token_lp = lp.gather(1, token_ids)
+    ranks = (lp >= token_lp).sum(dim=-1)
+
+    k = batch.num_top_logprobs
+    if k > 0:
+        top_ids = order[:, :k] if order is not None and order.shape[1] >= k else keys.topk(k, dim=-1).indices
+        top_lp = lp.gather(1, top_ids)
+    else:
+        top_ids = torch.empty(b, 0, dtype=torch.int64, device=device)
+        top_lp = torch.empty(b, 0, dtype=torch.float32, device=device)
+
+    w = batch.mask_width
+    if w > 0:
+        assert order is not None and order.shape[1] >= w, "mask rows need top_k > 0 (see plan_columns)"
+        ids = order[:, :w]
+        ids = torch.where(keep.gather(1, ids), ids, torch.full_like(ids, v)).sort(dim=-1).values
+        mask_ids = torch.where(ids == v, torch.full_like(ids, -1), ids)
+    else:
+        mask_ids = torch.empty(b, 0, dtype=torch.int64, device=device)
+
+    return SampleResult(
+        token_ids=token_ids.squeeze(1),
+        logprobs=token_lp.squeeze(1),
+        ranks=ranks,
+        top_ids=top_ids,
+        top_logprobs=top_lp,
+        mask_ids=mask_ids,
+        num_candidates=keep.sum(dim=-1),
+    )
+
