@@ -1,1 +1,46 @@
+"""Weight transfer from the trainer to the inference server (vllm-protocol.md section 5).
 
+    packed.py    pure: update metadata, chunk plan (strict `t > B`), pack/unpack bytes
+    nccl.py      ctypes NCCL communicator (vLLM, or the embedded server on GPU)
+    gloo.py      standalone gloo communicator (the embedded server on CPU)
+    sender.py    trainer side: `WeightSender` (HTTP handshake + broadcast), rank 0
+    receiver.py  server side: `WeightReceiver` (joins the group, yields received tensors)
+
+Both communicators offer the `Communicator` interface below; sender and receiver run the same
+layout code over either.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Communicator(Protocol):
+    """A group with the trainer as rank 0. Collectives are in place; `synchronize` waits (bounded by
+    the communicator's timeout) until every enqueued collective finished on this rank."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None: ...
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WeightSender":
+        from asyncgrpo.sync.sender import WeightSender
+
+        return WeightSender
+    if name == "WeightReceiver":
+        from asyncgrpo.sync.receiver import WeightReceiver
+
+        return WeightReceiver
+    raise AttributeError(f"module 'asyncgrpo.sync' has no attribute {name!r}")

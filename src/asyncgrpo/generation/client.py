@@ -1,0 +1,396 @@
+"""`GenerationClient`: the project's only HTTP client of the inference server (vLLM or the embedded
+server). Async, one `aiohttp.ClientSession` per client, one client per process.
+
+Retry policy (owned here, nowhere else):
+
+    call kind                          retried on                          else
+    generate                           connection errors, timeouts, 5xx    4xx -> ServerRequestError at once
+    info / metrics / pause / resume    connection errors, 5xx              timeout -> TimeoutError
+    weight-transfer routes             never (a half-done transfer cannot  any error raises at once
+                                       be repeated by HTTP alone)
+
+Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged, and call
+`on_retry()` so the rollout loop can count `rollout/vllm_retry_count`. Every status is checked. A
+timeout names the knob to raise, `vllm_server_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from asyncgrpo.generation.protocol import (
+    COMPLETIONS_PATH,
+    GENERATE_PATH,
+    ProtocolError,
+    SamplingParams,
+    ServerInfo,
+    ServerMetrics,
+    TurnOutput,
+    build_completions_request,
+    build_generate_request,
+    error_message,
+    expect_field,
+    parse_completions_response,
+    parse_generate_response,
+    parse_metrics,
+    parse_models,
+    parse_server_info,
+    parse_version,
+    parse_world_size,
+)
+
+logger = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S = 30.0
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+_RL_ROUTES = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/server_info",
+    "/get_world_size",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/weight_info",
+    "/shutdown_weight_transfer_engine",
+)
+
+
+class ServerRequestError(RuntimeError):
+    """The server answered a request with an error status (4xx, or 5xx once retries ran out)."""
+
+    def __init__(self, method: str, path: str, status: int, message: str) -> None:
+        self.method, self.path, self.status, self.message = method, path, status, message
+        hint = ""
+        if status == 404 and path.split("?")[0] in _RL_ROUTES:
+            hint = " (start vLLM with VLLM_SERVER_DEV_MODE=1 to enable the RL routes)"
+        elif status == 403 and path.startswith(GENERATE_PATH):
+            hint = " (start vLLM with --enable-scale-out)"
+        elif status == 401:
+            hint = " (the server wants an API key: pass the one given to --api-key)"
+        super().__init__(f"{method} {path} -> HTTP {status}: {message}{hint}")
+
+
+class ServerConnectionError(ConnectionError):
+    """The server could not be reached (after retries where the call allows them)."""
+
+
+class GenerationClient:
+    """Talks to one inference server at `base_url`. Call `start()` inside the event loop that will
+    use it, then `detect()` (generation needs the server description), and `close()` at the end."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 1800.0,
+        api_key: str | None = None,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.on_retry = on_retry
+        self.info: ServerInfo | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._rng = random.Random()
+        self._warned_top_logprobs = False
+
+    # ---------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the rollout loop
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def __aenter__(self) -> GenerationClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------------------------------- transport
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        retry_transient: bool = True,
+        retry_timeout: bool = False,
+        pass_statuses: frozenset[int] = frozenset(),
+    ) -> tuple[int, str]:
+        """Send one request with the retry policy; return (status, body text) for 2xx/3xx and for
+        `pass_statuses`, raise otherwise."""
+        if self._session is None:
+            raise RuntimeError("GenerationClient.start() must be awaited before making requests")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        url = self.base_url + path
+        attempt = 0
+        while True:
+            try:
+                async with self._session.request(
+                    method, url, json=json_body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as resp:
+                    status, text = resp.status, await resp.text()
+            except asyncio.TimeoutError as exc:  # also aiohttp's timeout errors
+                if not retry_timeout or attempt >= self.max_retries:
+                    raise TimeoutError(
+                        f"{method} {url} got no answer within {timeout_s:.0f}s"
+                        + (f" after {attempt} retries" if attempt else "")
+                        + "; raise `vllm_server_timeout` if the server is just slow"
+                    ) from exc
+                reason = f"no answer within {timeout_s:.0f}s"
+            except _TRANSPORT_ERRORS as exc:
+                if not retry_transient or attempt >= self.max_retries:
+                    raise ServerConnectionError(
+                        f"{method} {url} failed: {exc!r}" + (f" (after {attempt} retries)" if attempt else "")
+                    ) from exc
+                reason = repr(exc)
+            else:
+                if status < 400 or status in pass_statuses:
+                    return status, text
+                message = error_message(text)
+                if status < 500 or not retry_transient or attempt >= self.max_retries:
+                    raise ServerRequestError(method, path, status, message)
+                reason = f"HTTP {status}: {message}"
+            attempt += 1
+            delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (1.0 + 0.5 * self._rng.random())
+            logger.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, path, reason, attempt, self.max_retries, delay)
+            if self.on_retry is not None:
+                self.on_retry()
+            await asyncio.sleep(delay)
+
+    @staticmethod
+    def _json(path: str, text: str) -> Any:
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ProtocolError(f"{path}: expected JSON, got {text[:300]!r}") from None
+
+    async def _get_json(self, path: str, **kw: Any) -> Any:
+        _, text = await self._request("GET", path, **kw)
+        return self._json(path, text)
+
+    async def _post_json(self, path: str, body: Any = None, **kw: Any) -> Any:
+        _, text = await self._request("POST", path, json_body=body, **kw)
+        return self._json(path, text)
+
+    # ---------------------------------------------------------------------------------- readiness
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        """Poll GET /health until it answers 200; `TimeoutError` naming the URL and the knob after
+        `timeout_s`."""
+        if self._session is None:
+            raise RuntimeError("GenerationClient.start() must be awaited before wait_until_ready()")
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"generation server at {self.base_url} was not ready after {timeout_s:.0f}s (last /health: "
+                    f"{last}); start it (`vllm serve ...` or `asyncgrpo serve MODEL`) or raise `vllm_server_timeout`"
+                )
+            try:
+                async with self._session.get(
+                    self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=min(5.0, remaining))
+                ) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except asyncio.TimeoutError:
+                last = "timed out"
+            except _TRANSPORT_ERRORS as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+
+    # ---------------------------------------------------------------------------------- detection
+
+    async def detect(self) -> ServerInfo:
+        """Describe the server (version, model, context, log-prob mode, routes) and cache it in
+        `self.info`. Warns when log-probs are not `processed_logprobs`."""
+        version, dialect = parse_version(await self._get_json("/version"))
+        model_name, max_model_len = parse_models(await self._get_json("/v1/models"))
+        status, text = await self._request("GET", "/server_info", params={"config_format": "json"}, pass_statuses=frozenset({404}))
+        config = parse_server_info(self._json("/server_info", text)) if status == 200 else None
+        status, text = await self._request("GET", "/get_world_size", params={"include_dp": "true"}, pass_statuses=frozenset({404}))
+        world_size = parse_world_size(self._json("/get_world_size", text)) if status == 200 else None
+        status, _ = await self._request("GET", "/metrics", pass_statuses=frozenset({404}))
+        has_metrics = status == 200
+        supports_generate = await self._probe_generate(model_name)
+        info = ServerInfo(
+            version=version,
+            dialect=dialect,
+            model_name=model_name,
+            max_model_len=max_model_len if max_model_len is not None or config is None else config.max_model_len,
+            dtype=config.dtype if config else None,
+            logprobs_mode=config.logprobs_mode if config else None,
+            supports_generate=supports_generate,
+            supports_sampling_mask=bool(config and config.return_sampling_mask and supports_generate),
+            has_metrics=has_metrics,
+            kv_cache_tokens=config.kv_cache_tokens if config else None,
+            world_size=world_size,
+            dev_mode=config is not None,
+        )
+        if info.logprobs_mode is not None and info.logprobs_mode != "processed_logprobs":
+            logger.warning(
+                "the server returns %s; the importance ratio needs the sampled distribution: start vLLM with "
+                "--logprobs-mode processed_logprobs",
+                info.logprobs_mode,
+            )
+        if not info.dev_mode:
+            logger.warning(
+                "%s has no /server_info: the RL routes (pause, weight transfer) are off; start vLLM with "
+                "VLLM_SERVER_DEV_MODE=1",
+                self.base_url,
+            )
+        logger.info(
+            "server %s: version %s, model %s, max_model_len %s, generate route %s, sampling masks %s",
+            self.base_url, version, model_name, info.max_model_len, supports_generate, info.supports_sampling_mask,
+        )
+        self.info = info
+        return info
+
+    async def _probe_generate(self, model_name: str) -> bool:
+        """The token-in/token-out route exists unless a one-token request answers 404/403."""
+        params = SamplingParams(temperature=1.0, top_k=1, max_tokens=1, seed=0, logprobs=None)
+        body = build_generate_request([0], params, dialect=(0, 0, 0))
+        status, _ = await self._request("POST", GENERATE_PATH, json_body=body, pass_statuses=frozenset({400, 403, 404}))
+        return status not in (403, 404)
+
+    # ---------------------------------------------------------------------------------- generation
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> TurnOutput:
+        """Generate one turn from token ids. Uses /inference/v1/generate when the server has it,
+        else /v1/completions. `model` selects a LoRA adapter by name (default: the base model)."""
+        info = self.info or await self.detect()
+        if params.return_sampling_mask and not info.supports_sampling_mask:
+            raise ValueError(
+                f"candidate sets (top_k/top_p/min_p) need a server that returns sampling masks; {self.base_url} "
+                "does not: start vLLM >= 0.28 with --return-sampling-mask --enable-scale-out "
+                "(VLLM_USE_V2_MODEL_RUNNER=1 if it refuses the flag)"
+            )
+        if info.supports_sampling_mask and (params.temperature <= 0 or params.top_k <= 0):
+            raise ValueError(
+                f"the server runs with --return-sampling-mask, which rejects requests unless temperature > 0 and "
+                f"top_k > 0 (got temperature={params.temperature}, top_k={params.top_k}); set top_k (and "
+                "temperature > 0) or restart the server without --return-sampling-mask"
+            )
+        k = params.logprobs
+        if info.supports_generate:
+            body = build_generate_request(prompt_ids, params, dialect=info.dialect, request_id=request_id, model=model)
+            data = await self._post_json(GENERATE_PATH, body, retry_timeout=True)
+            out = parse_generate_response(data, num_top_logprobs=k)
+            if params.return_sampling_mask and out.sampling_mask is None:
+                raise ProtocolError(f"{GENERATE_PATH}: sampling masks were needed but the response has none")
+            return out
+        body = build_completions_request(
+            prompt_ids, params, model=model or info.model_name, max_model_len=info.max_model_len, request_id=request_id
+        )
+        data = await self._post_json(COMPLETIONS_PATH, body, retry_timeout=True)
+        out = parse_completions_response(data, num_top_logprobs=k)
+        if k and out.top_logprobs is None and not self._warned_top_logprobs:
+            self._warned_top_logprobs = True
+            logger.warning(
+                "/v1/completions keys top log-probs by token text, which cannot be mapped back to ids; top_logprobs "
+                "are unavailable (start vLLM with --enable-scale-out for the token-id route, or "
+                "--return-tokens-as-token-ids)"
+            )
+        return out
+
+    async def metrics(self) -> ServerMetrics | None:
+        """Parsed /metrics, or None when the server has no such route."""
+        status, text = await self._request("GET", "/metrics", pass_statuses=frozenset({404}))
+        return parse_metrics(text) if status == 200 else None
+
+    # ---------------------------------------------------------------------------------- RL control
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        """POST /pause; returns once the server reports the pause complete (`mode` keep|wait|abort)."""
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
+        params = {"mode": mode, "clear_cache": "true" if clear_cache else "false"}
+        expect_field(await self._post_json("/pause", params=params), "status", "paused", "/pause")
+
+    async def resume(self) -> None:
+        expect_field(await self._post_json("/resume"), "status", "resumed", "/resume")
+
+    async def is_paused(self) -> bool:
+        body = await self._get_json("/is_paused")
+        if not isinstance(body, dict) or not isinstance(body.get("is_paused"), bool):
+            raise ProtocolError(f"/is_paused: expected {{'is_paused': bool}}, got {body!r}")
+        return body["is_paused"]
+
+    async def get_world_size(self) -> int:
+        """Number of server workers (TP * PP * DP) that join the weight-transfer group."""
+        return parse_world_size(await self._get_json("/get_world_size", params={"include_dp": "true"}))
+
+    async def weight_info(self) -> str:
+        """The server's current weight version (`"default"` before any update)."""
+        body = await self._get_json("/weight_info")
+        if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
+            raise ProtocolError(f"/weight_info: expected {{'weight_version': str}}, got {body!r}")
+        return body["weight_version"]
+
+    # ---------------------------------------------------------------------------------- weight transfer
+
+    async def _weight_call(self, path: str, body: Any = None) -> dict[str, Any]:
+        reply = await self._post_json(path, body, retry_transient=False, retry_timeout=False)
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"{path}: expected a JSON object, got {reply!r}")
+        return reply
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Blocks until every server worker joined the transfer group (run it concurrently with the
+        trainer's own group init)."""
+        return await self._weight_call("/init_weight_transfer_engine", {"init_info": init_info})
+
+    async def start_weight_update(self) -> dict[str, Any]:
+        return await self._weight_call("/start_weight_update")
+
+    async def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Blocks until the workers received and loaded the tensors (run it concurrently with the
+        broadcast)."""
+        return await self._weight_call("/update_weights", {"update_info": update_info})
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> dict[str, Any]:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        return await self._weight_call("/finish_weight_update", body)
+
+    async def shutdown_weight_transfer_engine(self) -> dict[str, Any]:
+        """vLLM >= 0.33: tear down the transfer group (e.g. after a failed transfer) before re-init."""
+        return await self._weight_call("/shutdown_weight_transfer_engine")

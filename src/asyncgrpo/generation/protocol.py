@@ -1,0 +1,564 @@
+"""Request bodies and response parsers of the inference-server protocol (vLLM 0.33 and the embedded
+server), one section per endpoint. See `vllm-protocol.md`.
+
+Everything here is pure: dicts and strings in, frozen dataclasses out; no I/O, no logging. A body
+that lacks a field the client relies on raises `ProtocolError` naming the endpoint and the field.
+
+Conventions kept here so that callers never see wire quirks:
+- log-probs of -9999.0 (the server's stand-in for -inf/NaN) become `float("-inf")`;
+- `TurnOutput.top_logprobs` holds the server's top-K per token keyed by token id; the sampled token
+  is listed only when it is itself among the top K (the server sends it first in any case, and its
+  log-prob is already in `TurnOutput.logprobs`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+NEG_INF_SENTINEL = -9999.0
+"""vLLM sends -inf and NaN log-probs as this value (protocol 3.3)."""
+
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+class ProtocolError(ValueError):
+    """A server answered with a body that lacks what the protocol promises."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling parameters and turn output
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one generation request asks for. Every field is sent explicitly, so a server-side
+    generation config can never change the sampling distribution behind the trainer's back.
+
+    `top_k=0` disables top-k; `logprobs` is the number of top log-probs per token (0 = only the
+    sampled token's, None = none at all); `max_tokens=None` lets the server fill the context;
+    `return_sampling_mask` says the caller needs the per-token candidate sets, which only the
+    token-in/token-out route of a server started with `--return-sampling-mask` returns."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    logprobs: int | None = 0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_sampling_mask: bool = False
+
+    def to_vllm(self) -> dict[str, Any]:
+        """The `sampling_params` object of vLLM (also the sampling fields of /v1/completions)."""
+        out: dict[str, Any] = {
+            "temperature": float(self.temperature),
+            "top_k": int(self.top_k),
+            "top_p": float(self.top_p),
+            "min_p": float(self.min_p),
+            "repetition_penalty": float(self.repetition_penalty),
+        }
+        if self.max_tokens is not None:
+            out["max_tokens"] = int(self.max_tokens)
+        if self.min_tokens:
+            out["min_tokens"] = int(self.min_tokens)
+        if self.seed is not None:
+            out["seed"] = int(self.seed)
+        if self.logprobs is not None:
+            out["logprobs"] = int(self.logprobs)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens `[start, end)` were produced under weight version `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TurnOutput:
+    """One generated turn.
+
+    `logprobs[i]` is the processed log-prob of `token_ids[i]` (-inf when the server had none);
+    `top_logprobs[i]` maps token id -> log-prob for the server's top-K at position i (None when not
+    requested or not recoverable); `sampling_mask[i]` is the ascending list of token ids the sampler
+    could draw at position i (None when the server does not return masks)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    sampling_mask: list[list[int]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    weight_versions: list[VersionSpan] | None
+    request_id: str | None = None
+
+
+def _logprob(value: Any) -> float:
+    if value is None:
+        return -math.inf
+    value = float(value)
+    if value <= NEG_INF_SENTINEL or math.isnan(value):
+        return -math.inf
+    return value
+
+
+def _token_id_from_string(token: str, where: str) -> int:
+    if not token.startswith(_TOKEN_ID_PREFIX):
+        raise ProtocolError(f"{where}: token {token!r} is not of the form 'token_id:N'")
+    return int(token[len(_TOKEN_ID_PREFIX) :])
+
+
+def _entry_token_id(entry: dict[str, Any], where: str) -> int:
+    """vLLM >= 0.32 sends integer `token_id`; older generate routes send `"token": "token_id:N"`."""
+    if entry.get("token_id") is not None:
+        return int(entry["token_id"])
+    if isinstance(entry.get("token"), str):
+        return _token_id_from_string(entry["token"], where)
+    raise ProtocolError(f"{where}: log-prob entry has neither 'token_id' nor 'token': {entry!r}")
+
+
+def _top_k_only(items: list[tuple[int, float]], k: int) -> dict[int, float]:
+    """The engine lists the sampled token first, then the top k; it has k+1 entries exactly when
+    the sampled token is outside the top k, in which case the first entry is dropped."""
+    if len(items) > k:
+        items = items[1:]
+    return dict(items)
+
+
+def _parse_version_spans(raw: Any) -> list[VersionSpan] | None:
+    if raw is None:
+        return None
+    return [VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw]
+
+
+def _first_choice(body: dict[str, Any], path: str) -> dict[str, Any]:
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not choices:
+        raise ProtocolError(f"{path}: response has no choices: {json.dumps(body)[:300]}")
+    return choices[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# POST /inference/v1/generate
+# --------------------------------------------------------------------------------------------------
+
+
+def build_generate_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    dialect: tuple[int, int, int],
+    request_id: str | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """Body of the token-in/token-out route. `output_mode` exists from 0.32 on."""
+    body: dict[str, Any] = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": params.to_vllm()}
+    if dialect >= (0, 32, 0):
+        body["output_mode"] = "tokens"
+    if request_id is not None:
+        body["request_id"] = request_id
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def parse_generate_response(body: dict[str, Any], *, num_top_logprobs: int | None) -> TurnOutput:
+    """Parse a non-streaming generate response (first choice). `num_top_logprobs` is the request's
+    `logprobs` value (None when log-probs were not requested)."""
+    choice = _first_choice(body, GENERATE_PATH)
+    if choice.get("token_ids") is None:
+        raise ProtocolError(f"{GENERATE_PATH}: choice has no 'token_ids'")
+    token_ids = [int(t) for t in choice["token_ids"]]
+    logprobs: list[float] | None = None
+    top: list[dict[int, float]] | None = None
+    raw = choice.get("logprobs")
+    if num_top_logprobs is not None:
+        if raw is None or raw.get("content") is None:
+            raise ProtocolError(f"{GENERATE_PATH}: log-probs were requested but the choice has none")
+        content = raw["content"]
+        if len(content) != len(token_ids):
+            raise ProtocolError(
+                f"{GENERATE_PATH}: {len(content)} log-prob entries for {len(token_ids)} tokens"
+            )
+        logprobs = [_logprob(e.get("logprob")) for e in content]
+        if num_top_logprobs > 0:
+            top = []
+            for i, entry in enumerate(content):
+                where = f"{GENERATE_PATH} token {i}"
+                items = [(_entry_token_id(t, where), _logprob(t.get("logprob"))) for t in entry.get("top_logprobs") or []]
+                top.append(_top_k_only(items, num_top_logprobs))
+    mask = choice.get("sampling_mask")
+    return TurnOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        sampling_mask=[[int(t) for t in row] for row in mask] if mask is not None else None,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        weight_versions=_parse_version_spans(choice.get("weight_versions")),
+        request_id=body.get("request_id"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# POST /v1/completions (fallback when the generate route is off)
+# --------------------------------------------------------------------------------------------------
+
+
+def build_completions_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    model: str,
+    max_model_len: int | None,
+    request_id: str | None = None,
+) -> dict[str, Any]:
+    """Body of /v1/completions with a token-id prompt. Its default `max_tokens` is 16, so an unset
+    `max_tokens` becomes the remaining context (`max_model_len - len(prompt)`) when known."""
+    body: dict[str, Any] = {"model": model, "prompt": [int(t) for t in prompt_ids], **params.to_vllm()}
+    if params.max_tokens is None and max_model_len is not None:
+        body["max_tokens"] = max(max_model_len - len(prompt_ids), 1)
+    body["return_token_ids"] = True
+    body["return_tokens_as_token_ids"] = True
+    body["return_weight_versions"] = True
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def parse_completions_response(body: dict[str, Any], *, num_top_logprobs: int | None) -> TurnOutput:
+    """Parse /v1/completions (first choice). Token ids come from `token_ids`, or from
+    `"token_id:N"` token strings. Top log-probs are keyed by token strings there; they are mapped
+    back only when every key has the `"token_id:N"` form, else `top_logprobs` is None."""
+    path = COMPLETIONS_PATH
+    choice = _first_choice(body, path)
+    raw = choice.get("logprobs")
+    if choice.get("token_ids") is not None:
+        token_ids = [int(t) for t in choice["token_ids"]]
+    elif raw is not None and raw.get("tokens") is not None:
+        token_ids = [_token_id_from_string(t, f"{path} tokens") for t in raw["tokens"]]
+    else:
+        raise ProtocolError(f"{path}: no 'token_ids' in the choice; the server needs vLLM's return_token_ids")
+    logprobs: list[float] | None = None
+    top: list[dict[int, float]] | None = None
+    if num_top_logprobs is not None:
+        if raw is None or raw.get("token_logprobs") is None:
+            raise ProtocolError(f"{path}: log-probs were requested but the choice has none")
+        if len(raw["token_logprobs"]) != len(token_ids):
+            raise ProtocolError(f"{path}: {len(raw['token_logprobs'])} log-probs for {len(token_ids)} tokens")
+        logprobs = [_logprob(v) for v in raw["token_logprobs"]]
+        tops = raw.get("top_logprobs")
+        if num_top_logprobs > 0 and tops is not None:
+            keys_are_ids = all(k.startswith(_TOKEN_ID_PREFIX) for d in tops if d for k in d)
+            if keys_are_ids:
+                top = []
+                for d in tops:
+                    items = [(_token_id_from_string(k, path), _logprob(v)) for k, v in (d or {}).items()]
+                    top.append(_top_k_only(items, num_top_logprobs))
+    return TurnOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        sampling_mask=None,
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason"),
+        weight_versions=_parse_version_spans(choice.get("weight_versions")),
+        request_id=body.get("id"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Server description: /version, /v1/models, /server_info, /get_world_size
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_version(body: dict[str, Any]) -> tuple[str, tuple[int, int, int]]:
+    """`{"version": "0.33.0"}` -> ("0.33.0", (0, 33, 0)); suffixes such as `+embedded` are kept in
+    the string and ignored in the tuple."""
+    version = str(body.get("version", "")) if isinstance(body, dict) else ""
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ProtocolError(f"/version: cannot read a version from {body!r}")
+    return version, (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+
+
+def parse_models(body: dict[str, Any]) -> tuple[str, int | None]:
+    """The base model card (the first without a `parent`): its id and `max_model_len`."""
+    cards = body.get("data") if isinstance(body, dict) else None
+    if not cards:
+        raise ProtocolError(f"/v1/models: no model cards in {json.dumps(body)[:300]}")
+    base = next((c for c in cards if not c.get("parent")), cards[0])
+    mml = base.get("max_model_len")
+    return str(base["id"]), int(mml) if mml is not None else None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The parts of `/server_info?config_format=json` the trainer uses."""
+
+    max_model_len: int | None
+    dtype: str | None
+    logprobs_mode: str | None
+    return_sampling_mask: bool
+    kv_cache_tokens: int | None
+
+
+def parse_server_info(body: dict[str, Any]) -> ServerConfig:
+    """dtype is returned as a torch attribute name (`"torch.bfloat16"` -> `"bfloat16"`); the KV cache
+    size is `kv_cache_size_tokens`, else `num_gpu_blocks * block_size`."""
+    config = body.get("vllm_config") if isinstance(body, dict) else None
+    if not isinstance(config, dict):
+        raise ProtocolError("/server_info: no 'vllm_config' object (ask with ?config_format=json)")
+    model = config.get("model_config") or {}
+    cache = config.get("cache_config") or {}
+    dtype = model.get("dtype")
+    if isinstance(dtype, str) and dtype.startswith("torch."):
+        dtype = dtype[len("torch.") :]
+    kv_tokens = cache.get("kv_cache_size_tokens")
+    if kv_tokens is None and cache.get("num_gpu_blocks") and cache.get("block_size"):
+        kv_tokens = int(cache["num_gpu_blocks"]) * int(cache["block_size"])
+    mml = model.get("max_model_len")
+    return ServerConfig(
+        max_model_len=int(mml) if mml is not None else None,
+        dtype=dtype,
+        logprobs_mode=model.get("logprobs_mode"),
+        return_sampling_mask=bool(model.get("return_sampling_mask", False)),
+        kv_cache_tokens=int(kv_tokens) if kv_tokens is not None else None,
+    )
+
+
+def parse_world_size(body: dict[str, Any]) -> int:
+    if not isinstance(body, dict) or not isinstance(body.get("world_size"), int) or body["world_size"] < 1:
+        raise ProtocolError(f"/get_world_size: expected {{'world_size': int >= 1}}, got {body!r}")
+    return body["world_size"]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What `GenerationClient.detect()` learned about the server."""
+
+    version: str
+    dialect: tuple[int, int, int]
+    model_name: str
+    max_model_len: int | None
+    dtype: str | None
+    logprobs_mode: str | None
+    supports_generate: bool
+    supports_sampling_mask: bool
+    has_metrics: bool
+    kv_cache_tokens: int | None
+    world_size: int | None
+    dev_mode: bool = field(default=False)
+    """True when the RL/dev routes (`/server_info`, `/pause`, weight transfer) answered."""
+
+
+# --------------------------------------------------------------------------------------------------
+# GET /metrics
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """Load of the server. Counts are summed over `engine` labels; the KV-cache usage is the maximum
+    over engines (a fraction 0..1). A series the server does not export is None."""
+
+    kv_cache_usage_frac: float | None
+    num_requests_running: float | None
+    num_requests_waiting: float | None
+    num_preemptions: float | None
+
+
+_METRIC_SUMS = {
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:num_preemptions_total": "num_preemptions",
+}
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    values: dict[str, float] = {}
+    kv: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:kv_cache_usage_perc":
+                kv = sample.value if kv is None else max(kv, sample.value)
+            elif sample.name in _METRIC_SUMS:
+                key = _METRIC_SUMS[sample.name]
+                values[key] = values.get(key, 0.0) + sample.value
+    return ServerMetrics(
+        kv_cache_usage_frac=kv,
+        num_requests_running=values.get("num_requests_running"),
+        num_requests_waiting=values.get("num_requests_waiting"),
+        num_preemptions=values.get("num_preemptions"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors and simple control replies
+# --------------------------------------------------------------------------------------------------
+
+
+def error_message(text: str) -> str:
+    """The human message of an error body: ErrorResponse `{"error": {"message": ...}}`, the pause
+    routes' `{"error": "..."}`, FastAPI's `{"detail": ...}`, or the raw text."""
+    try:
+        body = json.loads(text)
+    except (ValueError, TypeError):
+        return text.strip()[:2000]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message") is not None:
+            message = str(err["message"])
+            return message if message else f"{err.get('type', 'error')} (empty message)"
+        if isinstance(err, str):
+            return err
+        if "detail" in body:
+            return str(body["detail"])
+        if "message" in body:
+            return str(body["message"])
+    return text.strip()[:2000]
+
+
+def expect_field(body: Any, key: str, expected: Any, path: str) -> None:
+    """Check a control route's reply, e.g. `{"status": "paused"}`."""
+    if not isinstance(body, dict) or body.get(key) != expected:
+        raise ProtocolError(f"{path}: expected {{{key!r}: {expected!r}}}, got {body!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# POST /init_weight_transfer_engine
+# --------------------------------------------------------------------------------------------------
+
+NCCL_UNIQUE_ID_BYTES = 128
+_INIT_KEYS_COMMON = {"rank_offset", "world_size", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+_INIT_KEYS_NCCL = _INIT_KEYS_COMMON | {"nccl_unique_id_b64", "master_address", "master_port"}
+_INIT_KEYS_GLOO = _INIT_KEYS_COMMON | {"backend", "master_address", "master_port"}
+
+
+@dataclass(frozen=True)
+class TransferInit:
+    """The `init_info` of a weight-transfer group (protocol 5.1). The trainer is rank 0; server
+    workers are `rank_offset + i`.
+
+    backend "nccl": UID rendezvous (`nccl_unique_id`, vLLM >= 0.30).
+    backend "gloo": the embedded server on CPU; a TCPStore hosted by the trainer at
+    `master_address:master_port`, init_info `{"backend": "gloo", "master_address", "master_port",
+    "rank_offset", "world_size", "packed", "packed_buffer_size_bytes"}`."""
+
+    backend: str
+    world_size: int
+    rank_offset: int = 1
+    packed: bool = True
+    buffer_size_bytes: int = 1 << 30
+    num_buffers: int = 2
+    nccl_unique_id: bytes | None = None
+    master_address: str | None = None
+    master_port: int | None = None
+
+    def to_init_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if self.backend == "nccl":
+            assert self.nccl_unique_id is not None and len(self.nccl_unique_id) == NCCL_UNIQUE_ID_BYTES
+            info["nccl_unique_id_b64"] = base64.b64encode(self.nccl_unique_id).decode("ascii")
+        else:
+            assert self.backend == "gloo" and self.master_address and self.master_port
+            info.update(backend="gloo", master_address=self.master_address, master_port=self.master_port)
+        info.update(rank_offset=self.rank_offset, world_size=self.world_size, packed=self.packed)
+        if self.packed:
+            info["packed_buffer_size_bytes"] = self.buffer_size_bytes
+            if self.backend == "nccl":
+                info["packed_num_buffers"] = self.num_buffers
+        return info
+
+    @classmethod
+    def from_init_info(cls, info: Any) -> TransferInit:
+        """Validate an `init_info` body; errors are `ValueError("Invalid init_info: ...")`."""
+
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"Invalid init_info: {msg}")
+
+        if not isinstance(info, dict):
+            raise bad(f"expected an object, got {type(info).__name__}")
+        if info.get("backend") == "gloo":
+            backend, allowed = "gloo", _INIT_KEYS_GLOO
+        elif "backend" in info:
+            raise bad(f"'backend' must be 'gloo' when present, got {info['backend']!r}")
+        else:
+            backend, allowed = "nccl", _INIT_KEYS_NCCL
+        unknown = sorted(set(info) - allowed)
+        if unknown:
+            raise bad(f"unknown key(s) {unknown} for backend {backend!r}; allowed: {sorted(allowed)}")
+
+        def integer(key: str, minimum: int, default: int | None = None) -> int:
+            value = info.get(key, default)
+            if value is None:
+                raise bad(f"missing '{key}'")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise bad(f"'{key}' must be an integer >= {minimum}, got {value!r}")
+            return value
+
+        world_size = integer("world_size", 2)
+        rank_offset = integer("rank_offset", 1)
+        if rank_offset >= world_size:
+            raise bad(f"'rank_offset' ({rank_offset}) must be smaller than 'world_size' ({world_size})")
+        packed = info.get("packed", False)
+        if not isinstance(packed, bool):
+            raise bad(f"'packed' must be a boolean, got {packed!r}")
+        buffer_size = integer("packed_buffer_size_bytes", 1, 1 << 30)
+        num_buffers = integer("packed_num_buffers", 1, 2)
+        uid = None
+        address = info.get("master_address")
+        port = info.get("master_port")
+        if backend == "nccl":
+            if "nccl_unique_id_b64" not in info:
+                raise bad(
+                    "'nccl_unique_id_b64' is required: this receiver has no TCP (master_address) rendezvous "
+                    "for NCCL, which needs vLLM on the trainer"
+                )
+            if address is not None or port is not None:
+                raise bad("give exactly one rendezvous: 'nccl_unique_id_b64' or 'master_address'/'master_port'")
+            try:
+                uid = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise bad(f"'nccl_unique_id_b64' is not standard base64: {exc}") from None
+            if len(uid) != NCCL_UNIQUE_ID_BYTES:
+                raise bad(f"'nccl_unique_id_b64' decodes to {len(uid)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+        else:
+            if not isinstance(address, str) or not address:
+                raise bad("'master_address' (the trainer's TCPStore host) is required for backend 'gloo'")
+            port = integer("master_port", 1)
+            if port > 65535:
+                raise bad(f"'master_port' must be <= 65535, got {port}")
+        return cls(
+            backend=backend,
+            world_size=world_size,
+            rank_offset=rank_offset,
+            packed=packed,
+            buffer_size_bytes=buffer_size,
+            num_buffers=num_buffers,
+            nccl_unique_id=uid,
+            master_address=address,
+            master_port=port,
+        )
