@@ -1,0 +1,438 @@
+"""`AsyncGRPOConfig`: every knob of asynchronous GRPO training, its default and its validation.
+
+One dataclass over `transformers.TrainingArguments`; a field is documented in the class docstring and
+in its `metadata["help"]` (shown by `HfArgumentParser`). `__post_init__` parses JSON-string dicts,
+resolves the defaults that differ from `TrainingArguments` and raises `ValueError` naming the field,
+its value and what to set instead. Components receive the values they use, not this object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+from transformers.trainer_utils import SchedulerType
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+_TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    r"""Configuration of `AsyncGRPOTrainer`.
+
+    Only the parameters specific to asynchronous GRPO are listed here; see `transformers.TrainingArguments`
+    for the rest. These `TrainingArguments` defaults differ:
+
+    - `logging_steps`: 1 instead of 500.
+    - `gradient_checkpointing`: True instead of False.
+    - `bf16`: True unless `fp16` is set, instead of False. Transformers refuses bf16 without a
+      bf16-capable accelerator unless `use_cpu=True`; in that case the default falls back to False
+      with a warning (CPU training with bf16 autocast: set `use_cpu=True`).
+    - `learning_rate`: 1e-6 instead of 5e-5.
+    - `lr_scheduler_type`: "constant" instead of "linear": the number of optimizer steps per epoch is
+      not known in advance when multi-turn rollouts fork into several samples. For a decaying rate,
+      set a schedule together with an explicit `max_steps`.
+    - `ignore_data_skip`: always True (a False value is overridden with a warning): the base Trainer's
+      skip-and-replay resume does not apply to a live rollout queue; `rollout_state.json` is used.
+    - `report_to`: "none".
+
+    Training length: `num_train_epochs` counts passes over the prompt dataset (distinct prompts
+    trained, however many samples their rollouts fork into); an explicit `max_steps > 0` becomes the
+    stop condition instead.
+
+    Parameters that control the model:
+        model_init_kwargs (`dict[str, Any]` or `str`, optional): Keyword arguments for
+            `from_pretrained` when the model is given as a path or id (a JSON string is parsed). Its
+            `revision` is also used to load the processing class.
+        dtype (`str`, defaults to "float32"): dtype the weights are loaded in: "auto", "bfloat16",
+            "float16" or "float32". float32 by default because the training-inference mismatch is
+            sensitive to the trainer's own precision. A `dtype` in `model_init_kwargs` wins.
+        trust_remote_code (`bool`, defaults to False): Allow models and tokenizers with custom code.
+        router_aux_loss_coef (`float`, optional): Weight of a Mixture-of-Experts model's load-balancing
+            loss added to the training loss. None: the model config's value; 0.0 disables it.
+
+    Parameters that control generation:
+        num_generations (`int`, defaults to 8): Rollouts sampled per prompt (the group size, >= 2).
+        max_completion_length (`int`, defaults to 2048): Maximum tokens generated per sampling request,
+            i.e. per turn of a multi-turn rollout.
+        temperature (`float`, defaults to 1.0): Sampling temperature (> 0).
+        top_p (`float`, defaults to 1.0): Nucleus sampling mass, in (0, 1]. Below 1.0, `top_k` must be
+            set too and the server must return candidate sets: the trainer renormalizes its
+            log-probabilities over the set each token was sampled from.
+        top_k (`int`, defaults to 0): Keep only the k most likely tokens; 0 disables top-k.
+        min_p (`float`, optional): Minimum token probability relative to the most likely token, in
+            [0, 1]. Above 0.0, `top_k` must be set too.
+        repetition_penalty (`float`, defaults to 1.0): Sampler repetition penalty (> 0; 1.0 is none).
+        chat_template_kwargs (`dict[str, Any]` or `str`, optional): Extra keyword arguments for
+            `apply_chat_template` when rendering prompts (a JSON string is parsed), e.g.
+            `{"enable_thinking": false}`.
+        max_tool_calling_iterations (`int`, optional): Maximum tool-calling turns of a rollout. None:
+            no limit, a rollout ends with the first assistant turn that calls no tool.
+
+    Parameters that control the inference server:
+        vllm_server_base_url (`str`, defaults to "http://localhost:8000"): Base URL of the vLLM (or
+            embedded) server used for generation.
+        vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
+            server at start-up, each generation request and each weight-sync call. Waiting and
+            weight-sync calls raise on timeout; a timed-out generation request is retried.
+
+    Parameters that control the loss:
+        epsilon (`float`, defaults to 0.2): Lower clipping bound: the trust region is
+            [1 - epsilon, 1 + epsilon_high]; in (0, 1).
+        epsilon_high (`float`, optional): Upper clipping bound; None uses `epsilon` (DAPO suggests 0.28).
+        score_centering (`bool`, defaults to True): Train with score centering (the importance-weighted
+            score of each sampled token minus its expectation under the sampler, over the sampler's
+            top `num_sampler_logprobs` tokens) instead of the clipped surrogate objective.
+        vllm_importance_sampling_clip_min (`float`, defaults to 0.5): Lower bound C_min of the
+            policy/sampler importance ratio; tokens outside [C_min, C_max] are masked from the loss.
+        vllm_importance_sampling_clip_max (`float`, defaults to 5.0): Upper bound C_max of that ratio.
+        num_sampler_logprobs (`int`, defaults to 8): Top log-probabilities requested from the sampler
+            per generated token, used by score centering (the server's `--max-logprobs` caps it).
+        token_budget (`int`, optional): Maximum unique tokens forwarded in one packed row (one forward
+            of one process); it also bounds the row's loss terms. None: the server's `max_model_len`.
+            A sample longer than this is dropped with a warning.
+
+    Parameters that control the asynchronous rollout pipeline:
+        max_concurrent_rollouts (`int`, defaults to 512): Upper bound of rollouts running at once (each
+            holds an environment, may run sync tools in a thread pool of this size and keeps a server
+            connection). Below it, the server's KV-cache usage and `max_staleness` decide.
+        max_staleness (`int`, defaults to 4): Weight updates a sample may lag behind the current model
+            version before it is dropped. Generation is held to it: a new group starts only while the
+            queued and in-flight tokens fit in what the trainer consumes in max(max_staleness, 1) steps.
+        weight_sync_steps (`int`, defaults to 1): Optimizer steps between weight syncs to the server.
+        rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
+            heartbeat after which the trainer considers it hung and fails.
+
+    Parameters that control logging:
+        log_completions (`bool`, defaults to False): Log a sample of (prompt, completion) pairs every
+            `logging_steps` steps.
+        num_completions_to_print (`int`, optional): How many completions `log_completions` prints;
+            None prints all of the logged sample.
+    """
+
+    # -- TrainingArguments fields with different defaults ------------------------------------------
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate (1e-6)."})
+    lr_scheduler_type: SchedulerType | str = field(
+        default="constant",
+        metadata={
+            "help": "Learning-rate schedule ('constant' by default: steps per epoch are unknown in advance; "
+            "use a decaying schedule only with an explicit max_steps)."
+        },
+    )
+    logging_steps: float = field(
+        default=1,
+        metadata={"help": "Log every X optimizer steps (an integer, or a ratio of total steps if < 1)."},
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Trade compute for memory. None (the default) means True.", "nargs": "?", "const": True},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Mixed precision in bf16. None (the default) means True unless fp16 is set; False with a "
+            "warning when no bf16-capable accelerator is found and use_cpu is False."
+        },
+    )
+    ignore_data_skip: bool = field(
+        default=True,
+        metadata={"help": "Always True: resuming uses rollout_state.json, not the Trainer's skip-and-replay."},
+    )
+    report_to: None | str | list[str] = field(
+        default="none",
+        metadata={"help": "Integrations to report logs to ('none' by default, 'all' for every installed one)."},
+    )
+
+    # -- model -------------------------------------------------------------------------------------
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for from_pretrained when the model is a path or id (JSON string ok)."},
+    )
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype the weights are loaded in: 'auto', 'bfloat16', 'float16' or 'float32' (default, the "
+            "training-inference mismatch is sensitive to the trainer's precision).",
+            "choices": list(DTYPES),
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow models and tokenizers with custom code."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of an MoE model's load-balancing loss; None uses the model config's value, 0.0 "
+            "disables it."
+        },
+    )
+
+    # -- generation --------------------------------------------------------------------------------
+    num_generations: int = field(default=8, metadata={"help": "Rollouts sampled per prompt (group size, >= 2)."})
+    max_completion_length: int = field(
+        default=2048, metadata={"help": "Maximum tokens generated per sampling request (per turn)."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "Nucleus sampling mass in (0, 1]; below 1.0 top_k must be set too."},
+    )
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens; 0 disables top-k."})
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Minimum probability relative to the most likely token, in [0, 1]; needs top_k > 0."},
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Sampler repetition penalty (> 0; 1.0 means none)."}
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for apply_chat_template (JSON string ok)."},
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Maximum tool-calling turns of a rollout; None means no limit."},
+    )
+
+    # -- inference server --------------------------------------------------------------------------
+    vllm_server_base_url: str = field(
+        default="http://localhost:8000",
+        metadata={"help": "Base URL of the vLLM (or embedded) server used for generation."},
+    )
+    vllm_server_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Seconds for server calls: start-up wait, each generation request (retried on timeout) "
+            "and each weight-sync call."
+        },
+    )
+
+    # -- loss --------------------------------------------------------------------------------------
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound (trust region 1 - epsilon)."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping bound; None uses epsilon (DAPO suggests 0.28)."}
+    )
+    score_centering: bool = field(
+        default=True,
+        metadata={
+            "help": "Train with score centering (importance-weighted score minus its expectation under the "
+            "sampler's top tokens) instead of the clipped surrogate."
+        },
+    )
+    vllm_importance_sampling_clip_min: float = field(
+        default=0.5,
+        metadata={"help": "Lower bound of the policy/sampler importance ratio; tokens outside are masked."},
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=5.0, metadata={"help": "Upper bound of the policy/sampler importance ratio."}
+    )
+    num_sampler_logprobs: int = field(
+        default=8,
+        metadata={"help": "Top log-probabilities requested from the sampler per token (score centering)."},
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Maximum unique tokens per packed row; None uses the server's max_model_len."},
+    )
+
+    # -- asynchronous rollout pipeline -------------------------------------------------------------
+    max_concurrent_rollouts: int = field(
+        default=512, metadata={"help": "Upper bound of rollouts running at once."}
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "Weight updates a sample may lag behind before it is dropped; generation is held to "
+            "max(max_staleness, 1) steps' worth of tokens ahead of training."
+        },
+    )
+    weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
+    rollout_worker_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds without a rollout-process heartbeat before the trainer fails."},
+    )
+
+    # -- logging -----------------------------------------------------------------------------------
+    log_completions: bool = field(
+        default=False, metadata={"help": "Log a sample of (prompt, completion) pairs every logging_steps."}
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "How many completions log_completions prints; None prints all."}
+    )
+
+    def __post_init__(self) -> None:
+        _reject_unsupported(self)
+        _resolve_defaults(self)
+        self.model_init_kwargs = _parse_dict("model_init_kwargs", self.model_init_kwargs)
+        self.chat_template_kwargs = _parse_dict("chat_template_kwargs", self.chat_template_kwargs)
+        super().__post_init__()
+        _validate(self)
+
+
+def _parse_dict(name: str, value: Any) -> dict[str, Any] | None:
+    """A dict field given as a JSON string (command line) -> dict."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{name}={value!r} is not valid JSON ({exc.msg}); pass a dict or a JSON object string such "
+                f"as '{{\"enable_thinking\": false}}'"
+            ) from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(f"{name} must be a dict (or a JSON object string), got {type(value).__name__} {value!r}")
+
+
+def _parallel_size(config: Any, name: str) -> int:
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+    return int(value or 1)
+
+
+def _reject_unsupported(args: AsyncGRPOConfig) -> None:
+    """Settings the trainer cannot honour; checked before TrainingArguments acts on them."""
+    if args.deepspeed:
+        raise ValueError(
+            f"deepspeed={args.deepspeed!r}: DeepSpeed is not supported by AsyncGRPOTrainer; remove it and "
+            f"shard with FSDP2 instead (fsdp='full_shard', fsdp_config={{'fsdp_version': 2}})"
+        )
+    if args.parallelism_config is not None:
+        for name in ("cp_size", "sp_size"):
+            size = _parallel_size(args.parallelism_config, name)
+            if size > 1:
+                raise ValueError(
+                    f"parallelism_config.{name}={size}: context and sequence parallelism are not supported "
+                    f"(packed rows are trees); set {name}=1"
+                )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported: the loss needs full per-token log-probabilities; "
+            "set use_liger_kernel=False"
+        )
+
+
+def _bf16_supported(args: AsyncGRPOConfig) -> bool:
+    """Whether TrainingArguments accepts bf16=True here (the same test it applies)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return bool(args.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def _resolve_defaults(args: AsyncGRPOConfig) -> None:
+    if args.bf16 is None:
+        if args.fp16:
+            args.bf16 = False
+        elif _bf16_supported(args):
+            args.bf16 = True
+        else:
+            args.bf16 = False
+            logger.warning(
+                "bf16 defaults to True, but no bf16-capable accelerator was found and use_cpu=False, which "
+                "transformers refuses; using bf16=False. Set use_cpu=True for CPU training with bf16 "
+                "autocast, or bf16=False to silence this warning."
+            )
+    if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:  # newer transformers: the new name
+        if args.activation_checkpointing is None and args.gradient_checkpointing is None:
+            args.activation_checkpointing = True
+    elif args.gradient_checkpointing is None:
+        args.gradient_checkpointing = True
+    if not args.ignore_data_skip:
+        logger.warning(
+            "ignore_data_skip=False has no effect: AsyncGRPOTrainer resumes from rollout_state.json, not by "
+            "replaying batches; using ignore_data_skip=True."
+        )
+        args.ignore_data_skip = True
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _validate(args: AsyncGRPOConfig) -> None:  # noqa: C901 - a flat list of independent checks
+    _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
+    _require(
+        args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
+        f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",
+    )
+    _require(
+        args.num_generations >= 2,
+        f"num_generations={args.num_generations}: a group needs at least 2 rollouts to compute an advantage "
+        f"(advantages are standardised within the group); set num_generations >= 2",
+    )
+    _require(args.max_completion_length >= 1, f"max_completion_length={args.max_completion_length} must be >= 1")
+    _require(
+        args.temperature > 0,
+        f"temperature={args.temperature} must be > 0: importance ratios compare the trainer's probabilities "
+        f"with the sampler's sampling distribution, which greedy decoding (temperature 0) does not have; use "
+        f"a positive temperature such as 1.0",
+    )
+    _require(0 < args.top_p <= 1, f"top_p={args.top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
+    _require(args.top_k >= 0, f"top_k={args.top_k} must be >= 0; use 0 (not -1) to disable top-k")
+    _require(
+        args.min_p is None or 0 <= args.min_p <= 1, f"min_p={args.min_p} must be in [0, 1], or None to disable it"
+    )
+    truncation = [f"top_p={args.top_p}"] if args.top_p < 1 else []
+    truncation += [f"min_p={args.min_p}"] if args.min_p else []
+    _require(
+        not truncation or args.top_k > 0,
+        f"{' and '.join(truncation)} needs top_k > 0 (got top_k={args.top_k}): the trainer renormalizes over the "
+        f"sampler's candidate set, which is only bounded with top-k; set top_k (e.g. 50) as well",
+    )
+    _require(args.repetition_penalty > 0, f"repetition_penalty={args.repetition_penalty} must be > 0 (1.0 is none)")
+    _require(
+        args.max_tool_calling_iterations is None or args.max_tool_calling_iterations >= 0,
+        f"max_tool_calling_iterations={args.max_tool_calling_iterations} must be >= 0, or None for no limit",
+    )
+    _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
+    _require(
+        0 < args.epsilon < 1,
+        f"epsilon={args.epsilon} must be in (0, 1) so that the trust region [1 - epsilon, 1 + epsilon_high] is "
+        f"non-empty and positive",
+    )
+    _require(
+        args.epsilon_high is None or args.epsilon_high > 0,
+        f"epsilon_high={args.epsilon_high} must be > 0, or None to use epsilon={args.epsilon}",
+    )
+    c_min, c_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    _require(
+        0 <= c_min < 1 < c_max,
+        f"vllm_importance_sampling_clip_min={c_min} and vllm_importance_sampling_clip_max={c_max} must satisfy "
+        f"0 <= clip_min < 1 < clip_max: tokens whose ratio falls outside are masked, so an on-policy ratio "
+        f"of 1 must be inside (defaults: 0.5 and 5.0)",
+    )
+    _require(args.num_sampler_logprobs >= 0, f"num_sampler_logprobs={args.num_sampler_logprobs} must be >= 0")
+    if args.score_centering and args.num_sampler_logprobs == 0:
+        logger.warning(
+            "score_centering=True with num_sampler_logprobs=0: the expectation is taken over no token, so "
+            "score centering does nothing; set num_sampler_logprobs >= 1 or score_centering=False."
+        )
+    _require(
+        args.token_budget is None or args.token_budget >= 1,
+        f"token_budget={args.token_budget} must be >= 1, or None to use the server's max_model_len",
+    )
+    _require(
+        args.max_concurrent_rollouts >= 1, f"max_concurrent_rollouts={args.max_concurrent_rollouts} must be >= 1"
+    )
+    _require(
+        args.max_staleness >= 0,
+        f"max_staleness={args.max_staleness} must be >= 0 (0 trains only samples of the current weights)",
+    )
+    _require(args.weight_sync_steps >= 1, f"weight_sync_steps={args.weight_sync_steps} must be >= 1")
+    _require(
+        args.rollout_worker_timeout > 0,
+        f"rollout_worker_timeout={args.rollout_worker_timeout} must be > 0 seconds",
+    )
+    _require(
+        args.num_completions_to_print is None or args.num_completions_to_print >= 0,
+        f"num_completions_to_print={args.num_completions_to_print} must be >= 0, or None to print all",
+    )
