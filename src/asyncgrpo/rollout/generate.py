@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import inspect
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
+
+from asyncgrpo import metrics as M
+from asyncgrpo.rollout.reconcile import ReconciledRollout
+from asyncgrpo.types import Rollout, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +134,7 @@ def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
 
 async def call_maybe_async(fn: Callable, executor: Executor, *args: Any, **kwargs: Any) -> Any:
     """Await `fn(*args, **kwargs)` if it is a coroutine function, else run it in `executor`."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(*args, **kwargs)
     loop = asyncio.get_running_loop()
     result = await loop.run_in_executor(executor, functools.partial(fn, *args, **kwargs))
@@ -229,3 +234,139 @@ def apply_reset_output(prompt: list[dict[str, Any]], output: Any) -> list[dict[s
             return messages
     messages.append({"role": "user", "content": output})
     return messages
+
+
+# -- the default generate_one ---------------------------------------------------------------------
+
+
+def request_seed(base_seed: int, position: int, rollout_index: int, turn_index: int) -> int:
+    """A per-request sampling seed in [0, 2**63): unique per (run seed, prompt position, rollout, turn).
+
+    Data-parallel servers would otherwise decode identical text for a group (see duplicate_frac).
+    """
+    key = f"{base_seed}:{position}:{rollout_index}:{turn_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+async def run_tool_loop(
+    prompt: list[dict[str, Any]],
+    tools: list[Callable],
+    *,
+    generate_turn: Callable[[list[int]], Awaitable[TurnRecord]],
+    tokenizer: Any,
+    eos_token_ids: list[int],
+    chat_template_kwargs: dict[str, Any],
+    max_iterations: int | None,
+    executor: Executor,
+    record: Callable[[M.MetricRecord], None],
+) -> Rollout:
+    """The multi-turn tool loop of `AsyncRolloutLoop.generate_one`.
+
+    Each turn renders the whole conversation, samples with `generate_turn` and runs the tool calls
+    of the answer in order; it stops at an answer without calls, or when `max_iterations` tool-calling
+    turns ran and the model still calls tools (`tools/loop_exhausted_frac`). Without tools: one turn.
+    """
+    messages = [dict(m) for m in prompt]
+    completion: list[dict[str, Any]] = []
+    completion_ids: list[int] = []
+    turns: list[TurnRecord] = []
+    tools_by_name = {tool_name(t): t for t in tools}
+    num_calls = num_failures = iterations = 0
+    exhausted = False
+    while True:
+        turn = await generate_turn(render_prompt_ids(tokenizer, messages, tools, chat_template_kwargs))
+        turns.append(turn)
+        completion_ids.extend(turn.output_ids)
+        text = decode_output(tokenizer, turn.output_ids, eos_token_ids)
+        content, calls = parse_tool_calls(text) if tools else (text, [])
+        message = assistant_message(content, calls)
+        messages.append(message)
+        completion.append(message)
+        if not calls:
+            break
+        if max_iterations is not None and iterations >= max_iterations:
+            exhausted = True
+            break
+        iterations += 1
+        record(M.metric(M.TOOLS_PARALLEL_CALLS_MEAN, len(calls)))
+        for call in calls:  # in the order the model wrote them
+            result = await execute_tool_call(call, tools_by_name, executor)
+            num_calls += 1
+            num_failures += int(result.failed)
+            for rec in tool_result_records(result):
+                record(rec)
+            messages.append(tool_message(result))
+            completion.append(tool_message(result))
+    if tools:
+        record(M.metric(M.TOOLS_LOOP_EXHAUSTED_FRAC, float(exhausted)))
+    return Rollout(
+        completion=completion,
+        completion_ids=completion_ids,
+        turns=turns,
+        tool_call_count=num_calls,
+        tool_failure_count=num_failures,
+    )
+
+
+def tool_result_records(result: ToolResult) -> list[M.MetricRecord]:
+    """tools/* records of one executed call."""
+    records = [
+        M.metric(M.TOOLS_LATENCY_S, result.latency_s),
+        M.metric(M.tool_latency_s(result.name), result.latency_s),
+        M.metric(M.tool_call_count(result.name), 1),
+        M.metric(M.tool_failure_count(result.name), int(result.failed)),
+    ]
+    if result.unknown_name:
+        records.append(M.metric(M.TOOLS_UNKNOWN_NAME_COUNT, 1))
+    return records
+
+
+def generation_records(
+    rollouts: Sequence[Rollout],
+    reconciled: Sequence[ReconciledRollout],
+    *,
+    eos_token_ids: Sequence[int],
+    has_tools: bool,
+    seconds: float,
+) -> list[M.MetricRecord]:
+    """completions/*, rollout/* and tools/* records of one generated group (before scoring).
+
+    Lengths count generated tokens only (tool results are not generated); a rollout is terminated
+    when its last turn ends with an EOS token; a duplicate repeats an earlier rollout of the group
+    token for token over all its turns. `seconds` is the span the generated-tokens rate covers.
+    """
+    eos = set(eos_token_ids)
+    records: list[M.MetricRecord] = []
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    generated = 0
+    for rollout, rec in zip(rollouts, reconciled, strict=True):
+        length = sum(len(t.output_ids) for t in rollout.turns)
+        generated += length
+        last = rollout.turns[-1].output_ids if rollout.turns else []
+        terminated = bool(last) and last[-1] in eos
+        names = [M.COMPLETIONS_MEAN_LENGTH, M.COMPLETIONS_MIN_LENGTH, M.COMPLETIONS_MAX_LENGTH]
+        if terminated:
+            names += [
+                M.COMPLETIONS_MEAN_TERMINATED_LENGTH,
+                M.COMPLETIONS_MIN_TERMINATED_LENGTH,
+                M.COMPLETIONS_MAX_TERMINATED_LENGTH,
+            ]
+        records += [M.metric(name, length) for name in names]
+        records.append(M.metric(M.COMPLETIONS_CLIPPED_RATIO, float(not terminated)))
+        key = tuple(tuple(t.output_ids) for t in rollout.turns)
+        records.append(M.metric(M.COMPLETIONS_DUPLICATE_FRAC, float(key in seen)))
+        seen.add(key)
+        records += [M.metric(M.ROLLOUT_TURNS_MEAN, len(rollout.turns)), M.metric(M.ROLLOUT_TURNS_MAX, len(rollout.turns))]
+        records.append(M.metric(M.ROLLOUT_SAMPLES_PER_ROLLOUT, len(rec.sequences)))
+        for drift in rec.drift_tokens:  # one entry per turn transition; a fork always drifts
+            records += [
+                M.metric(M.ROLLOUT_FORK_FRAC, float(drift > 0)),
+                M.metric(M.ROLLOUT_DRIFT_TOKENS_MEAN, drift),
+                M.metric(M.ROLLOUT_DRIFT_TOKENS_MAX, drift),
+            ]
+        if has_tools:
+            records.append(M.metric(M.TOOLS_CALL_FREQUENCY, rollout.tool_call_count))
+            if rollout.tool_call_count:
+                records.append(M.ratio(M.TOOLS_FAILURE_FREQUENCY, rollout.tool_failure_count, rollout.tool_call_count))
+    records.append(M.rate(M.ROLLOUT_GENERATED_TOKENS_PER_S, generated, seconds))
+    return records

@@ -61,7 +61,7 @@ def check_picklable(obj: Any, what: str) -> None:
     try:
         pickle.dumps(obj)
     except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError
-        name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__name__
+        name = getattr(obj, "__name__", None) or type(obj).__name__
         raise TypeError(f"{what} ({name}) cannot be pickled: {exc}; {_PICKLE_ADVICE}.") from exc
 
 
@@ -238,8 +238,9 @@ class RolloutWorker:
                 "blocking reward function or tool. Raise rollout_worker_timeout if this is expected."
             )
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """Stop the child: set stop_event, join, then terminate, then kill. Returns its exit code."""
+    def stop(self, timeout: float = 30.0, *, terminate_timeout: float = 5.0) -> int | None:
+        """Stop the child: set stop_event and join up to `timeout` s, then SIGTERM and join up to
+        `terminate_timeout` s, then SIGKILL. Returns its exit code (negative: the signal that ended it)."""
         process = self._process
         if process is None:
             return None
@@ -247,11 +248,11 @@ class RolloutWorker:
         self.channel.stop_event.set()
         process.join(timeout)
         if process.is_alive():
-            logger.warning("Rollout process (pid %d) ignored the stop request for %.0f s; terminating", process.pid, timeout)
+            logger.warning("rollout process (pid %d) ignored the stop request for %.0f s; terminating it", process.pid, timeout)
             process.terminate()
-            process.join(5.0)
+            process.join(terminate_timeout)
         if process.is_alive():
-            logger.warning("Rollout process (pid %d) survived SIGTERM; killing", process.pid)
+            logger.warning("rollout process (pid %d) survived SIGTERM; killing it", process.pid)
             process.kill()
-            process.join(5.0)
+            process.join(10.0)
         return process.exitcode

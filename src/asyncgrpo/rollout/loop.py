@@ -1,0 +1,611 @@
+"""`AsyncRolloutLoop`: the asyncio side of the rollout process (constructed inside the spawned child).
+
+    prompts --filter_prompt--> dispatcher --admit (3 limits)--> group task: num_generations x rollout
+                                   ^                                 | generate_one -> generate_one_turn
+                                   | slot freed / allowance moved    v
+                              heartbeat (1 s)                  score queue (bounded: score_block_s)
+                              server poller (/metrics, 5 s)          |
+                              stop watcher (stop_event)              v
+                                                              scorer: rewards -> compute_advantages
+                                                                -> drop zero-std -> Samples
+                                                                -> channel.samples (+ GroupFinished)
+
+| task        | waits on                                        | unblocked by                        |
+|-------------|-------------------------------------------------|-------------------------------------|
+| dispatcher  | staleness (queued + in-flight tokens vs the     | trainer consuming (consumed_tokens, |
+|             | trainer's token_allowance), first group, the    | token_allowance), rollouts ending,  |
+|             | KV cap and max_concurrent_rollouts (per rollout)| the server poller moving the cap    |
+| group task  | the inference server; a full score queue        | the scorer                          |
+| scorer      | the score queue                                 | group tasks                         |
+
+Every wait polls with a short timeout so a stop request, a failed task or a value written by the
+trainer is seen within a fraction of a second. Any exception in any task stops the loop: `run()`
+cancels the others, runs `close()` and re-raises (the process shell reports it to the trainer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo import metrics as M
+from asyncgrpo.data.prompts import PromptItem, iter_prompts
+from asyncgrpo.packing.tree import Sample
+from asyncgrpo.rollout import advantages as adv
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
+from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
+from asyncgrpo.rollout.generate import (
+    EnvironmentPool,
+    apply_reset_output,
+    call_maybe_async,
+    environment_tools,
+    generation_records,
+    request_seed,
+    run_tool_loop,
+)
+from asyncgrpo.rollout.reconcile import reconcile_turns
+from asyncgrpo.rollout.rewards import reward_func_names, score_group
+from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05
+HEARTBEAT_S = 1.0
+SERVER_POLL_S = 5.0
+
+
+@dataclass
+class _RolloutContext:
+    """Per-rollout state that `generate_one_turn` reads without changing the hook's signature."""
+
+    position: int
+    rollout_index: int
+    num_turns: int = 0
+
+
+_CURRENT_ROLLOUT: contextvars.ContextVar[_RolloutContext | None] = contextvars.ContextVar(
+    "asyncgrpo_current_rollout", default=None
+)
+
+
+@dataclass
+class _Pending:
+    """A generated group waiting in the score queue."""
+
+    group: RolloutGroup
+    rollouts: list[Rollout]
+    position: int
+    num_tokens: int
+
+
+class AsyncRolloutLoop:
+    """Generates and scores rollouts for `AsyncGRPOTrainer`, in the spawned rollout process.
+
+    The default implements GRPO. Subclass it (at module level: it is pickled by reference), override
+    only the hooks that change and set the subclass as the trainer's `loop_cls`. Each prompt goes
+    through `filter_prompt` -> `generate_one` (which calls `generate_one_turn` per sampling request)
+    -> the group's rewards (reward_funcs + environments' `get_reward` + `Rollout.reward`) ->
+    `compute_advantages`. `setup()` / `close()` run on the loop's event loop. Hooks may read
+    `self.config` and `self.tokenizer`.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model_name: str,
+        dataset: Any,
+        reward_funcs: list[Callable] | None,
+        processing_class: Any,
+        eos_token_ids: list[int],
+        channel: Any,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
+        score_queue_maxsize: int = 16,
+        lora_name: str | None = None,
+        dataset_start_index: int = 0,
+    ) -> None:
+        if dataset is None and environment_factory is None:
+            raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() returns the prompt")
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs or [])
+        self.tokenizer = processing_class
+        self.processing_class = processing_class
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.channel = channel
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.score_queue_maxsize = score_queue_maxsize
+        self.lora_name = lora_name
+        self.dataset_start_index = dataset_start_index
+        self.num_generations = int(config.num_generations)
+        self.max_concurrent_rollouts = int(config.max_concurrent_rollouts)
+        self._environments = EnvironmentPool.from_argument(environment_factory)
+        self._has_tools = bool(self.tools) or self._environments is not None
+        # runtime state, created in run() on the loop's own event loop
+        self._executor: ThreadPoolExecutor | None = None
+        self._client: Any = None
+        self._server_info: Any = None
+        self._server_lock: asyncio.Lock | None = None
+        self._score_queue: asyncio.Queue[_Pending] | None = None
+        self._failure: asyncio.Future | None = None
+        self._group_tasks: set[asyncio.Task] = set()
+        self._in_flight = 0  # rollouts started and not finished
+        self._pending_tokens = 0  # tokens of generated groups not yet queued (or dropped)
+        self._produced_tokens = 0  # tokens of every sample put on channel.samples
+        self._tokens_per_rollout: float | None = None  # running estimate, known once a group finished
+        self._num_groups_generating = 0
+        self._groups_generated = 0
+        self._reward_names = reward_func_names(self.reward_funcs)
+        self._kv_cap: ConcurrencyCap | None = None
+        self._warned_candidates = False
+        self._next_group_id = 0
+        self._rate_mark = time.perf_counter()  # start of the span the next generated-tokens rate covers
+        self._request_counter = 0
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for a prompt at all. Default: every prompt."""
+        return True
+
+    async def setup(self) -> None:
+        """Create what the other hooks need (e.g. an HTTP client), on the loop's event loop."""
+
+    async def close(self) -> None:
+        """Release what `setup()` created. Runs when the loops stop, failures included."""
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """One advantage per rollout: rewards standardised within the group, 0 for NaN rewards."""
+        return adv.compute_advantages(group.rewards)
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
+        """One rollout: the multi-turn tool loop (one turn when there are no tools)."""
+        return await run_tool_loop(
+            prompt,
+            tools,
+            generate_turn=self.generate_one_turn,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            chat_template_kwargs=dict(getattr(self.config, "chat_template_kwargs", None) or {}),
+            max_iterations=getattr(self.config, "max_tool_calling_iterations", None),
+            executor=self._executor,
+            record=self.channel.metrics.put,
+        )
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings and a unique seed."""
+        from asyncgrpo.generation.protocol import SamplingParams
+
+        client, info = await self._server()
+        config = self.config
+        context = _CURRENT_ROLLOUT.get()
+        if context is not None:
+            seed = request_seed(int(config.seed), context.position, context.rollout_index, context.num_turns)
+            context.num_turns += 1
+        else:  # called outside a rollout (e.g. by a custom hook): still never repeat a seed
+            self._request_counter += 1
+            seed = request_seed(int(config.seed), -1, self._request_counter, 0)
+        score_centering = bool(getattr(config, "score_centering", False))
+        params = SamplingParams(
+            temperature=float(config.temperature),
+            top_k=int(config.top_k or 0),
+            top_p=float(config.top_p),
+            min_p=float(config.min_p or 0.0),
+            max_tokens=int(config.max_completion_length),
+            seed=seed,
+            logprobs=int(config.num_sampler_logprobs) if score_centering else 0,
+            repetition_penalty=float(getattr(config, "repetition_penalty", 1.0) or 1.0),
+            stop_token_ids=tuple(self.eos_token_ids),
+            return_sampling_mask=self._wants_candidates(info),
+        )
+        out = await client.generate(list(prompt_ids), params, **self._model_kwargs())
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=list(out.token_ids),
+            output_log_probs=list(out.logprobs or []),
+            output_sampling_mask=out.sampling_mask if params.return_sampling_mask else None,
+            output_sampler_logprobs=out.top_logprobs if score_centering else None,
+        )
+
+    # -- run --------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until `channel.stop_event` is set (returns) or any task fails (raises)."""
+        loop = asyncio.get_running_loop()
+        self._failure = loop.create_future()
+        self._server_lock = asyncio.Lock()
+        self._score_queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._executor = ThreadPoolExecutor(self.max_concurrent_rollouts, thread_name_prefix="asyncgrpo-tool")
+        self._rate_mark = time.perf_counter()
+        background: list[asyncio.Task] = [self._spawn(self._heartbeat(), "heartbeat")]
+        try:
+            await self._until_stopped_or_failed(self._spawn(self.setup(), "setup"))
+            if self._stopping():
+                return
+            background.append(self._spawn(self._dispatch(), "dispatcher"))
+            background.append(self._spawn(self._score_forever(), "scorer"))
+            await self._until_stopped_or_failed(None)
+        finally:
+            await self._shutdown(background)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._failure is not None and not self._failure.done():
+            self._failure.set_exception(exc)
+
+    def _stopping(self) -> bool:
+        return self.channel.stop_event.is_set() or (self._failure is not None and self._failure.done())
+
+    async def _until_stopped_or_failed(self, task: asyncio.Task | None) -> None:
+        """Wait until `task` (if any) is done, the trainer asks to stop, or a task failed (raise)."""
+        while True:
+            if self._failure.done():
+                self._failure.result()  # raises the first task failure
+            if self.channel.stop_event.is_set() or (task is not None and task.done()):
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def _shutdown(self, background: list[asyncio.Task]) -> None:
+        tasks = [t for t in [*background, *self._group_tasks] if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10.0)
+        try:
+            await asyncio.wait_for(self.close(), timeout=60.0)
+        finally:
+            if self._client is not None:
+                await asyncio.wait_for(self._client.close(), timeout=10.0)
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.channel.heartbeat.value = time.time()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    # -- the server -------------------------------------------------------------------------------
+
+    async def _server(self) -> tuple[Any, Any]:
+        """The generation client and server info, created on first use (custom hooks may never call it)."""
+        if self._client is not None and self._server_info is not None:
+            return self._client, self._server_info
+        async with self._server_lock:
+            if self._server_info is None:
+                from asyncgrpo.generation.client import GenerationClient
+
+                timeout_s = float(self.config.vllm_server_timeout)
+                client = GenerationClient(
+                    self.config.vllm_server_base_url,
+                    timeout_s=timeout_s,
+                    on_retry=lambda: self._record(M.ROLLOUT_VLLM_RETRY_COUNT, 1),
+                )
+                self._client = client
+                await client.start()
+                await client.wait_until_ready(timeout_s)
+                self._server_info = await client.detect()
+                self._start_server_poller()
+        return self._client, self._server_info
+
+    def _model_kwargs(self) -> dict[str, Any]:
+        return {"model": self.lora_name} if self.lora_name else {}
+
+    def _wants_candidates(self, info: Any) -> bool:
+        config = self.config
+        truncated = int(config.top_k or 0) > 0 or float(config.top_p) < 1.0 or float(config.min_p or 0.0) > 0.0
+        if not truncated:
+            return False
+        if info.supports_sampling_mask:
+            return True
+        if not self._warned_candidates:
+            self._warned_candidates = True
+            logger.warning(
+                "top_k=%s / top_p=%s / min_p=%s truncate sampling, but the server at %s cannot return the "
+                "candidate sets (needs vLLM >= 0.28 with --return-sampling-mask --enable-scale-out): the trainer "
+                "normalises over the full vocabulary and importance ratios are biased",
+                config.top_k, config.top_p, config.min_p, config.vllm_server_base_url,
+            )
+        return False
+
+    def _start_server_poller(self) -> None:
+        info = self._server_info
+        self._kv_cap = ConcurrencyCap(
+            self.max_concurrent_rollouts,
+            kv_cache_tokens=info.kv_cache_tokens if info.has_metrics else None,
+            max_model_len=info.max_model_len,
+        )
+        self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
+        if self._kv_cap.adaptive:
+            self._spawn(self._poll_server_metrics(), "server-poller")
+
+    async def _poll_server_metrics(self) -> None:
+        last_preemptions: float | None = None
+        while True:
+            await asyncio.sleep(SERVER_POLL_S)
+            snapshot = await self._client.metrics()
+            if snapshot is None:
+                continue
+            self._record(M.ROLLOUT_VLLM_KV_CACHE_USAGE_FRAC, _nan(snapshot.kv_cache_usage_frac))
+            self._record(M.ROLLOUT_VLLM_RUNNING_REQUESTS, _nan(snapshot.num_requests_running))
+            self._record(M.ROLLOUT_VLLM_QUEUED_REQUESTS, _nan(snapshot.num_requests_waiting))
+            if snapshot.num_preemptions is not None:
+                if last_preemptions is not None:
+                    self._record(M.ROLLOUT_VLLM_PREEMPTION_COUNT, max(snapshot.num_preemptions - last_preemptions, 0))
+                last_preemptions = snapshot.num_preemptions
+            if snapshot.kv_cache_usage_frac is not None:
+                self._kv_cap.on_server_load(snapshot.kv_cache_usage_frac, int(snapshot.num_requests_waiting or 0))
+            self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
+            self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
+
+    def _concurrency_cap(self) -> int:
+        cap = self.max_concurrent_rollouts
+        if self._kv_cap is not None:
+            cap = min(cap, int(self._kv_cap.cap))
+        return max(cap, 1)
+
+    # -- admission and dispatch -------------------------------------------------------------------
+
+    def _queued_and_in_flight_tokens(self) -> float:
+        queued = self._produced_tokens - int(self.channel.consumed_tokens.value)
+        estimate = self._tokens_per_rollout or 0.0
+        return max(queued, 0) + self._pending_tokens + self._in_flight * estimate
+
+    def _blocker(self, num_rollouts: int) -> str | None:
+        """What keeps a group of `num_rollouts` from starting now (None: it may start)."""
+        if self._in_flight > 0 and self._in_flight + num_rollouts > self._concurrency_cap():
+            return "concurrency"
+        if not may_start_group(
+            held_tokens=math.ceil(self._queued_and_in_flight_tokens()),
+            allowance=int(self.channel.token_allowance.value),
+            groups_finished=self._groups_generated,
+            groups_in_flight=self._num_groups_generating,
+        ):
+            return "staleness" if self._groups_generated else "first group"
+        return None
+
+    async def _admit(self, num_rollouts: int) -> None:
+        """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`."""
+        backpressure_s = 0.0
+        while (blocker := self._blocker(num_rollouts)) is not None:
+            start = time.perf_counter()
+            await asyncio.sleep(POLL_S)
+            if blocker == "staleness":
+                backpressure_s += time.perf_counter() - start
+        if backpressure_s > 0:
+            self._record(M.ROLLOUT_BACKPRESSURE_S, backpressure_s)
+
+    def _prompt_stream(self) -> Iterator[PromptItem]:
+        """The prompt stream; without a dataset, an endless stream of empty rows for reset() to fill."""
+        if self.dataset is not None:
+            data_seed = getattr(self.config, "data_seed", None)
+            yield from iter_prompts(
+                self.dataset,
+                seed=int(self.config.seed if data_seed is None else data_seed),
+                start_position=self.dataset_start_index,
+                filter_prompt=self.filter_prompt,
+                prompt_required=self._environments is None,
+            )
+            return
+        for position in itertools.count(self.dataset_start_index):
+            yield PromptItem(position, 0, position, {}, bool(self.filter_prompt(position, {}, 0)))
+
+    async def _dispatch(self) -> None:
+        for item in self._prompt_stream():
+            if not item.accepted:
+                self._put_sample_item(GroupFinished(item.position, item.row_index, 0))
+                await asyncio.sleep(0)  # a long run of rejected prompts must not starve the heartbeat
+                continue
+            await self._admit(self.num_generations)
+            group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+            self._in_flight += self.num_generations
+            self._num_groups_generating += 1
+            self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
+            task = self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
+            self._group_tasks.add(task)
+            task.add_done_callback(self._group_tasks.discard)
+        raise RuntimeError("the prompt stream ended; the rollout process cycles through epochs until stopped")
+
+    # -- one group --------------------------------------------------------------------------------
+
+    async def _run_group(self, position: int, row_index: int, row: dict[str, Any], group_id: int) -> None:
+        model_version = int(self.channel.model_version.value)
+        prompt = list(row.get("prompt") or [])
+        reward_kwargs = {k: [v] * self.num_generations for k, v in row.items() if k != "prompt"}
+        try:
+            results = await asyncio.gather(
+                *(self._run_rollout(prompt, row, position, i, group_id) for i in range(self.num_generations))
+            )
+        finally:
+            self._num_groups_generating -= 1
+        self._groups_generated += 1
+        rollouts = [r for r, _, _ in results]
+        reconciled = [reconcile_turns(r.turns, r.rollout_id) for r in rollouts]
+        self._record_generation_metrics(rollouts, reconciled)
+        num_tokens = sum(len(s) for rec in reconciled for s in rec.sequences)
+        self._update_token_estimate(num_tokens / len(rollouts))
+        group = RolloutGroup.from_rollouts(
+            rollouts,
+            [rec.sequences for rec in reconciled],
+            prompt=prompt,
+            reward_kwargs=reward_kwargs,
+            model_version=model_version,
+            group_id=group_id,
+            row_index=row_index,
+            env_rewards=[env_reward for _, env_reward, _ in results],
+        )
+        group.prompts = [p for _, _, p in results]
+        self._pending_tokens += num_tokens
+        start = time.perf_counter()
+        group.queued_at = time.monotonic()
+        await self._score_queue.put(_Pending(group, rollouts, position, num_tokens))
+        self._record(M.ROLLOUT_SCORE_BLOCK_S, time.perf_counter() - start)
+        self._record(M.ROLLOUT_SCORE_QUEUE_SIZE, self._score_queue.qsize())
+
+    async def _run_rollout(
+        self, prompt: list[dict[str, Any]], row: dict[str, Any], position: int, index: int, group_id: int
+    ) -> tuple[Rollout, tuple[type, float] | None, list[dict[str, Any]]]:
+        """One rollout with its environment (if any); returns it, its env reward and its prompt."""
+        _CURRENT_ROLLOUT.set(_RolloutContext(position, index))
+        start = time.perf_counter()
+        try:
+            if self._environments is None:
+                rollout = await self.generate_one(prompt, list(self.tools), group_id)
+                return self._checked(rollout), None, prompt
+            name = self._environments.select(row)
+            env = self._environments.acquire(name)
+            try:
+                t0 = time.perf_counter()
+                reset_kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+                reset_output = await call_maybe_async(env.reset, self._executor, **reset_kwargs)
+                self._record(M.ENV_RESET_S, time.perf_counter() - t0)
+                env_prompt = apply_reset_output(prompt, reset_output)
+                rollout = self._checked(await self.generate_one(env_prompt, [*self.tools, *environment_tools(env)], group_id))
+                env_reward = None
+                if callable(getattr(env, "get_reward", None)):
+                    t0 = time.perf_counter()
+                    value = await call_maybe_async(env.get_reward, self._executor)
+                    self._record(M.ENV_REWARD_S, time.perf_counter() - t0)
+                    env_reward = (type(env), value)
+                return rollout, env_reward, env_prompt
+            finally:
+                self._environments.release(name, env)
+        finally:
+            self._in_flight -= 1
+            if self._kv_cap is not None:
+                self._kv_cap.on_rollout_finished()
+            self._record(M.ROLLOUT_DURATION_S, time.perf_counter() - start)
+
+    @staticmethod
+    def _checked(rollout: Any) -> Rollout:
+        if not isinstance(rollout, Rollout):
+            raise TypeError(f"generate_one must return an asyncgrpo.Rollout, got {type(rollout).__name__}")
+        return rollout
+
+    def _update_token_estimate(self, tokens_per_rollout: float) -> None:
+        if self._tokens_per_rollout is None:
+            self._tokens_per_rollout = float(tokens_per_rollout)
+        else:  # follow completions that grow or shrink over the run
+            self._tokens_per_rollout = 0.8 * self._tokens_per_rollout + 0.2 * float(tokens_per_rollout)
+
+    # -- scoring ----------------------------------------------------------------------------------
+
+    async def _score_forever(self) -> None:
+        while True:
+            try:
+                pending = await asyncio.wait_for(self._score_queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            self._record(M.ROLLOUT_SCORE_WAIT_S, time.monotonic() - pending.group.queued_at)
+            start = time.perf_counter()
+            try:
+                await self._score_group(pending)
+            finally:
+                self._pending_tokens -= pending.num_tokens
+            self._record(M.ROLLOUT_SCORE_S, time.perf_counter() - start)
+
+    async def _score_group(self, pending: _Pending) -> None:
+        group = pending.group
+        scores = await score_group(group, self.reward_funcs, self._reward_names)
+        group.rewards = np.asarray(scores.totals, dtype=np.float64)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        if advantages.shape != (len(group),):
+            raise ValueError(
+                f"compute_advantages returned shape {advantages.shape} for a group of {len(group)} rollouts; "
+                "return one advantage per rollout"
+            )
+        dropped = adv.is_zero_std(group.rewards)
+        self._record_reward_metrics(group, scores, dropped)
+        num_samples = 0
+        if not dropped:
+            num_samples = self._queue_samples(pending, advantages)
+        self._put_sample_item(GroupFinished(pending.position, group.row_index, num_samples))
+
+    def _queue_samples(self, pending: _Pending, advantages: np.ndarray) -> int:
+        group = pending.group
+        count = 0
+        for rollout, sequences, advantage in zip(pending.rollouts, group.completions_sequences, advantages):
+            for seq in sequences:
+                sample = Sample(
+                    token_ids=seq.token_ids,
+                    trained_mask=seq.trained_mask,
+                    sampler_logprobs=seq.sampler_log_probs,
+                    advantage=float(advantage),
+                    group_id=group.group_id,
+                    sampler_topk=_topk_pairs(seq.sampler_top_logprobs),
+                    candidate_sets=seq.sampling_candidates,
+                    model_version=group.model_version,
+                    rollout_id=rollout.rollout_id,
+                )
+                self._produced_tokens += len(seq.token_ids)
+                self._put_sample_item(
+                    QueuedSample(sample, pending.position, group.row_index, time.time(), seq.num_trained_tokens)
+                )
+                count += 1
+        return count
+
+    def _put_sample_item(self, item: Any) -> None:
+        self.channel.samples.put(item)
+
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def _record(self, name: str, value: float) -> None:
+        self.channel.metrics.put(M.metric(name, value))
+
+    def _record_generation_metrics(self, rollouts: list[Rollout], reconciled: list[Any]) -> None:
+        now = time.perf_counter()
+        records = generation_records(
+            rollouts, reconciled, eos_token_ids=self.eos_token_ids, has_tools=self._has_tools, seconds=now - self._rate_mark
+        )
+        self._rate_mark = now
+        for record in records:
+            self.channel.metrics.put(record)
+
+    def _record_reward_metrics(self, group: RolloutGroup, scores: Any, dropped: bool) -> None:
+        rewards = group.rewards
+        scored = rewards[~np.isnan(rewards)]
+        self._record(M.FRAC_REWARD_ZERO_STD, float(dropped))
+        for value in scored:
+            self._record(M.REWARD, value)
+            if not dropped:
+                self._record(M.REWARD_KEPT, value)
+            else:
+                self._record(M.REWARD_DROPPED, value)
+        if dropped:
+            return
+        num_samples = sum(len(s) for s in group.completions_sequences)
+        self.channel.metrics.put(M.metric(M.REWARD_GROUP_STD, adv.scored_std(rewards), weight=num_samples))
+        for name, per_rollout in scores.per_source.items():
+            for value, sequences in zip(per_rollout, group.completions_sequences):
+                if sequences and not math.isnan(value):
+                    self.channel.metrics.put(M.metric(M.reward_mean(name), value, weight=len(sequences)))
+            self.channel.metrics.put(M.metric(M.reward_group_std(name), adv.scored_std(per_rollout), weight=num_samples))
+
+
+def _topk_pairs(top: list[dict[int, float] | None] | None) -> list[tuple[tuple[int, float], ...] | None] | None:
+    """Per-token {token id: log-prob} dicts -> the ((id, log-prob), ...) form `Sample` takes."""
+    if top is None:
+        return None
+    return [None if entry is None else tuple(entry.items()) for entry in top]
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
