@@ -1,0 +1,125 @@
+"""How many rollouts may run: the server-load cap and the staleness token allowance (pure).
+
+Three limits decide whether the rollout loop starts more work:
+
+    1. staleness, in tokens   queued + in-flight tokens < allowance = max(max_staleness, 1) x tokens
+                              the trainer consumed in its last step (before the first step: every row
+                              full, num_processes x token_budget x gradient_accumulation_steps);
+                              until the first group finishes, one group at a time
+    2. server load            `ConcurrencyCap`, fed the server's KV-cache usage every poll:
+                              starts at kv_cache_tokens // max_model_len, +25 % at most once per `cap`
+                              finished rollouts while usage < 0.6 and nothing waits, -30 % when
+                              usage > 0.8; without /metrics it is fixed at max_concurrent_rollouts
+    3. resources              max_concurrent_rollouts, the user's upper bound for both
+
+Nothing here reads a clock or does I/O: the loop polls `/metrics` and calls these.
+"""
+
+from __future__ import annotations
+
+import math
+
+RAISE_BELOW_USAGE = 0.6
+CUT_ABOVE_USAGE = 0.8
+RAISE_FACTOR = 1.25
+CUT_FACTOR = 0.7
+
+
+def initial_cap(kv_cache_tokens: int, max_model_len: int, max_concurrent_rollouts: int) -> int:
+    """Requests that fit in the KV cache at full length, clipped to [1, max_concurrent_rollouts]."""
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    return min(max(kv_cache_tokens // max_model_len, 1), max_concurrent_rollouts)
+
+
+class ConcurrencyCap:
+    """Live cap on in-flight rollouts that follows the server's KV-cache usage.
+
+    Feed it `on_rollout_finished()` as rollouts finish and `on_server_load(...)` at every `/metrics`
+    poll; read `cap`. With `kv_cache_tokens=None` (no `/metrics`), the cap stays at
+    `max_concurrent_rollouts`.
+
+    Args:
+        max_concurrent_rollouts: Upper bound of the cap (>= 1).
+        kv_cache_tokens: The server's KV-cache capacity in tokens, or None without `/metrics`.
+        max_model_len: The server's maximum sequence length (prompt + completion).
+    """
+
+    def __init__(self, max_concurrent_rollouts: int, kv_cache_tokens: int | None, max_model_len: int | None) -> None:
+        if max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1, got {max_concurrent_rollouts}")
+        self.max_concurrent_rollouts = max_concurrent_rollouts
+        self.adaptive = kv_cache_tokens is not None and max_model_len is not None
+        if self.adaptive:
+            self.cap = initial_cap(kv_cache_tokens, max_model_len, max_concurrent_rollouts)
+        else:
+            self.cap = max_concurrent_rollouts
+        self.finished_since_change = 0
+
+    def disable(self) -> None:
+        """The server has no usable `/metrics`: fix the cap at `max_concurrent_rollouts`."""
+        self.adaptive = False
+        self.cap = self.max_concurrent_rollouts
+
+    def on_rollout_finished(self, count: int = 1) -> None:
+        self.finished_since_change += count
+
+    def on_server_load(self, kv_cache_usage: float, num_waiting: int) -> int:
+        """Adjust the cap for one `/metrics` poll and return it.
+
+        Args:
+            kv_cache_usage: KV-cache usage in [0, 1] (the max over engines).
+            num_waiting: Requests the server accepted but has not scheduled yet.
+        """
+        if not self.adaptive:
+            return self.cap
+        if kv_cache_usage > CUT_ABOVE_USAGE:
+            new_cap = max(1, math.floor(self.cap * CUT_FACTOR))
+        elif (
+            kv_cache_usage < RAISE_BELOW_USAGE
+            and num_waiting == 0
+            and self.finished_since_change >= self.cap
+        ):
+            new_cap = min(self.max_concurrent_rollouts, max(self.cap + 1, math.floor(self.cap * RAISE_FACTOR)))
+        else:
+            return self.cap
+        if new_cap != self.cap:
+            self.cap = new_cap
+            self.finished_since_change = 0
+        return self.cap
+
+
+def initial_tokens_per_step(num_processes: int, token_budget: int, gradient_accumulation_steps: int) -> int:
+    """Tokens one optimizer step consumes when every row is full: the estimate before the first step."""
+    return num_processes * token_budget * gradient_accumulation_steps
+
+
+def token_allowance(max_staleness: int, tokens_per_step: int) -> int:
+    """Tokens the rollout process may hold (queued + in flight): max(max_staleness, 1) steps' worth."""
+    return max(max_staleness, 1) * tokens_per_step
+
+
+def may_start_group(
+    *,
+    held_tokens: int,
+    allowance: int,
+    groups_finished: int,
+    groups_in_flight: int,
+) -> bool:
+    """Whether the staleness limit lets the loop start another group now.
+
+    Args:
+        held_tokens: Tokens queued for the trainer plus the estimate for groups in flight.
+        allowance: The current token allowance (see `token_allowance`).
+        groups_finished: Groups finished since the rollout process started.
+        groups_in_flight: Groups started and not finished.
+
+    Until the first group finishes, the size of a group is unknown: one group at a time. After that,
+    a group starts while the held tokens are below the allowance; with nothing held and nothing in
+    flight one group may always start, so a single group larger than the allowance cannot deadlock.
+    """
+    if groups_finished == 0:
+        return groups_in_flight == 0
+    if held_tokens <= 0 and groups_in_flight == 0:
+        return True
+    return held_tokens < allowance
