@@ -1,0 +1,285 @@
+"""Tree attention: a transformers attention implementation for tree-packed rows.
+
+Token i sees token j iff j's segment is an ancestor-or-self of i's segment and j <= i. Segments are
+in depth-first preorder with children attached at their parent's end (see `tree.py`), so this is
+
+    visible(i, j) = j <= i < span_end[j]        (span_end = end of the subtree of j's segment)
+
+plus, on sliding-window layers, `position_ids[i] - position_ids[j] < window` (the window is measured
+in trie depth, as the model sees it when forwarding the sample alone; transformers' own rule).
+
+Backends:
+- "flex" (CUDA): `torch.compile`d FlexAttention with a BlockMask built directly from the segment
+  spans (no T x T evaluation), once per row and window and shared by all layers;
+- "dense" (CPU and anything else): SDPA with a dense boolean T x T mask (FlexAttention has no CPU
+  backward). Exact, O(T^2) memory: meant for tests and the tiny CPU model.
+
+How the row reaches the layers: the trainer wraps the forward in `tree_attention_context(mask)`;
+`enable_tree_attention` installed a forward pre-hook that copies the active mask into the model's
+keyword arguments, and transformers passes unknown keyword arguments down to the attention
+function. Gradient checkpointing captures them, so recomputation in the backward pass (possibly in
+another thread, after the context exited) sees the same row. Nothing global outlives the context.
+The model's own mask creation returns None for an implementation without a registered mask
+function (transformers 5.x `_preprocess_mask_arguments`), so no dense causal mask is ever built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from asyncgrpo.packing.model_support import check_supported
+from asyncgrpo.packing.tree import PackedRow
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TREE_ATTENTION",
+    "TreeMask",
+    "disable_tree_attention",
+    "enable_tree_attention",
+    "tree_attention_context",
+    "tree_attention_forward",
+]
+
+TREE_ATTENTION = "asyncgrpo_tree"
+_MASK_KWARG = "tree_mask"
+_HOOK_ATTR = "_asyncgrpo_tree_attention_hook"
+_NOT_PASSED = object()
+_ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("asyncgrpo_tree_mask", default=None)
+
+
+@dataclass(eq=False)
+class TreeMask:
+    """The attention pattern of one packed row, on the device of the forward.
+
+    position_ids: [T] trie depth of each token; span_end: [T] exclusive end of the subtree of each
+    token's segment. Masks are built lazily, once per sliding window, and cached on the object.
+    """
+
+    position_ids: torch.Tensor
+    span_end: torch.Tensor
+    backend: str = "dense"
+    block_size: int = 128
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.backend not in ("flex", "dense"):
+            raise ValueError(f"TreeMask.backend must be 'flex' or 'dense', got {self.backend!r}")
+
+    @classmethod
+    def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
+                 block_size: int = 128) -> TreeMask:
+        """backend "auto": "flex" on CUDA, "dense" elsewhere."""
+        device = torch.device(device) if device is not None else row.input_ids.device
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" else "dense"
+        span_end = row.segment_subtree_end[row.segment_ids]
+        return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
+                   block_size=block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.numel())
+
+    def visible(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Elementwise rule (broadcasting index tensors); also the FlexAttention mask_mod body."""
+        seen = (kv_idx <= q_idx) & (q_idx < self.span_end[kv_idx])
+        if window is not None:
+            seen = seen & (self.position_ids[q_idx] - self.position_ids[kv_idx] < window)
+        return seen
+
+    def dense(self, window: int | None = None) -> torch.Tensor:
+        """[T, T] bool, True where query row i may attend key column j."""
+        key = ("dense", window)
+        if key not in self._cache:
+            idx = torch.arange(self.num_tokens, device=self.span_end.device)
+            self._cache[key] = self.visible(idx[:, None], idx[None, :], window)
+        return self._cache[key]
+
+    def block_mask(self, window: int | None = None) -> BlockMask:
+        """FlexAttention BlockMask [1, 1, T, T] classified from per-block span and depth bounds."""
+        key = ("block", window)
+        if key not in self._cache:
+            self._cache[key] = _tree_block_mask(self, window)
+        return self._cache[key]
+
+
+def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
+    """Block (qb, kb) is visited iff some pair in it is visible, and skips mask_mod ("full") iff all
+    pairs are. Without a window both are exact: with kb <= qb, a key j reaches the query block iff
+    span_end[j] > first query; all pairs are visible iff kb < qb and min span_end > last query.
+    The window test uses per-block depth bounds (conservative: it only turns full into partial)."""
+    size, total = mask.block_size, mask.num_tokens
+    num_blocks = -(-total // size)
+    device = mask.span_end.device
+    pad = num_blocks * size - total
+    span = F.pad(mask.span_end, (0, pad), value=-1).view(num_blocks, size)
+    span_max = span.amax(1)
+    span_min = F.pad(mask.span_end, (0, pad), value=total + 1).view(num_blocks, size).amin(1)
+    block = torch.arange(num_blocks, device=device)
+    q_first = block * size
+    q_last = torch.clamp(q_first + size, max=total) - 1
+    kb, qb = block[None, :], block[:, None]
+    any_pair = (kb <= qb) & (span_max[None, :] > q_first[:, None])
+    all_pairs = (kb < qb) & (span_min[None, :] > q_last[:, None])
+    if window is not None:
+        depth = mask.position_ids
+        big = torch.iinfo(depth.dtype).max // 4
+        depth_max = F.pad(depth, (0, pad), value=-big).view(num_blocks, size).amax(1)
+        depth_min = F.pad(depth, (0, pad), value=big).view(num_blocks, size).amin(1)
+        any_pair &= (depth_min[:, None] - depth_max[None, :]) < window
+        all_pairs &= (depth_max[:, None] - depth_min[None, :]) < window
+    partial = any_pair & ~all_pairs
+
+    def to_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = blocks.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None], indices[None, None]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask.visible(q_idx, kv_idx, window)
+
+    kv_num, kv_idx = to_indices(partial)
+    full_num, full_idx = to_indices(all_pairs)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=size, mask_mod=mask_mod,
+                                    seq_lengths=(total, total))
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None | object = _NOT_PASSED,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+    tree_mask: TreeMask | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over one tree-packed row. query [1, Hq, T, D], key/value [1, Hkv, T, D];
+    returns ([1, T, Hq, D], None) like every transformers attention function."""
+    if tree_mask is None:
+        raise RuntimeError("tree attention has no row: run the forward inside "
+                           "`with tree_attention_context(TreeMask.from_row(row, device)):`")
+    if s_aux is not None or position_bias is not None:
+        raise ValueError(f"{type(module).__name__} uses attention sinks or a position bias, which tree "
+                         "attention cannot run exactly; check_supported() should have refused this model")
+    batch, num_heads, length, _ = query.shape
+    if batch != 1 or length != tree_mask.num_tokens:
+        raise ValueError(f"tree attention runs one packed row of {tree_mask.num_tokens} tokens, got query "
+                         f"batch {batch} x {length} tokens; pass input_ids/position_ids of shape [1, T]")
+    # A model that passes no window at all (Qwen2-MoE) keeps it on the module; one that passes None
+    # (Exaone4's full layers) means no window even if the module has one.
+    window = getattr(module, "sliding_window", None) if sliding_window is _NOT_PASSED else sliding_window
+    if tree_mask.backend == "flex":
+        out = _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softcap)
+    else:
+        out = _dense_forward(query, key, value, tree_mask, scaling, dropout, window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(num_heads // x.shape[1], dim=1) if x.shape[1] != num_heads else x
+
+
+def _dense_forward(query, key, value, tree_mask, scaling, dropout, window, softcap):
+    mask = tree_mask.dense(window)
+    num_heads = query.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, _repeat_kv(key, num_heads), _repeat_kv(value, num_heads),
+                                              attn_mask=mask, dropout_p=dropout, scale=scaling)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, _repeat_kv(key, num_heads).transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, _repeat_kv(value, num_heads))
+
+
+def _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softcap):
+    if dropout > 0:
+        raise ValueError("tree attention on FlexAttention has no attention dropout; set the model config's "
+                         "attention_dropout to 0.0")
+    score_mod = None
+    if softcap is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / softcap) * softcap
+    num_heads = query.shape[1]
+    enable_gqa = key.shape[1] != num_heads
+    if enable_gqa and num_heads & (num_heads - 1):  # FlexAttention's GQA wants power-of-two heads
+        key, value, enable_gqa = _repeat_kv(key, num_heads), _repeat_kv(value, num_heads), False
+    compiled = query.device.type != "cpu" and not torch.compiler.is_compiling()
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window), scale=scaling,
+                  enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def tree_attention_context(mask: TreeMask) -> Iterator[TreeMask]:
+    """Make `mask` the row of every forward of a tree-attention model inside this block."""
+    token = _ACTIVE_MASK.set(mask)
+    try:
+        yield mask
+    finally:
+        _ACTIVE_MASK.reset(token)
+
+
+def _inject_active_mask(module, args, kwargs):
+    mask = _ACTIVE_MASK.get()
+    if mask is not None and _MASK_KWARG not in kwargs:
+        kwargs[_MASK_KWARG] = mask
+    return args, kwargs
+
+
+def _pretrained_core(model: torch.nn.Module):
+    from transformers import PreTrainedModel
+
+    for module in model.modules():  # the model itself, or the one inside a PEFT wrapper
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"enable_tree_attention needs a transformers PreTrainedModel, got {type(model).__name__}")
+
+
+def enable_tree_attention(model: torch.nn.Module) -> None:
+    """Switch a loaded model (or a PEFT wrapper of one) to tree attention, after `check_supported`."""
+    from transformers import AttentionInterface
+
+    core = _pretrained_core(model)
+    check_supported(core.config)
+    if TREE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    core.set_attn_implementation(TREE_ATTENTION)
+    if core.config._attn_implementation != TREE_ATTENTION:
+        raise ValueError(f"model type {core.config.model_type!r} ({type(core).__name__}) does not route its "
+                         "attention through transformers' AttentionInterface, so tree attention cannot run it")
+    if getattr(model, _HOOK_ATTR, None) is None:
+        setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
+    logger.info("tree attention enabled for %s", type(core).__name__)
+
+
+def disable_tree_attention(model: torch.nn.Module, attn_implementation: str = "sdpa") -> None:
+    """Undo `enable_tree_attention`: remove the hook, switch to `attn_implementation`."""
+    handle = getattr(model, _HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        setattr(model, _HOOK_ATTR, None)
+    _pretrained_core(model).set_attn_implementation(attn_implementation)
