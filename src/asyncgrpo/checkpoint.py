@@ -1,0 +1,84 @@
+"""`rollout_state.json`: what the rollout side needs to resume from a Trainer checkpoint.
+
+Saved beside every checkpoint:
+
+    {"trained_position": <int>, "model_version": <int>}
+
+`trained_position` is the index of the first prompt (in the rollout process's prompt stream,
+epoch * len(dataset) + index in that epoch's order) not yet trained: the trained position, not the
+generator's, so that nothing generated-but-untrained is skipped on resume. `model_version` is the
+number of weight syncs so far; versions keep increasing across a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROLLOUT_STATE_FILE = "rollout_state.json"
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    """Resume state of the rollout side (see the module docstring)."""
+
+    trained_position: int = 0
+    model_version: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("trained_position", "model_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"RolloutState.{name} must be a non-negative int, got {value!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = ROLLOUT_STATE_FILE) -> RolloutState:
+        """Parse `text`; `source` names the file in errors."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source} is not valid JSON ({exc}); delete it to restart the prompt stream") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        missing = [k for k in ("trained_position", "model_version") if k not in data]
+        if missing:
+            raise ValueError(f"{source} lacks {missing}; expected keys trained_position and model_version")
+        try:
+            return cls(trained_position=data["trained_position"], model_version=data["model_version"])
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+def rollout_state_path(checkpoint_dir: str | os.PathLike) -> Path:
+    return Path(checkpoint_dir) / ROLLOUT_STATE_FILE
+
+
+def write_rollout_state(checkpoint_dir: str | os.PathLike, state: RolloutState) -> Path:
+    """Write `rollout_state.json` into `checkpoint_dir` atomically (temp file + rename); return its path."""
+    path = rollout_state_path(checkpoint_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".rollout_state.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(state.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_rollout_state(checkpoint_dir: str | os.PathLike) -> RolloutState | None:
+    """The state saved in `checkpoint_dir`, or None when the checkpoint has no `rollout_state.json`."""
+    path = rollout_state_path(checkpoint_dir)
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    return RolloutState.from_json(text, source=str(path))
