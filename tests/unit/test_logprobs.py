@@ -12,14 +12,22 @@ from asyncgrpo.train.logprobs import token_logprobs, token_logprobs_reference
 V, H, T, N, K = 37, 8, 9, 11, 4
 
 
-def _make_inputs(seed: int, dtype=torch.float32, bias: bool = False, n: int = N, topk: bool = True, cands: bool = False):
+def _make_inputs(
+    seed: int, dtype=torch.float32, bias: bool = False, n: int = N, topk: bool = True, cands: bool = False
+):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
     weight = (torch.randn(V, H, generator=g) / math.sqrt(H) * 3).to(dtype).requires_grad_()
     b = (torch.randn(V, generator=g) * 0.5).to(dtype).requires_grad_() if bias else None
     pred_index = torch.randint(0, T, (n,), generator=g)
     target_ids = torch.randint(0, V, (n,), generator=g)
-    inputs = dict(hidden=hidden, lm_head_weight=weight, lm_head_bias=b, pred_index=pred_index, target_ids=target_ids)
+    inputs = {
+        "hidden": hidden,
+        "lm_head_weight": weight,
+        "lm_head_bias": b,
+        "pred_index": pred_index,
+        "target_ids": target_ids,
+    }
     candidate_sets = None
     if cands:
         # Random candidate set per token that always holds the target; sizes vary (1 .. V).
@@ -86,7 +94,9 @@ def _objective(target, topk, seed=123):
 
 
 def _grads(inputs, outputs):
-    params = [inputs["hidden"], inputs["lm_head_weight"]] + ([inputs["lm_head_bias"]] if inputs["lm_head_bias"] is not None else [])
+    params = [inputs["hidden"], inputs["lm_head_weight"]] + (
+        [inputs["lm_head_bias"]] if inputs["lm_head_bias"] is not None else []
+    )
     loss = _objective(outputs[0], outputs[1])
     return torch.autograd.grad(loss, params)
 
@@ -109,7 +119,9 @@ def _clone_leaves(inputs):
         (1.0, 2.0, True, True, 64),
     ],
 )
-def test_chunked_logprobs_match_fp64_brute_force_values_and_grads(temperature, softcap, bias, cands, chunk_size):
+def test_chunked_logprobs_match_fp64_brute_force_values_and_grads(
+    temperature, softcap, bias, cands, chunk_size
+):
     inputs, candidate_sets = _make_inputs(0, bias=bias, cands=cands)
     out = token_logprobs(**inputs, temperature=temperature, logit_softcapping=softcap, chunk_size=chunk_size)
 
@@ -182,15 +194,24 @@ def test_topk_and_topp_candidate_sets_renormalise_like_a_direct_computation():
         topk_ids[i, : len(s)] = torch.tensor(s)
         topk_ids[i, len(s)] = int(torch.argsort(probs[i])[0])  # least likely token: outside every set
     out = token_logprobs(
-        hidden, weight, torch.arange(n), targets, temperature=temperature, topk_ids=topk_ids,
-        candidate_ids=torch.tensor([v for s in sets for v in s]), candidate_offsets=offsets, chunk_size=4,
+        hidden,
+        weight,
+        torch.arange(n),
+        targets,
+        temperature=temperature,
+        topk_ids=topk_ids,
+        candidate_ids=torch.tensor([v for s in sets for v in s]),
+        candidate_offsets=offsets,
+        chunk_size=4,
     )
     for i, s in enumerate(sets):
         mass = probs[i][s].sum()
         want = probs[i][targets[i]] / mass
         torch.testing.assert_close(out.target_logprobs[i].exp(), want)
         torch.testing.assert_close(out.topk_logprobs[i, : len(s)].exp(), probs[i][s] / mass)
-        torch.testing.assert_close(out.topk_logprobs[i, : len(s)].exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+        torch.testing.assert_close(
+            out.topk_logprobs[i, : len(s)].exp().sum(), torch.tensor(1.0, dtype=torch.float64)
+        )
         assert out.topk_logprobs[i, len(s)] == float("-inf")  # outside the candidate set
         assert torch.all(out.topk_logprobs[i, len(s) + 1 :] == float("-inf"))  # pads
 
@@ -225,7 +246,9 @@ def test_frozen_lm_head_gets_no_gradient_and_hidden_gradient_is_unchanged():
     frozen["lm_head_weight"].requires_grad_(False)
     out_frozen = token_logprobs(**frozen, chunk_size=4)
     out = token_logprobs(**inputs, chunk_size=4)
-    (g_frozen,) = torch.autograd.grad(_objective(out_frozen.target_logprobs, out_frozen.topk_logprobs), [frozen["hidden"]])
+    (g_frozen,) = torch.autograd.grad(
+        _objective(out_frozen.target_logprobs, out_frozen.topk_logprobs), [frozen["hidden"]]
+    )
     g_full = _grads(inputs, (out.target_logprobs, out.topk_logprobs))[0]
     torch.testing.assert_close(g_frozen, g_full)
     assert frozen["lm_head_weight"].grad is None
@@ -254,7 +277,9 @@ def test_shared_prediction_position_accumulates_gradient():
     out = token_logprobs(**inputs, chunk_size=3)
     ref_inputs = _clone_leaves(inputs)
     ref = token_logprobs_reference(**ref_inputs)
-    for got, want in zip(_grads(inputs, (out.target_logprobs, None)), _grads(ref_inputs, (ref.target_logprobs, None))):
+    for got, want in zip(
+        _grads(inputs, (out.target_logprobs, None)), _grads(ref_inputs, (ref.target_logprobs, None))
+    ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

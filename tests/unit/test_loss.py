@@ -35,7 +35,7 @@ def _batch(seed: int = 0, n: int = 24, k: int = 5):
     topk_log_ratio = torch.randn(n, k, generator=g, dtype=torch.float64)
     topk_log_ratio[:, 0] = 2.0  # rho = 7.4 > C_max: masked
     topk_log_ratio[:, 1] = -1.0  # rho = 0.37 < C_min: masked
-    topk_lp = (sampler_topk + topk_log_ratio)
+    topk_lp = sampler_topk + topk_log_ratio
     sampler_topk[2, -1] = float("-inf")  # pad entry
     topk_lp[2, -1] = float("-inf")
     topk_lp[5, -2] = float("-inf")  # token outside the candidate set: pi~ = 0
@@ -82,12 +82,18 @@ def test_importance_ratio_and_mask():
     ratio = importance_ratio(lp, slp)
     torch.testing.assert_close(ratio, torch.tensor([0.25, 1.0, 6.0, 40.0]))
     assert importance_mask(ratio, C_MIN, C_MAX).tolist() == [False, True, False, False]
-    assert importance_mask(torch.tensor([0.5, 5.0, float("nan")]), C_MIN, C_MAX).tolist() == [True, True, False]
+    assert importance_mask(torch.tensor([0.5, 5.0, float("nan")]), C_MIN, C_MAX).tolist() == [
+        True,
+        True,
+        False,
+    ]
 
 
 def test_clipped_surrogate_matches_per_token_loop_values_and_grads():
     lp, slp, adv, *_ = _batch()
-    got = clipped_surrogate_token_loss(lp, slp, adv, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX)
+    got = clipped_surrogate_token_loss(
+        lp, slp, adv, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX
+    )
     want = _clipped_reference(lp, slp, adv)
     torch.testing.assert_close(got, want)
     (g_got,) = torch.autograd.grad(got.sum(), lp)
@@ -97,7 +103,9 @@ def test_clipped_surrogate_matches_per_token_loop_values_and_grads():
 
 def test_clipped_surrogate_gradient_per_branch():
     lp, slp, adv, *_ = _batch()
-    loss = clipped_surrogate_token_loss(lp, slp, adv, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX)
+    loss = clipped_surrogate_token_loss(
+        lp, slp, adv, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX
+    )
     (grad,) = torch.autograd.grad(loss.sum(), lp)
     rho = torch.exp(lp - slp).detach()
     masked = (rho < C_MIN) | (rho > C_MAX)
@@ -141,8 +149,12 @@ def test_overflowing_ratio_is_masked_without_nan_gradients():
     slp = torch.tensor([-200.0, -1.0])  # exp(200) overflows fp32
     adv = torch.tensor([1.0, 1.0])
     for fn in (
-        lambda: clipped_surrogate_token_loss(lp, slp, adv, epsilon=EPS, epsilon_high=EPS, is_clip_min=C_MIN, is_clip_max=C_MAX),
-        lambda: score_centering_token_loss(lp, slp, adv, lp[:, None], slp[:, None], is_clip_min=C_MIN, is_clip_max=C_MAX),
+        lambda: clipped_surrogate_token_loss(
+            lp, slp, adv, epsilon=EPS, epsilon_high=EPS, is_clip_min=C_MIN, is_clip_max=C_MAX
+        ),
+        lambda: score_centering_token_loss(
+            lp, slp, adv, lp[:, None], slp[:, None], is_clip_min=C_MIN, is_clip_max=C_MAX
+        ),
     ):
         loss = fn()
         (grad,) = torch.autograd.grad(loss.sum(), lp)
@@ -154,15 +166,30 @@ def test_overflowing_ratio_is_masked_without_nan_gradients():
 def test_normalisation_by_global_token_count_and_accumulation_steps(score_centering):
     lp, slp, adv, topk_lp, s_topk, idx = _batch(3)
     n = len(lp)
-    kwargs = dict(score_centering=score_centering, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX)
+    kwargs = {
+        "score_centering": score_centering,
+        "epsilon": EPS,
+        "epsilon_high": EPS_HIGH,
+        "is_clip_min": C_MIN,
+        "is_clip_max": C_MAX,
+    }
     ref = (
-        _centering_reference(lp, slp, adv, topk_lp, s_topk) if score_centering else _clipped_reference(lp, slp, adv)
+        _centering_reference(lp, slp, adv, topk_lp, s_topk)
+        if score_centering
+        else _clipped_reference(lp, slp, adv)
     )
 
     def part(sl, global_count, ga):
         return policy_loss(
-            lp[sl], slp[sl], adv[sl], idx[sl], topk_logprobs=topk_lp[sl], sampler_topk_logprobs=s_topk[sl],
-            num_trained_tokens_global=global_count, gradient_accumulation_steps=ga, **kwargs,
+            lp[sl],
+            slp[sl],
+            adv[sl],
+            idx[sl],
+            topk_logprobs=topk_lp[sl],
+            sampler_topk_logprobs=s_topk[sl],
+            num_trained_tokens_global=global_count,
+            gradient_accumulation_steps=ga,
+            **kwargs,
         ).loss
 
     # One process: the per-token mean over all trained tokens (IS-masked tokens stay in the count).
@@ -188,16 +215,28 @@ def test_policy_loss_errors_name_the_fix():
         policy_loss(lp, slp, adv, idx, num_trained_tokens_global=len(lp), gradient_accumulation_steps=1)
     with pytest.raises(ValueError, match="all-reduced"):
         policy_loss(
-            lp, slp, adv, idx, num_trained_tokens_global=3, gradient_accumulation_steps=1,
-            topk_logprobs=topk_lp, sampler_topk_logprobs=s_topk,
+            lp,
+            slp,
+            adv,
+            idx,
+            num_trained_tokens_global=3,
+            gradient_accumulation_steps=1,
+            topk_logprobs=topk_lp,
+            sampler_topk_logprobs=s_topk,
         )
 
 
 def test_empty_micro_batch_gives_zero_loss_and_nan_metrics():
     empty = torch.zeros(0, requires_grad=True)
     out = policy_loss(
-        empty, torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), num_trained_tokens_global=0,
-        gradient_accumulation_steps=1, topk_logprobs=torch.zeros(0, 3), sampler_topk_logprobs=torch.zeros(0, 3),
+        empty,
+        torch.zeros(0),
+        torch.zeros(0),
+        torch.zeros(0, dtype=torch.long),
+        num_trained_tokens_global=0,
+        gradient_accumulation_steps=1,
+        topk_logprobs=torch.zeros(0, 3),
+        sampler_topk_logprobs=torch.zeros(0, 3),
     )
     assert out.loss.item() == 0.0 and out.loss.requires_grad
     assert all(math.isnan(v) for v in loss_metrics(out.stats).values())
@@ -211,17 +250,32 @@ def _full_vocab_token_losses(logits, mu_log, advantage, score_centering, ys):
     vocab = logits.shape[-1]
     n = len(ys)
     out = token_logprobs(
-        logits[None], torch.eye(vocab, dtype=logits.dtype), torch.zeros(n, dtype=torch.long), ys,
+        logits[None],
+        torch.eye(vocab, dtype=logits.dtype),
+        torch.zeros(n, dtype=torch.long),
+        ys,
         topk_ids=torch.arange(vocab).expand(n, vocab),
     )
     slp = mu_log[ys]
     adv = torch.full((n,), advantage, dtype=logits.dtype)
     if score_centering:
         return score_centering_token_loss(
-            out.target_logprobs, slp, adv, out.topk_logprobs, mu_log.expand(n, vocab), is_clip_min=C_MIN, is_clip_max=C_MAX,
+            out.target_logprobs,
+            slp,
+            adv,
+            out.topk_logprobs,
+            mu_log.expand(n, vocab),
+            is_clip_min=C_MIN,
+            is_clip_max=C_MAX,
         )
     return clipped_surrogate_token_loss(
-        out.target_logprobs, slp, adv, epsilon=EPS, epsilon_high=EPS_HIGH, is_clip_min=C_MIN, is_clip_max=C_MAX
+        out.target_logprobs,
+        slp,
+        adv,
+        epsilon=EPS,
+        epsilon_high=EPS_HIGH,
+        is_clip_min=C_MIN,
+        is_clip_max=C_MAX,
     )
 
 
@@ -278,10 +332,19 @@ def test_metrics_on_a_hand_made_example():
     lp = slp + ratio.log()
     adv = torch.tensor([-1.0, -1.0, -1.0, 2.0, 2.0], dtype=torch.float64)
     entropy = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    s_topk = torch.log(torch.tensor([[0.5, 0.3], [0.2, 0.1], [0.6, 0.2], [0.9, 0.0], [0.5, 0.25]], dtype=torch.float64))
+    s_topk = torch.log(
+        torch.tensor([[0.5, 0.3], [0.2, 0.1], [0.6, 0.2], [0.9, 0.0], [0.5, 0.25]], dtype=torch.float64)
+    )
     out = policy_loss(
-        lp, slp, adv, torch.tensor([0, 0, 0, 1, 1]), num_trained_tokens_global=5, gradient_accumulation_steps=1,
-        topk_logprobs=lp[:, None].expand(5, 2), sampler_topk_logprobs=s_topk, entropy=entropy,
+        lp,
+        slp,
+        adv,
+        torch.tensor([0, 0, 0, 1, 1]),
+        num_trained_tokens_global=5,
+        gradient_accumulation_steps=1,
+        topk_logprobs=lp[:, None].expand(5, 2),
+        sampler_topk_logprobs=s_topk,
+        entropy=entropy,
     )
     m = loss_metrics(out.stats)
     diffs = ratio.log().abs()
@@ -293,8 +356,9 @@ def test_metrics_on_a_hand_made_example():
     assert m["sampling/masked_mean"] == pytest.approx(2 / 5)  # 6.0 and 0.4
     assert m["sampling/sampler_mass"] == pytest.approx((0.8 + 0.3 + 0.8 + 0.9 + 0.75) / 5)
     assert m["entropy"] == pytest.approx(3.0)
-    # eps = 0.2: low = rho < 0.8 and A < 0 -> token 0 (token 4 has A > 0); high = rho > 1.2 and A > 0 -> token 3
-    # (token 2 has A < 0). Per sample: low 1/3 and 0/2, high 0/3 and 1/2.
+    # eps = 0.2: low = rho < 0.8 and A < 0 -> token 0 (token 4 has A > 0);
+    # high = rho > 1.2 and A > 0 -> token 3 (token 2 has A < 0).
+    # Per sample: low 1/3 and 0/2, high 0/3 and 1/2.
     assert m["clip_ratio/low_mean"] == pytest.approx(1 / 5)
     assert m["clip_ratio/high_mean"] == pytest.approx(1 / 5)
     assert m["clip_ratio/region_mean"] == pytest.approx(2 / 5)
@@ -302,7 +366,12 @@ def test_metrics_on_a_hand_made_example():
     assert m["clip_ratio/high_max"] == pytest.approx(0.5)
 
     plain = policy_loss(
-        lp, slp, adv, torch.tensor([0, 0, 0, 1, 1]), num_trained_tokens_global=5, gradient_accumulation_steps=1,
+        lp,
+        slp,
+        adv,
+        torch.tensor([0, 0, 0, 1, 1]),
+        num_trained_tokens_global=5,
+        gradient_accumulation_steps=1,
         score_centering=False,
     )
     metrics = loss_metrics(plain.stats)
@@ -316,8 +385,15 @@ def test_merged_micro_batch_stats_equal_the_stats_of_the_whole_batch():
 
     def stats(sl):
         return policy_loss(
-            lp[sl], slp[sl], adv[sl], idx[sl], num_trained_tokens_global=32, gradient_accumulation_steps=1,
-            topk_logprobs=topk_lp[sl], sampler_topk_logprobs=s_topk[sl], entropy=entropy[sl],
+            lp[sl],
+            slp[sl],
+            adv[sl],
+            idx[sl],
+            num_trained_tokens_global=32,
+            gradient_accumulation_steps=1,
+            topk_logprobs=topk_lp[sl],
+            sampler_topk_logprobs=s_topk[sl],
+            entropy=entropy[sl],
         ).stats
 
     whole = loss_metrics(stats(slice(None)))

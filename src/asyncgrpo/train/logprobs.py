@@ -43,11 +43,13 @@ class TokenLogprobs:
     """Per-trained-token outputs of `token_logprobs`.
 
     Attributes:
-        target_logprobs: `[N]` fp32 (fp64 for fp64 weights), `log pi~(y_n)` of the trained token; differentiable.
+        target_logprobs: `[N]` fp32, `log pi~(y_n)` of the trained token; differentiable.
         topk_logprobs: `[N, K]` fp32, `log pi~(v)` of the sampler's top-K tokens, `-inf` for pad
             entries and tokens outside the candidate set; differentiable. None when no top-K ids
             were given.
         entropy: `[N]` fp32, entropy (nats) of the temperature-scaled full-vocabulary `pi`; no grad.
+
+    All three are fp64 instead when the LM-head weight is fp64 (exact tests).
     """
 
     target_logprobs: Tensor
@@ -78,12 +80,17 @@ def _check_inputs(
             f"{tuple(target_ids.shape)}."
         )
     if topk_ids is not None and (topk_ids.dim() != 2 or topk_ids.shape[0] != target_ids.shape[0]):
-        raise ValueError(f"topk_ids must be [N, K] with N={target_ids.shape[0]}, got {tuple(topk_ids.shape)}.")
+        raise ValueError(
+            f"topk_ids must be [N, K] with N={target_ids.shape[0]}, got {tuple(topk_ids.shape)}."
+        )
     if (candidate_ids is None) != (candidate_offsets is None):
-        raise ValueError("Pass candidate_ids and candidate_offsets together (or neither for the full vocabulary).")
+        raise ValueError(
+            "Pass candidate_ids and candidate_offsets together (or neither for the full vocabulary)."
+        )
     if candidate_offsets is not None and candidate_offsets.shape != (target_ids.shape[0] + 1,):
         raise ValueError(
-            f"candidate_offsets must be [N + 1] = [{target_ids.shape[0] + 1}], got {tuple(candidate_offsets.shape)}."
+            f"candidate_offsets must be [N + 1] = [{target_ids.shape[0] + 1}], "
+            f"got {tuple(candidate_offsets.shape)}."
         )
 
 
@@ -123,7 +130,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target_ids, topk_ids, cand_rows, cand_ids, offsets, temperature, softcap, chunk_size):
+    def forward(
+        ctx,
+        h,
+        weight,
+        bias,
+        target_ids,
+        topk_ids,
+        cand_rows,
+        cand_ids,
+        offsets,
+        temperature,
+        softcap,
+        chunk_size,
+    ):
         n, vocab_size = h.shape[0], weight.shape[0]
         device = h.device
         k = topk_ids.shape[1]
@@ -246,7 +266,16 @@ def token_logprobs(
         `TokenLogprobs` with fp32 `target_logprobs [N]`, `topk_logprobs [N, K] | None`, `entropy [N]`.
         Gradients flow to `hidden`, `lm_head_weight` and `lm_head_bias`.
     """
-    _check_inputs(hidden, lm_head_weight, pred_index, target_ids, temperature, topk_ids, candidate_ids, candidate_offsets)
+    _check_inputs(
+        hidden,
+        lm_head_weight,
+        pred_index,
+        target_ids,
+        temperature,
+        topk_ids,
+        candidate_ids,
+        candidate_offsets,
+    )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
     device = hidden.device
@@ -261,8 +290,17 @@ def token_logprobs(
     else:
         cand_rows = cand_ids = offsets = None
     target_lp, topk_lp, entropy = _ChunkedLogprobs.apply(
-        h, lm_head_weight, lm_head_bias, target_ids, topk, cand_rows, cand_ids, offsets,
-        float(temperature), logit_softcapping, chunk_size,
+        h,
+        lm_head_weight,
+        lm_head_bias,
+        target_ids,
+        topk,
+        cand_rows,
+        cand_ids,
+        offsets,
+        float(temperature),
+        logit_softcapping,
+        chunk_size,
     )
     return TokenLogprobs(target_lp, topk_lp if topk_ids is not None else None, entropy)
 
@@ -285,9 +323,20 @@ def token_logprobs_reference(
     Same arguments and results as `token_logprobs` (without chunking); meant for tests and debugging,
     its memory is O(N * V) in forward and backward.
     """
-    _check_inputs(hidden, lm_head_weight, pred_index, target_ids, temperature, topk_ids, candidate_ids, candidate_offsets)
+    _check_inputs(
+        hidden,
+        lm_head_weight,
+        pred_index,
+        target_ids,
+        temperature,
+        topk_ids,
+        candidate_ids,
+        candidate_offsets,
+    )
     n, vocab_size = target_ids.shape[0], lm_head_weight.shape[0]
-    z = _process(_raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias), temperature, logit_softcapping)
+    z = _process(
+        _raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias), temperature, logit_softcapping
+    )
     log_pi = torch.log_softmax(z, dim=-1)
     entropy = -(log_pi.exp() * log_pi).sum(dim=-1).detach()
     if candidate_offsets is None:

@@ -69,7 +69,9 @@ def importance_mask(ratio: Tensor, clip_min: float, clip_max: float) -> Tensor:
     return (ratio >= clip_min) & (ratio <= clip_max)
 
 
-def _masked_ratio(logprobs: Tensor, sampler_logprobs: Tensor, clip_min: float, clip_max: float) -> tuple[Tensor, Tensor]:
+def _masked_ratio(
+    logprobs: Tensor, sampler_logprobs: Tensor, clip_min: float, clip_max: float
+) -> tuple[Tensor, Tensor]:
     """`(rho * m, m)` with a NaN-free gradient: masked entries are computed from a zero log-ratio.
 
     `torch.where` alone would leak `0 * inf` into the gradient of an overflowing `exp`.
@@ -290,13 +292,23 @@ def policy_loss(
                 f"{tuple(sampler_topk_logprobs.shape)} must both be [N={n}, K]."
             )
         token_loss = score_centering_token_loss(
-            logprobs, sampler_logprobs, advantages, topk_logprobs, sampler_topk_logprobs,
-            is_clip_min=is_clip_min, is_clip_max=is_clip_max,
+            logprobs,
+            sampler_logprobs,
+            advantages,
+            topk_logprobs,
+            sampler_topk_logprobs,
+            is_clip_min=is_clip_min,
+            is_clip_max=is_clip_max,
         )
     else:
         token_loss = clipped_surrogate_token_loss(
-            logprobs, sampler_logprobs, advantages,
-            epsilon=epsilon, epsilon_high=epsilon_high, is_clip_min=is_clip_min, is_clip_max=is_clip_max,
+            logprobs,
+            sampler_logprobs,
+            advantages,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            is_clip_min=is_clip_min,
+            is_clip_max=is_clip_max,
         )
     if isinstance(num_trained_tokens_global, Tensor):
         denominator = num_trained_tokens_global.float().clamp(min=1.0)
@@ -305,9 +317,16 @@ def policy_loss(
     loss = token_loss.sum() / denominator / gradient_accumulation_steps
     with torch.no_grad():
         stats = _loss_stats(
-            logprobs, sampler_logprobs, advantages, sample_index,
-            sampler_topk_logprobs if score_centering else None, entropy,
-            epsilon, epsilon_high, is_clip_min, is_clip_max,
+            logprobs,
+            sampler_logprobs,
+            advantages,
+            sample_index,
+            sampler_topk_logprobs if score_centering else None,
+            entropy,
+            epsilon,
+            epsilon_high,
+            is_clip_min,
+            is_clip_max,
         )
     return PolicyLoss(loss, stats)
 
@@ -335,9 +354,13 @@ def loss_metrics(stats: LossStats) -> dict[str, float]:
     metrics = {
         "sampling/sampling_logp_difference/mean": mean("sampling/sampling_logp_difference/sum"),
         "sampling/sampling_logp_difference/max": extreme(stats.maxs["sampling/sampling_logp_difference/max"]),
-        "sampling/importance_sampling_ratio/min": extreme(stats.mins["sampling/importance_sampling_ratio/min"]),
+        "sampling/importance_sampling_ratio/min": extreme(
+            stats.mins["sampling/importance_sampling_ratio/min"]
+        ),
         "sampling/importance_sampling_ratio/mean": mean("sampling/importance_sampling_ratio/sum"),
-        "sampling/importance_sampling_ratio/max": extreme(stats.maxs["sampling/importance_sampling_ratio/max"]),
+        "sampling/importance_sampling_ratio/max": extreme(
+            stats.maxs["sampling/importance_sampling_ratio/max"]
+        ),
         "sampling/masked_mean": mean("sampling/masked/count"),
         "clip_ratio/region_mean": mean("clip_ratio/region/count"),
         "clip_ratio/low_mean": mean("clip_ratio/low/count"),
