@@ -17,7 +17,11 @@ from aiohttp import web
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
 from asyncgrpo.generation.protocol import SamplingParams, VersionSpan
 
-FIXTURES = Path(os.environ.get("ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"))
+FIXTURES = Path(
+    os.environ.get(
+        "ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"
+    )
+)
 CASES = json.loads((FIXTURES / "protocol-0.33.0.json").read_text())
 METRICS = (FIXTURES / "metrics-0.33.0.txt").read_text()
 
@@ -36,7 +40,11 @@ async def start_app(app: web.Application, port: int = 0) -> tuple[web.AppRunner,
 
 
 def vllm_app(
-    *, generate: Callable | None = None, scale_out: bool = True, hits: dict | None = None, pause_delay_s: float = 0.0
+    *,
+    generate: Callable | None = None,
+    scale_out: bool = True,
+    hits: dict | None = None,
+    pause_delay_s: float = 0.0,
 ) -> web.Application:
     """Routes of a vLLM 0.33 dev-mode server answering with the captured bodies."""
     hits = hits if hits is not None else {}
@@ -55,7 +63,10 @@ def vllm_app(
         body = await request.json()
         hits.setdefault("generate_bodies", []).append(body)
         if not scale_out:
-            return web.json_response({"error": {"message": "scale-out off", "type": "PermissionDeniedError", "code": 403}}, status=403)
+            return web.json_response(
+                {"error": {"message": "scale-out off", "type": "PermissionDeniedError", "code": 403}},
+                status=403,
+            )
         if generate is not None:
             return await generate(request, body)
         return web.json_response(CASES["generate"]["response"])
@@ -96,7 +107,9 @@ def test_detect_and_generate_with_real_bodies():
             async with GenerationClient(url) as client:
                 await client.wait_until_ready(5)
                 info = await client.detect()
-                params = SamplingParams(top_k=20, top_p=0.9, max_tokens=8, seed=1, logprobs=5, return_sampling_mask=True)
+                params = SamplingParams(
+                    top_k=20, top_p=0.9, max_tokens=8, seed=1, logprobs=5, return_sampling_mask=True
+                )
                 out = await client.generate([101, 2023], params, request_id="abc")
                 metrics = await client.metrics()
                 paused = await client.is_paused()
@@ -108,16 +121,36 @@ def test_detect_and_generate_with_real_bodies():
 
     info, out, metrics, paused = run(main())
     assert hits["pause_queries"] == [{"mode": "keep", "clear_cache": "false"}]
-    assert (info.version, info.dialect, info.model_name, info.max_model_len) == ("0.33.0", (0, 33, 0), "MODEL_DIR", 1024)
-    assert (info.dtype, info.logprobs_mode, info.kv_cache_tokens, info.world_size) == ("bfloat16", "processed_logprobs", 21653472, 1)
+    assert (info.version, info.dialect, info.model_name, info.max_model_len) == (
+        "0.33.0",
+        (0, 33, 0),
+        "MODEL_DIR",
+        1024,
+    )
+    assert (info.dtype, info.logprobs_mode, info.kv_cache_tokens, info.world_size) == (
+        "bfloat16",
+        "processed_logprobs",
+        21653472,
+        1,
+    )
     assert info.supports_generate and info.supports_sampling_mask and info.has_metrics and info.dev_mode
     assert out.token_ids == CASES["generate"]["response"]["choices"][0]["token_ids"]
     assert out.weight_versions == [VersionSpan("default", 0, 8)] and len(out.sampling_mask) == 8
     assert all(len(t) == 5 for t in out.top_logprobs)
     sent = hits["generate_bodies"][-1]
-    assert sent["token_ids"] == [101, 2023] and sent["request_id"] == "abc" and sent["output_mode"] == "tokens"
-    assert sent["sampling_params"] == {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "min_p": 0.0,
-                                       "repetition_penalty": 1.0, "max_tokens": 8, "seed": 1, "logprobs": 5}
+    assert (
+        sent["token_ids"] == [101, 2023] and sent["request_id"] == "abc" and sent["output_mode"] == "tokens"
+    )
+    assert sent["sampling_params"] == {
+        "temperature": 1.0,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 8,
+        "seed": 1,
+        "logprobs": 5,
+    }
     assert metrics.kv_cache_usage_frac == 0.0 and metrics.num_preemptions == 0.0
     assert paused is True
 
@@ -176,7 +209,9 @@ def test_5xx_is_retried_with_backoff_and_counted():
             return web.json_response(CASES["generate"]["response"])
         calls["n"] += 1
         if calls["n"] <= 2:
-            return web.json_response({"error": {"message": "busy", "type": "ServiceUnavailableError", "code": 503}}, status=503)
+            return web.json_response(
+                {"error": {"message": "busy", "type": "ServiceUnavailableError", "code": 503}}, status=503
+            )
         return web.json_response(CASES["generate"]["response"])
 
     async def main():
@@ -222,7 +257,13 @@ def test_4xx_is_not_retried_and_carries_the_body():
     async def handler(request):
         calls["n"] += 1
         return web.json_response(
-            {"error": {"message": "This model's maximum context length is 1024 tokens", "type": "BadRequestError", "code": 400}},
+            {
+                "error": {
+                    "message": "This model's maximum context length is 1024 tokens",
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            },
             status=400,
         )
 
@@ -248,7 +289,9 @@ def test_weight_routes_are_never_retried():
 
     async def handler(request):
         calls["n"] += 1
-        return web.json_response({"error": {"message": "Weight transfer not configured", "type": "x", "code": 500}}, status=500)
+        return web.json_response(
+            {"error": {"message": "Weight transfer not configured", "type": "x", "code": 500}}, status=500
+        )
 
     async def main():
         app = web.Application()
@@ -294,7 +337,9 @@ def test_connection_errors_are_retried_until_the_server_appears():
             return await start_app(vllm_app(), port=port)
 
         starter = asyncio.ensure_future(late_start())
-        async with GenerationClient(f"http://127.0.0.1:{port}", backoff_s=0.1, on_retry=lambda: retries.append(1)) as client:
+        async with GenerationClient(
+            f"http://127.0.0.1:{port}", backoff_s=0.1, on_retry=lambda: retries.append(1)
+        ) as client:
             try:
                 return await client.is_paused()
             finally:
@@ -310,7 +355,9 @@ def test_connection_errors_give_up_after_max_retries():
     retries: list[int] = []
 
     async def main():
-        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01, on_retry=lambda: retries.append(1)) as client:
+        async with GenerationClient(
+            f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01, on_retry=lambda: retries.append(1)
+        ) as client:
             await client.is_paused()
 
     with pytest.raises(ServerConnectionError, match=f"127.0.0.1:{port}/is_paused"):

@@ -66,7 +66,9 @@ def test_empty_tensors_are_entries_and_a_trailing_empty_chunk_is_sent():
 def test_plan_matches_reference_on_random_sizes():
     rng = random.Random(0)
     for _ in range(500):
-        sizes = [rng.choice([0, 1, 2, 4, 7, 8, 16, 33, rng.randrange(0, 200)]) for _ in range(rng.randrange(0, 30))]
+        sizes = [
+            rng.choice([0, 1, 2, 4, 7, 8, 16, 33, rng.randrange(0, 200)]) for _ in range(rng.randrange(0, 30))
+        ]
         buffer_size = rng.choice([1, 8, 16, 64, 100])
         plan = plan_chunks(sizes, buffer_size)
         assert [list(range(c.start, c.stop)) for c in plan] == reference_chunks(sizes, buffer_size)
@@ -83,7 +85,10 @@ def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
         ("scalar", torch.tensor(3.5, dtype=torch.float32)),  # 0-d: one element
         ("empty", torch.empty(0, 4, dtype=torch.float16)),  # 0 bytes, still an entry
         ("ints", torch.arange(-5, 6, dtype=torch.int64).reshape(11, 1)),
-        ("bytes", torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g)),  # odd size: later offsets misalign
+        (
+            "bytes",
+            torch.randint(0, 255, (13,), dtype=torch.uint8, generator=g),
+        ),  # odd size: later offsets misalign
         ("half", torch.randn(2, 3, 5, generator=g).to(torch.float16)),
         ("transposed", torch.randn(4, 6, generator=g).t()),  # non-contiguous source
     ]
@@ -120,7 +125,14 @@ def test_iterator_must_match_the_announced_metadata():
     named = _mixed_tensors()
     metas = [TensorMeta.of(n, t) for n, t in named]
     with pytest.raises(ValueError, match="announced 'scalar'"):
-        list(iter_packed_chunks(metas, [named[0], ("scalar", torch.tensor(1.0, dtype=torch.float64))], 1 << 20, torch.device("cpu")))
+        list(
+            iter_packed_chunks(
+                metas,
+                [named[0], ("scalar", torch.tensor(1.0, dtype=torch.float64))],
+                1 << 20,
+                torch.device("cpu"),
+            )
+        )
     with pytest.raises(ValueError, match="ended before"):
         list(iter_packed_chunks(metas, named[:3], 1, torch.device("cpu")))
     with pytest.raises(ValueError, match="more than"):

@@ -27,7 +27,11 @@ from asyncgrpo.generation.protocol import (
     parse_world_size,
 )
 
-FIXTURES = Path(os.environ.get("ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"))
+FIXTURES = Path(
+    os.environ.get(
+        "ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"
+    )
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,12 @@ def test_server_info_kv_tokens_fall_back_to_blocks(cases):
 
 
 def test_models_prefers_base_card_over_lora():
-    body = {"data": [{"id": "adapter", "parent": "base", "max_model_len": None}, {"id": "base", "parent": None, "max_model_len": 64}]}
+    body = {
+        "data": [
+            {"id": "adapter", "parent": "base", "max_model_len": None},
+            {"id": "base", "parent": None, "max_model_len": 64},
+        ]
+    }
     assert parse_models(body) == ("base", 64)
 
 
@@ -86,7 +95,11 @@ def test_generate_fixture_logprobs_and_top_k(cases):
     for i, entry in enumerate(content):
         top = out.top_logprobs[i]
         # reference: the entries with vocabulary rank 1..k
-        expected = {t["token_id"]: t["logprob"] for t in entry["top_logprobs"] if t["rank"] is not None and t["rank"] <= k}
+        expected = {
+            t["token_id"]: t["logprob"]
+            for t in entry["top_logprobs"]
+            if t["rank"] is not None and t["rank"] <= k
+        }
         assert top == expected
         assert len(top) == k
     # position 0 sampled a token of rank 15: it is not part of the top-5
@@ -105,7 +118,10 @@ def test_generate_fixture_n2_first_choice_and_text_mode(cases):
     # text mode keys top log-probs by token text: only the sampled log-probs are usable
     with pytest.raises(ProtocolError, match="token_id"):
         parse_generate_response(cases["generate_text_mode"]["response"], num_top_logprobs=1)
-    assert parse_generate_response(cases["generate_text_mode"]["response"], num_top_logprobs=0).top_logprobs is None
+    assert (
+        parse_generate_response(cases["generate_text_mode"]["response"], num_top_logprobs=0).top_logprobs
+        is None
+    )
 
 
 def test_generate_stream_fixture_matches_the_whole_response(cases):
@@ -128,12 +144,32 @@ def test_generate_missing_sampled_entry_and_sentinel():
                 "finish_reason": "stop",
                 "stop_reason": 7,
                 "sampling_mask": None,
-                "weight_versions": [{"version": "v1", "start": 0, "end": 2}, {"version": "v2", "start": 2, "end": 3}],
+                "weight_versions": [
+                    {"version": "v1", "start": 0, "end": 2},
+                    {"version": "v2", "start": 2, "end": 3},
+                ],
                 "logprobs": {
                     "content": [
                         {"token_id": 5, "logprob": -9999.0, "rank": None, "top_logprobs": []},
-                        {"token_id": 6, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 6, "logprob": -0.5, "rank": 1}, {"token_id": 9, "logprob": -9999.0, "rank": 2}]},
-                        {"token_id": 7, "logprob": -3.0, "rank": 4, "top_logprobs": [{"token_id": 7, "logprob": -3.0, "rank": 4}, {"token_id": 1, "logprob": -0.1, "rank": 1}, {"token_id": 2, "logprob": -0.2, "rank": 2}]},
+                        {
+                            "token_id": 6,
+                            "logprob": -0.5,
+                            "rank": 1,
+                            "top_logprobs": [
+                                {"token_id": 6, "logprob": -0.5, "rank": 1},
+                                {"token_id": 9, "logprob": -9999.0, "rank": 2},
+                            ],
+                        },
+                        {
+                            "token_id": 7,
+                            "logprob": -3.0,
+                            "rank": 4,
+                            "top_logprobs": [
+                                {"token_id": 7, "logprob": -3.0, "rank": 4},
+                                {"token_id": 1, "logprob": -0.1, "rank": 1},
+                                {"token_id": 2, "logprob": -0.2, "rank": 2},
+                            ],
+                        },
                     ]
                 },
             }
@@ -148,9 +184,25 @@ def test_generate_missing_sampled_entry_and_sentinel():
 
 
 def test_generate_old_dialect_token_strings():
-    body = {"choices": [{"token_ids": [11], "logprobs": {"content": [
-        {"token": "token_id:11", "logprob": -1.0, "top_logprobs": [{"token": "token_id:11", "logprob": -1.0}, {"token": "token_id:3", "logprob": -0.3}]}
-    ]}}]}
+    body = {
+        "choices": [
+            {
+                "token_ids": [11],
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "token_id:11",
+                            "logprob": -1.0,
+                            "top_logprobs": [
+                                {"token": "token_id:11", "logprob": -1.0},
+                                {"token": "token_id:3", "logprob": -0.3},
+                            ],
+                        }
+                    ]
+                },
+            }
+        ]
+    }
     out = parse_generate_response(body, num_top_logprobs=1)
     assert out.top_logprobs == [{3: -0.3}]
     assert out.weight_versions is None and out.finish_reason is None
@@ -182,10 +234,22 @@ def test_completions_fixture_string_keys_give_no_top_logprobs(cases):
 
 
 def test_completions_token_id_keys_are_mapped():
-    body = {"id": "cmpl-1", "choices": [{"token_ids": None, "finish_reason": "length", "stop_reason": None,
-        "weight_versions": [{"version": "default", "start": 0, "end": 2}],
-        "logprobs": {"tokens": ["token_id:4", "token_id:8"], "token_logprobs": [-2.0, None],
-                     "top_logprobs": [{"token_id:4": -2.0, "token_id:1": -0.5}, None]}}]}
+    body = {
+        "id": "cmpl-1",
+        "choices": [
+            {
+                "token_ids": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "weight_versions": [{"version": "default", "start": 0, "end": 2}],
+                "logprobs": {
+                    "tokens": ["token_id:4", "token_id:8"],
+                    "token_logprobs": [-2.0, None],
+                    "top_logprobs": [{"token_id:4": -2.0, "token_id:1": -0.5}, None],
+                },
+            }
+        ],
+    }
     out = parse_completions_response(body, num_top_logprobs=1)
     assert out.token_ids == [4, 8]
     assert out.logprobs == [-2.0, -math.inf]
@@ -200,12 +264,23 @@ def test_completions_without_token_ids_is_an_error(cases):
 
 
 def test_request_builders_send_every_sampling_field():
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=8, seed=3, logprobs=5, stop_token_ids=(2,))
+    params = SamplingParams(
+        temperature=0.7, top_k=20, top_p=0.9, max_tokens=8, seed=3, logprobs=5, stop_token_ids=(2,)
+    )
     body = build_generate_request([1, 2], params, dialect=(0, 33, 0), request_id="r1")
     assert body == {
         "token_ids": [1, 2],
-        "sampling_params": {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,
-                            "max_tokens": 8, "seed": 3, "logprobs": 5, "stop_token_ids": [2]},
+        "sampling_params": {
+            "temperature": 0.7,
+            "top_k": 20,
+            "top_p": 0.9,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "max_tokens": 8,
+            "seed": 3,
+            "logprobs": 5,
+            "stop_token_ids": [2],
+        },
         "output_mode": "tokens",
         "request_id": "r1",
     }
@@ -219,27 +294,39 @@ def test_request_builders_send_every_sampling_field():
 def test_metrics_fixture_sums_engines():
     text = (FIXTURES / "metrics-0.33.0.txt").read_text()
     m = parse_metrics(text)
-    assert (m.kv_cache_usage_frac, m.num_requests_running, m.num_requests_waiting, m.num_preemptions) == (0.0, 0.0, 0.0, 0.0)
+    assert (m.kv_cache_usage_frac, m.num_requests_running, m.num_requests_waiting, m.num_preemptions) == (
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )
     two = (
-        '# TYPE vllm:num_requests_running gauge\n'
+        "# TYPE vllm:num_requests_running gauge\n"
         'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
         'vllm:num_requests_running{engine="1",model_name="m"} 4.0\n'
-        '# TYPE vllm:kv_cache_usage_perc gauge\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
         'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n'
-        '# TYPE vllm:num_preemptions_total counter\n'
+        "# TYPE vllm:num_preemptions_total counter\n"
         'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
         'vllm:num_preemptions_total{engine="1",model_name="m"} 5.0\n'
     )
     m = parse_metrics(two)
-    assert (m.kv_cache_usage_frac, m.num_requests_running, m.num_requests_waiting, m.num_preemptions) == (0.75, 7.0, None, 7.0)
+    assert (m.kv_cache_usage_frac, m.num_requests_running, m.num_requests_waiting, m.num_preemptions) == (
+        0.75,
+        7.0,
+        None,
+        7.0,
+    )
 
 
 def test_error_message_shapes(cases):
     assert error_message(json.dumps(cases["completion_while_paused_abort"]["response"])) == (
         "Generation is paused. Please retry after it resumes."
     )
-    assert "InternalServerError" in error_message(json.dumps(cases["completions_greedy_INVALID_with_sampling_mask"]["response"]))
+    assert "InternalServerError" in error_message(
+        json.dumps(cases["completions_greedy_INVALID_with_sampling_mask"]["response"])
+    )
     assert error_message('{"error": "engine dead"}') == "engine dead"
     assert error_message('{"detail": "Not Found"}') == "Not Found"
     assert error_message("plain text") == "plain text"
@@ -248,12 +335,24 @@ def test_error_message_shapes(cases):
 def test_transfer_init_round_trip_and_validation():
     uid = bytes(range(128))
     nccl = TransferInit("nccl", 2, nccl_unique_id=uid, buffer_size_bytes=4096).to_init_info()
-    assert nccl == {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1, "world_size": 2,
-                    "packed": True, "packed_buffer_size_bytes": 4096, "packed_num_buffers": 2}
+    assert nccl == {
+        "nccl_unique_id_b64": base64.b64encode(uid).decode(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "packed": True,
+        "packed_buffer_size_bytes": 4096,
+        "packed_num_buffers": 2,
+    }
     assert TransferInit.from_init_info(nccl).nccl_unique_id == uid
     gloo = TransferInit("gloo", 3, master_address="127.0.0.1", master_port=1234, packed=False).to_init_info()
-    assert gloo == {"backend": "gloo", "master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1,
-                    "world_size": 3, "packed": False}
+    assert gloo == {
+        "backend": "gloo",
+        "master_address": "127.0.0.1",
+        "master_port": 1234,
+        "rank_offset": 1,
+        "world_size": 3,
+        "packed": False,
+    }
     parsed = TransferInit.from_init_info(gloo)
     assert (parsed.backend, parsed.world_size, parsed.packed, parsed.master_port) == ("gloo", 3, False, 1234)
     bad = [

@@ -1,7 +1,7 @@
 """Talking to the inference server (vLLM or the embedded server).
 
-    protocol.py  pure: request bodies, response parsers, SamplingParams / TurnOutput / ServerInfo
-    client.py    GenerationClient: the only HTTP client of the project (aiohttp, async, retries)
+protocol.py  pure: request bodies, response parsers, SamplingParams / TurnOutput / ServerInfo
+client.py    GenerationClient: the only HTTP client of the project (aiohttp, async, retries)
 """
 
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError

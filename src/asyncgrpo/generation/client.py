@@ -181,8 +181,18 @@ class GenerationClient:
                     raise ServerRequestError(method, path, status, message)
                 reason = f"HTTP {status}: {message}"
             attempt += 1
-            delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (1.0 + 0.5 * self._rng.random())
-            logger.warning("%s %s failed (%s); retry %d/%d in %.2fs", method, path, reason, attempt, self.max_retries, delay)
+            delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (
+                1.0 + 0.5 * self._rng.random()
+            )
+            logger.warning(
+                "%s %s failed (%s); retry %d/%d in %.2fs",
+                method,
+                path,
+                reason,
+                attempt,
+                self.max_retries,
+                delay,
+            )
             if self.on_retry is not None:
                 self.on_retry()
             await asyncio.sleep(delay)
@@ -238,9 +248,13 @@ class GenerationClient:
         `self.info`. Warns when log-probs are not `processed_logprobs`."""
         version, dialect = parse_version(await self._get_json("/version"))
         model_name, max_model_len = parse_models(await self._get_json("/v1/models"))
-        status, text = await self._request("GET", "/server_info", params={"config_format": "json"}, pass_statuses=frozenset({404}))
+        status, text = await self._request(
+            "GET", "/server_info", params={"config_format": "json"}, pass_statuses=frozenset({404})
+        )
         config = parse_server_info(self._json("/server_info", text)) if status == 200 else None
-        status, text = await self._request("GET", "/get_world_size", params={"include_dp": "true"}, pass_statuses=frozenset({404}))
+        status, text = await self._request(
+            "GET", "/get_world_size", params={"include_dp": "true"}, pass_statuses=frozenset({404})
+        )
         world_size = parse_world_size(self._json("/get_world_size", text)) if status == 200 else None
         status, _ = await self._request("GET", "/metrics", pass_statuses=frozenset({404}))
         has_metrics = status == 200
@@ -249,7 +263,9 @@ class GenerationClient:
             version=version,
             dialect=dialect,
             model_name=model_name,
-            max_model_len=max_model_len if max_model_len is not None or config is None else config.max_model_len,
+            max_model_len=max_model_len
+            if max_model_len is not None or config is None
+            else config.max_model_len,
             dtype=config.dtype if config else None,
             logprobs_mode=config.logprobs_mode if config else None,
             supports_generate=supports_generate,
@@ -273,7 +289,12 @@ class GenerationClient:
             )
         logger.info(
             "server %s: version %s, model %s, max_model_len %s, generate route %s, sampling masks %s",
-            self.base_url, version, model_name, info.max_model_len, supports_generate, info.supports_sampling_mask,
+            self.base_url,
+            version,
+            model_name,
+            info.max_model_len,
+            supports_generate,
+            info.supports_sampling_mask,
         )
         self.info = info
         return info
@@ -282,7 +303,9 @@ class GenerationClient:
         """The token-in/token-out route exists unless a one-token request answers 404/403."""
         params = SamplingParams(temperature=1.0, top_k=1, max_tokens=1, seed=0, logprobs=None)
         body = build_generate_request([0], params, dialect=(0, 0, 0))
-        status, _ = await self._request("POST", GENERATE_PATH, json_body=body, pass_statuses=frozenset({400, 403, 404}))
+        status, _ = await self._request(
+            "POST", GENERATE_PATH, json_body=body, pass_statuses=frozenset({400, 403, 404})
+        )
         return status not in (403, 404)
 
     # ---------------------------------------------------------------------------------- generation
@@ -312,14 +335,20 @@ class GenerationClient:
             )
         k = params.logprobs
         if info.supports_generate:
-            body = build_generate_request(prompt_ids, params, dialect=info.dialect, request_id=request_id, model=model)
+            body = build_generate_request(
+                prompt_ids, params, dialect=info.dialect, request_id=request_id, model=model
+            )
             data = await self._post_json(GENERATE_PATH, body, retry_timeout=True)
             out = parse_generate_response(data, num_top_logprobs=k)
             if params.return_sampling_mask and out.sampling_mask is None:
                 raise ProtocolError(f"{GENERATE_PATH}: sampling masks were needed but the response has none")
             return out
         body = build_completions_request(
-            prompt_ids, params, model=model or info.model_name, max_model_len=info.max_model_len, request_id=request_id
+            prompt_ids,
+            params,
+            model=model or info.model_name,
+            max_model_len=info.max_model_len,
+            request_id=request_id,
         )
         data = await self._post_json(COMPLETIONS_PATH, body, retry_timeout=True)
         out = parse_completions_response(data, num_top_logprobs=k)

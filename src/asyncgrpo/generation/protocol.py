@@ -207,7 +207,10 @@ def parse_generate_response(body: dict[str, Any], *, num_top_logprobs: int | Non
             top = []
             for i, entry in enumerate(content):
                 where = f"{GENERATE_PATH} token {i}"
-                items = [(_entry_token_id(t, where), _logprob(t.get("logprob"))) for t in entry.get("top_logprobs") or []]
+                items = [
+                    (_entry_token_id(t, where), _logprob(t.get("logprob")))
+                    for t in entry.get("top_logprobs") or []
+                ]
                 top.append(_top_k_only(items, num_top_logprobs))
     mask = choice.get("sampling_mask")
     return TurnOutput(
@@ -538,13 +541,17 @@ class TransferInit:
                     "for NCCL, which needs vLLM on the trainer"
                 )
             if address is not None or port is not None:
-                raise bad("give exactly one rendezvous: 'nccl_unique_id_b64' or 'master_address'/'master_port'")
+                raise bad(
+                    "give exactly one rendezvous: 'nccl_unique_id_b64' or 'master_address'/'master_port'"
+                )
             try:
                 uid = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
             except (binascii.Error, ValueError) as exc:
                 raise bad(f"'nccl_unique_id_b64' is not standard base64: {exc}") from None
             if len(uid) != NCCL_UNIQUE_ID_BYTES:
-                raise bad(f"'nccl_unique_id_b64' decodes to {len(uid)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+                raise bad(
+                    f"'nccl_unique_id_b64' decodes to {len(uid)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
+                )
         else:
             if not isinstance(address, str) or not address:
                 raise bad("'master_address' (the trainer's TCPStore host) is required for backend 'gloo'")

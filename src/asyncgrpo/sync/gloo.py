@@ -20,7 +20,14 @@ import logging
 import socket
 
 import torch
-from torch.distributed import AllreduceOptions, BroadcastOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
+from torch.distributed import (
+    AllreduceOptions,
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    ReduceOp,
+    TCPStore,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -135,12 +135,16 @@ class NcclCommunicator:
         library_path: str | None = None,
     ) -> None:
         if device.type != "cuda":
-            raise ValueError(f"the NCCL weight transfer needs a CUDA device, got {device}; use backend 'gloo' on CPU")
+            raise ValueError(
+                f"the NCCL weight transfer needs a CUDA device, got {device}; use backend 'gloo' on CPU"
+            )
         if len(unique_id) != 128:
             raise ValueError(f"ncclUniqueId must be 128 bytes, got {len(unique_id)}")
         self._lib = load_nccl(library_path)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.device = torch.device(
+            "cuda", device.index if device.index is not None else torch.cuda.current_device()
+        )
         self._comm: ctypes.c_void_p | None = None
 
         uid = NcclUniqueId()
@@ -190,7 +194,9 @@ class NcclCommunicator:
         dtype = self._check_tensor(tensor)
         ptr = ctypes.c_void_p(tensor.data_ptr())
         self._lib.check(
-            self._lib.ncclAllReduce(ptr, ptr, tensor.numel(), dtype, NCCL_SUM, self._comm, ctypes.c_void_p(self._stream())),
+            self._lib.ncclAllReduce(
+                ptr, ptr, tensor.numel(), dtype, NCCL_SUM, self._comm, ctypes.c_void_p(self._stream())
+            ),
             "ncclAllReduce",
         )
 
@@ -199,7 +205,9 @@ class NcclCommunicator:
         dtype = self._check_tensor(tensor)
         ptr = ctypes.c_void_p(tensor.data_ptr())
         self._lib.check(
-            self._lib.ncclBroadcast(ptr, ptr, tensor.numel(), dtype, src, self._comm, ctypes.c_void_p(self._stream())),
+            self._lib.ncclBroadcast(
+                ptr, ptr, tensor.numel(), dtype, src, self._comm, ctypes.c_void_p(self._stream())
+            ),
             "ncclBroadcast",
         )
 

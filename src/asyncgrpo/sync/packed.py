@@ -193,4 +193,6 @@ def iter_packed_chunks(
         yield pack(parts)
     leftover = next(it, None)
     if leftover is not None:
-        raise ValueError(f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors")
+        raise ValueError(
+            f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors"
+        )

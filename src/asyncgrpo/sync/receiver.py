@@ -57,13 +57,19 @@ class WeightReceiver:
                 f"world_size {config.world_size}"
             )
         if self._comm is not None:
-            raise RuntimeError("weight transfer is already initialised; shut it down before initialising again")
+            raise RuntimeError(
+                "weight transfer is already initialised; shut it down before initialising again"
+            )
         if config.backend == "nccl":
             from asyncgrpo.sync.nccl import NcclCommunicator
 
             assert config.nccl_unique_id is not None
             comm: Communicator = NcclCommunicator(
-                config.nccl_unique_id, rank=rank, world_size=config.world_size, device=self.device, timeout_s=self.timeout_s
+                config.nccl_unique_id,
+                rank=rank,
+                world_size=config.world_size,
+                device=self.device,
+                timeout_s=self.timeout_s,
             )
         else:
             from asyncgrpo.sync.gloo import GlooCommunicator
@@ -85,7 +91,11 @@ class WeightReceiver:
             raise
         self._comm, self.config, self._broken, self._last_metas = comm, config, None, None
         logger.info(
-            "weight transfer joined: backend %s, rank %d of %d, packed %s", config.backend, rank, config.world_size, config.packed
+            "weight transfer joined: backend %s, rank %d of %d, packed %s",
+            config.backend,
+            rank,
+            config.world_size,
+            config.packed,
         )
 
     def receive(self, update_info: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,11 +105,15 @@ class WeightReceiver:
         if self._comm is None or self.config is None:
             raise RuntimeError("weight transfer is not initialised: call init_weight_transfer_engine first")
         if self._broken is not None:
-            raise RuntimeError(f"weight transfer group is out of step ({self._broken}); shut it down and initialise again")
+            raise RuntimeError(
+                f"weight transfer group is out of step ({self._broken}); shut it down and initialise again"
+            )
         metas = metas_from_update_info(update_info)
         if not metas:
             if self._last_metas is None:
-                raise ValueError("Invalid update_info: empty lists reuse the previous metadata, but there is none yet")
+                raise ValueError(
+                    "Invalid update_info: empty lists reuse the previous metadata, but there is none yet"
+                )
             metas = self._last_metas
         self._last_metas = metas
         return self._receive(metas)

@@ -88,11 +88,17 @@ class WeightSender:
                 )
             uid = get_unique_id(load_nccl())
             config = TransferInit(
-                "nccl", world_size, packed=self.packed, buffer_size_bytes=self.buffer_size_bytes, nccl_unique_id=uid
+                "nccl",
+                world_size,
+                packed=self.packed,
+                buffer_size_bytes=self.buffer_size_bytes,
+                nccl_unique_id=uid,
             )
 
             def make() -> Communicator:
-                return NcclCommunicator(uid, rank=0, world_size=world_size, device=self.device, timeout_s=self.timeout_s)
+                return NcclCommunicator(
+                    uid, rank=0, world_size=world_size, device=self.device, timeout_s=self.timeout_s
+                )
 
         else:
             from asyncgrpo.sync.gloo import GlooCommunicator, host_store
@@ -141,21 +147,30 @@ class WeightSender:
         self._comm, self._broken = local.result(), None
         logger.info(
             "weight transfer group up (%s, %d ranks, packed %s) in %.2fs",
-            self.backend, world_size, self.packed, time.monotonic() - t0,
+            self.backend,
+            world_size,
+            self.packed,
+            time.monotonic() - t0,
         )
 
     async def _both(self, server: asyncio.Future, local: asyncio.Future, what: str) -> None:
         """Wait for the server's HTTP call and our own part; the first failure raises at once."""
-        done, pending = await asyncio.wait({server, local}, timeout=self.timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        done, pending = await asyncio.wait(
+            {server, local}, timeout=self.timeout_s, return_when=asyncio.FIRST_EXCEPTION
+        )
         failed = [f for f in done if f.exception() is not None]
         if failed or pending:
             server.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(server, return_exceptions=True)
         if server in failed:
-            raise WeightTransferError(f"{what}: the server failed: {server.exception()}") from server.exception()
+            raise WeightTransferError(
+                f"{what}: the server failed: {server.exception()}"
+            ) from server.exception()
         if local in failed:
-            raise WeightTransferError(f"{what}: the trainer side failed: {local.exception()}") from local.exception()
+            raise WeightTransferError(
+                f"{what}: the trainer side failed: {local.exception()}"
+            ) from local.exception()
         if pending:
             raise TimeoutError(
                 f"{what} did not complete within {self.timeout_s:.0f}s; check the server log, and raise "
@@ -181,13 +196,17 @@ class WeightSender:
         if self._comm is None:
             raise RuntimeError("WeightSender.init() must complete before push()")
         if self._broken is not None:
-            raise WeightTransferError(f"the transfer group is out of step ({self._broken}); close() and init() again")
+            raise WeightTransferError(
+                f"the transfer group is out of step ({self._broken}); close() and init() again"
+            )
         if metas is None:
             named_tensors = list(named_tensors)
             metas = [TensorMeta.of(name, tensor) for name, tensor in named_tensors]
         metas = list(metas)
         if not metas:
-            raise ValueError("push() needs at least one tensor (empty lists mean 'reuse the last metadata' to vLLM)")
+            raise ValueError(
+                "push() needs at least one tensor (empty lists mean 'reuse the last metadata' to vLLM)"
+            )
         update_info = update_info_from_metas(metas)  # checks every dtype can be sent
         t0 = time.monotonic()
         await self._client.start_weight_update()
@@ -209,9 +228,13 @@ class WeightSender:
             for buffer in self._buffers(metas, named_tensors):
                 if update.done():
                     update.result()  # the server failed: raise its error
-                    raise WeightTransferError("the server finished update_weights before receiving every chunk")
+                    raise WeightTransferError(
+                        "the server finished update_weights before receiving every chunk"
+                    )
                 sent = asyncio.ensure_future(asyncio.to_thread(self._send, buffer, stream))
-                await asyncio.wait({sent, update}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {sent, update}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if update.done() and update.exception() is not None:
                     update.result()  # the server failed mid-transfer: raise its error
                 if update.done() and not sent.done():  # its reply may overtake our last broadcast's return
@@ -234,11 +257,23 @@ class WeightSender:
         nbytes = sum(m.nbytes for m in metas)
         logger.info(
             "pushed weights %s: %d tensors, %.1f MB in %d chunks, %.2fs (%s)",
-            version, len(metas), nbytes / 1e6, num_chunks, transfer_s, reply.get("message", "ok"),
+            version,
+            len(metas),
+            nbytes / 1e6,
+            num_chunks,
+            transfer_s,
+            reply.get("message", "ok"),
         )
-        return {"transfer_s": transfer_s, "bytes": float(nbytes), "num_tensors": float(len(metas)), "num_chunks": float(num_chunks)}
+        return {
+            "transfer_s": transfer_s,
+            "bytes": float(nbytes),
+            "num_tensors": float(len(metas)),
+            "num_chunks": float(num_chunks),
+        }
 
-    def _buffers(self, metas: list[TensorMeta], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    def _buffers(
+        self, metas: list[TensorMeta], named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[torch.Tensor]:
         """What travels, in order: packed uint8 chunks, or (unpacked) each tensor as is."""
         if self.packed:
             yield from iter_packed_chunks(metas, named_tensors, self.buffer_size_bytes, self.device)
@@ -252,7 +287,9 @@ class WeightSender:
             check_tensor(meta, name, tensor)
             yield tensor.to(self.device).contiguous()
         if next(it, None) is not None:
-            raise ValueError(f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors")
+            raise ValueError(
+                f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors"
+            )
 
     def _send(self, buffer: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """Broadcast one buffer and wait for it (worker thread). On CUDA it is enqueued on the
