@@ -44,11 +44,12 @@ class RolloutState:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{source} is not valid JSON ({exc}); delete it to restart the prompt stream") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
-        missing = [k for k in ("trained_position", "model_version") if k not in data]
+        keys = ("trained_position", "model_version")
+        missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys)
         if missing:
-            raise ValueError(f"{source} lacks {missing}; expected keys trained_position and model_version")
+            raise ValueError(
+                f"{source} must hold a JSON object with keys {list(keys)}; missing {missing} in {text[:80]!r}"
+            )
         try:
             return cls(trained_position=data["trained_position"], model_version=data["model_version"])
         except ValueError as exc:

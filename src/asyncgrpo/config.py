@@ -358,7 +358,7 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _validate(args: AsyncGRPOConfig) -> None:  # noqa: C901 - a flat list of independent checks
+def _validate(args: AsyncGRPOConfig) -> None:
     _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
     _require(
         args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,

@@ -193,7 +193,7 @@ def reduction_for(name: str) -> str:
 
 
 class _Accumulator:
-    __slots__ = ("kind", "total", "weight", "extreme", "num_values")
+    __slots__ = ("extreme", "kind", "num_values", "total", "weight")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind

@@ -30,7 +30,7 @@ batch/packing_ratio batch/pad_frac batch/dropped_oversize_count perf/step_s perf
 perf/optimizer_s perf/rollout_wait_s perf/weight_sync_s perf/weight_sync_pause_s perf/weight_sync_barrier_s
 perf/weight_sync_transfer_s perf/fwd_bwd_forwarded_tokens_per_s perf/wall_clock_forwarded_tokens_per_s
 perf/wall_clock_trained_tokens_per_s perf/fwd_bwd_mfu perf/wall_clock_mfu
-""".split()
+""".split()  # noqa: SIM905
 
 
 def test_every_seed_metric_has_a_constant():

@@ -138,6 +138,16 @@ class Scaled:
         return [1.0] * len(completions)
 
 
+class AsyncJudge:
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.25] * len(completions)
+
+
+def test_callable_instances_with_async_call_are_awaited():
+    np.testing.assert_array_equal(score(make_group(2), [AsyncJudge(), Scaled()]).totals, [1.25, 1.25])
+
+
 def test_names_of_partials_instances_and_duplicates():
     names = reward_func_names([length_reward, functools.partial(length_reward), Scaled(), length_reward])
     assert names == ["length_reward", "length_reward_1", "Scaled", "length_reward_2"]

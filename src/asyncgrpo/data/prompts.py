@@ -61,8 +61,8 @@ def is_iterable_dataset(dataset: Any) -> bool:
 
 def check_prompt(prompt: Any, where: str = "prompt") -> None:
     """Raise `ValueError` unless `prompt` is a non-empty list of {"role", "content"} message dicts."""
-    if isinstance(prompt, str):
-        raise ValueError(
+    if isinstance(prompt, str):  # a wrong type, but reported like every other dataset problem
+        raise ValueError(  # noqa: TRY004
             f"{where} is a plain string ({prompt[:40]!r}...); prompts must be conversational: a list of "
             f"{{'role', 'content'}} messages. Convert the dataset with: {_CONVERT_HINT}"
         )

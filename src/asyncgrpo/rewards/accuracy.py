@@ -6,8 +6,8 @@ plain expression, so "85", "\frac{1}{2}" and a worked solution ending in "\boxed
 completion's final answer (its last assistant message) must be in LaTeX, `\boxed{}` tried first;
 equivalent forms match (`\boxed{0.5}` is right for a gold of `1/2`).
 
-Values: 1.0 right, 0.0 wrong, None when the gold cannot be parsed or verification fails, which
-excludes the rollout from this reward (None semantics of the reward sum).
+Values: 1.0 right, 0.0 wrong (an unparseable answer is wrong), None when the gold cannot be parsed,
+which excludes the rollout from this reward (None semantics of the reward sum).
 
 math-verify guards parsing with SIGALRM-based timeouts, which only work in a process's main thread;
 reward functions run in worker threads, so timeouts are disabled here. Keep completions bounded
@@ -16,13 +16,10 @@ reward functions run in worker threads, so timeouts are disabled here. Keep comp
 
 from __future__ import annotations
 
-import logging
 from functools import lru_cache
 from typing import Any
 
 from asyncgrpo.rewards.format import last_assistant_text
-
-logger = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=1)
@@ -71,11 +68,8 @@ def score_answer(completion: Any, solution: Any = None, answer: Any = None) -> f
     if not gold:
         return None
     predicted = _parse(last_assistant_text(completion), answer_config)
-    try:
-        return float(verify(gold, predicted, timeout_seconds=None))
-    except Exception as exc:  # math-verify raises on odd sympy objects; the rollout is left unscored
-        logger.warning("math-verify could not compare %r with %r (%s); reward None", gold, predicted, exc)
-        return None
+    # verify() catches comparison errors itself (raise_on_error=False) and answers False
+    return float(verify(gold, predicted, timeout_seconds=None))
 
 
 def accuracy_reward(

@@ -67,7 +67,7 @@ def reward_func_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
 
 
 def _is_async(func: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 def _to_array(values: Any, name: str, n: int) -> np.ndarray:
