@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo import metrics as M
+from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.rollout.reconcile import ReconciledRollout
 from asyncgrpo.types import Rollout, TurnRecord
 
@@ -236,6 +237,44 @@ def apply_reset_output(prompt: list[dict[str, Any]], output: Any) -> list[dict[s
     return messages
 
 
+async def run_in_environment(
+    pool: EnvironmentPool,
+    row: Mapping[str, Any],
+    prompt: list[dict[str, Any]],
+    tools: Sequence[Callable],
+    *,
+    generate: Callable[[list[dict[str, Any]], list[Callable]], Awaitable[Any]],
+    executor: Executor,
+    record: Callable[[M.MetricRecord], None],
+) -> tuple[Any, tuple[type, Any] | None, list[dict[str, Any]]]:
+    """Run one rollout inside an environment instance taken from `pool`.
+
+    `reset(**row)` (the row's columns but "prompt" and "environment") may extend the prompt; the
+    environment's public methods join `tools`; `get_reward()` (when defined) scores the rollout.
+
+    Returns:
+        `generate`'s rollout, `(environment class, reward)` or None, and the prompt that was used.
+    """
+    name = pool.select(row)
+    env = pool.acquire(name)
+    try:
+        start = time.perf_counter()
+        reset_kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+        reset_output = await call_maybe_async(env.reset, executor, **reset_kwargs)
+        record(M.metric(M.ENV_RESET_S, time.perf_counter() - start))
+        env_prompt = apply_reset_output(prompt, reset_output)
+        rollout = await generate(env_prompt, [*tools, *environment_tools(env)])
+        env_reward = None
+        if callable(getattr(env, "get_reward", None)):
+            start = time.perf_counter()
+            value = await call_maybe_async(env.get_reward, executor)
+            record(M.metric(M.ENV_REWARD_S, time.perf_counter() - start))
+            env_reward = (type(env), value)
+        return rollout, env_reward, env_prompt
+    finally:
+        pool.release(name, env)
+
+
 # -- the default generate_one ---------------------------------------------------------------------
 
 
@@ -246,6 +285,27 @@ def request_seed(base_seed: int, position: int, rollout_index: int, turn_index: 
     """
     key = f"{base_seed}:{position}:{rollout_index}:{turn_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def sampling_params(config: Any, *, seed: int, eos_token_ids: Sequence[int], return_sampling_mask: bool) -> SamplingParams:
+    """The request settings of one turn from the config's sampling fields.
+
+    Top-K sampler log-probs (`num_sampler_logprobs`) are asked for only with `score_centering`; the
+    request stops at any of `eos_token_ids` and is capped at `max_completion_length` new tokens.
+    """
+    score_centering = bool(getattr(config, "score_centering", False))
+    return SamplingParams(
+        temperature=float(config.temperature),
+        top_k=int(config.top_k or 0),
+        top_p=float(config.top_p),
+        min_p=float(config.min_p or 0.0),
+        max_tokens=int(config.max_completion_length),
+        seed=seed,
+        logprobs=int(config.num_sampler_logprobs) if score_centering else 0,
+        repetition_penalty=float(getattr(config, "repetition_penalty", None) or 1.0),
+        stop_token_ids=tuple(int(t) for t in eos_token_ids),
+        return_sampling_mask=return_sampling_mask,
+    )
 
 
 async def run_tool_loop(

@@ -46,12 +46,11 @@ from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
-    apply_reset_output,
-    call_maybe_async,
-    environment_tools,
     generation_records,
     request_seed,
+    run_in_environment,
     run_tool_loop,
+    sampling_params,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
 from asyncgrpo.rollout.rewards import reward_func_names, score_group
@@ -186,8 +185,6 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings and a unique seed."""
-        from asyncgrpo.generation.protocol import SamplingParams
-
         client, info = await self._server()
         config = self.config
         context = _CURRENT_ROLLOUT.get()
@@ -197,18 +194,8 @@ class AsyncRolloutLoop:
         else:  # called outside a rollout (e.g. by a custom hook): still never repeat a seed
             self._request_counter += 1
             seed = request_seed(int(config.seed), -1, self._request_counter, 0)
-        score_centering = bool(getattr(config, "score_centering", False))
-        params = SamplingParams(
-            temperature=float(config.temperature),
-            top_k=int(config.top_k or 0),
-            top_p=float(config.top_p),
-            min_p=float(config.min_p or 0.0),
-            max_tokens=int(config.max_completion_length),
-            seed=seed,
-            logprobs=int(config.num_sampler_logprobs) if score_centering else 0,
-            repetition_penalty=float(getattr(config, "repetition_penalty", 1.0) or 1.0),
-            stop_token_ids=tuple(self.eos_token_ids),
-            return_sampling_mask=self._wants_candidates(info),
+        params = sampling_params(
+            config, seed=seed, eos_token_ids=self.eos_token_ids, return_sampling_mask=self._wants_candidates(info)
         )
         out = await client.generate(list(prompt_ids), params, **self._model_kwargs())
         return TurnRecord(
@@ -216,7 +203,7 @@ class AsyncRolloutLoop:
             output_ids=list(out.token_ids),
             output_log_probs=list(out.logprobs or []),
             output_sampling_mask=out.sampling_mask if params.return_sampling_mask else None,
-            output_sampler_logprobs=out.top_logprobs if score_centering else None,
+            output_sampler_logprobs=out.top_logprobs if params.logprobs else None,
         )
 
     # -- run --------------------------------------------------------------------------------------
@@ -229,9 +216,9 @@ class AsyncRolloutLoop:
         self._score_queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._executor = ThreadPoolExecutor(self.max_concurrent_rollouts, thread_name_prefix="asyncgrpo-tool")
         self._rate_mark = time.perf_counter()
-        background: list[asyncio.Task] = [self._spawn(self._heartbeat(), "heartbeat")]
+        background = [self._spawn(self._heartbeat(), "heartbeat"), self._spawn(self.setup(), "setup")]
         try:
-            await self._until_stopped_or_failed(self._spawn(self.setup(), "setup"))
+            await self._until_stopped_or_failed(background[-1])
             if self._stopping():
                 return
             background.append(self._spawn(self._dispatch(), "dispatcher"))
@@ -409,12 +396,18 @@ class AsyncRolloutLoop:
             yield PromptItem(position, 0, position, {}, bool(self.filter_prompt(position, {}, 0)))
 
     async def _dispatch(self) -> None:
-        for item in self._prompt_stream():
-            if not item.accepted:
+        """Admit, then take the next accepted prompt (so `filter_prompt` sees the latest scores)."""
+        stream = self._prompt_stream()
+        while True:
+            await self._admit(self.num_generations)
+            for item in stream:
+                if item.accepted:
+                    break
                 self._put_sample_item(GroupFinished(item.position, item.row_index, 0))
                 await asyncio.sleep(0)  # a long run of rejected prompts must not starve the heartbeat
-                continue
-            await self._admit(self.num_generations)
+            else:
+                logger.info("the prompt stream ended: no new rollouts will start")
+                return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
             self._in_flight += self.num_generations
             self._num_groups_generating += 1
@@ -422,7 +415,6 @@ class AsyncRolloutLoop:
             task = self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
             self._group_tasks.add(task)
             task.add_done_callback(self._group_tasks.discard)
-        raise RuntimeError("the prompt stream ended; the rollout process cycles through epochs until stopped")
 
     # -- one group --------------------------------------------------------------------------------
 
@@ -470,24 +462,16 @@ class AsyncRolloutLoop:
             if self._environments is None:
                 rollout = await self.generate_one(prompt, list(self.tools), group_id)
                 return self._checked(rollout), None, prompt
-            name = self._environments.select(row)
-            env = self._environments.acquire(name)
-            try:
-                t0 = time.perf_counter()
-                reset_kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
-                reset_output = await call_maybe_async(env.reset, self._executor, **reset_kwargs)
-                self._record(M.ENV_RESET_S, time.perf_counter() - t0)
-                env_prompt = apply_reset_output(prompt, reset_output)
-                rollout = self._checked(await self.generate_one(env_prompt, [*self.tools, *environment_tools(env)], group_id))
-                env_reward = None
-                if callable(getattr(env, "get_reward", None)):
-                    t0 = time.perf_counter()
-                    value = await call_maybe_async(env.get_reward, self._executor)
-                    self._record(M.ENV_REWARD_S, time.perf_counter() - t0)
-                    env_reward = (type(env), value)
-                return rollout, env_reward, env_prompt
-            finally:
-                self._environments.release(name, env)
+            rollout, env_reward, env_prompt = await run_in_environment(
+                self._environments,
+                row,
+                prompt,
+                self.tools,
+                generate=lambda p, t: self.generate_one(p, t, group_id),
+                executor=self._executor,
+                record=self.channel.metrics.put,
+            )
+            return self._checked(rollout), env_reward, env_prompt
         finally:
             self._in_flight -= 1
             if self._kv_cap is not None:
@@ -538,6 +522,8 @@ class AsyncRolloutLoop:
         if not dropped:
             num_samples = self._queue_samples(pending, advantages)
         self._put_sample_item(GroupFinished(pending.position, group.row_index, num_samples))
+        if getattr(self.config, "log_completions", False):
+            self._log_completion(pending, advantages)
 
     def _queue_samples(self, pending: _Pending, advantages: np.ndarray) -> int:
         group = pending.group
@@ -564,6 +550,26 @@ class AsyncRolloutLoop:
 
     def _put_sample_item(self, item: Any) -> None:
         self.channel.samples.put(item)
+
+    def _log_completion(self, pending: _Pending, advantages: np.ndarray) -> None:
+        """`log_completions`: the group's first rollout, to `channel.extra["completions"]` if the trainer
+        made that queue, else to this process's log."""
+        group = pending.group
+        entry = {
+            "position": pending.position,
+            "group_id": group.group_id,
+            "model_version": group.model_version,
+            "prompt": group.prompts[0],
+            "completion": group.completions[0],
+            "reward": float(group.rewards[0]),
+            "advantage": float(advantages[0]),
+        }
+        completions_queue = getattr(self.channel, "extra", {}).get("completions")
+        if completions_queue is not None:
+            completions_queue.put(entry)
+        else:
+            text = " | ".join(str(m.get("content", "")) for m in group.completions[0])
+            logger.info("group %d (position %d), reward %.3f: %s", group.group_id, pending.position, entry["reward"], text)
 
     # -- metrics ----------------------------------------------------------------------------------
 
