@@ -31,6 +31,7 @@ def test_missing_prompt_column_says_how_to_add_one():
     with pytest.raises(ValueError, match="no 'prompt' column.*dataset.map"):
         validate_prompt_dataset(ds)
     validate_prompt_dataset(ds, prompt_required=False)  # environment_factory provides the prompt
+    validate_prompt_dataset(ds, environment=True)
 
 
 def test_plain_string_prompt_says_how_to_convert():

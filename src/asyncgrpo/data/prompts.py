@@ -89,14 +89,16 @@ def _column_names(dataset: Any, first_row: Mapping[str, Any]) -> list[str]:
     return list(names) if names else list(first_row)
 
 
-def validate_prompt_dataset(dataset: Any, *, prompt_required: bool = True) -> None:
+def validate_prompt_dataset(dataset: Any, *, prompt_required: bool = True, environment: bool = False) -> None:
     """Check a training dataset up front; raise `ValueError` that says how to fix it.
 
     Args:
         dataset: A `datasets.Dataset`, `datasets.IterableDataset` or a list of row dicts.
         prompt_required: False when an environment's `reset()` provides the prompt (the column may
             then be missing, but if present it must still be conversational).
+        environment: True when an `environment_factory` is given; same as `prompt_required=False`.
     """
+    prompt_required = prompt_required and not environment
     first = _first_row(dataset)
     if first is None:
         raise ValueError("train_dataset is empty; give at least one row")
