@@ -47,8 +47,6 @@ _EXTRA: dict[str, dict] = {
                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
     "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
 }
-# Run by default (the brief's three plus a sliding-window softcapped one and an MoE); the rest under -m slow.
-_FAST = ("qwen3", "llama", "qwen2", "gemma2", "qwen3_moe")
 
 
 def tiny_model(model_type: str, seed: int = 0):
@@ -106,10 +104,7 @@ def packed_logprobs(model, samples: list[Sample], backend: str = "dense") -> tor
     return torch.log_softmax(logits[row.pred_index], -1).gather(-1, row.target_ids[:, None])[:, 0]
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    [m if m in _FAST else pytest.param(m, marks=pytest.mark.slow) for m in sorted(SUPPORTED_MODEL_TYPES)],
-)
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
 def test_packed_logprobs_equal_unpacked(model_type):
     model = tiny_model(model_type)
     samples = grpo_like_samples(np.random.default_rng(1))

@@ -158,6 +158,11 @@ class TokenBudgetBatcher:
     def num_pending_samples(self) -> int:
         return sum(len(r.samples) for r in self._rows)
 
+    @property
+    def pending_samples(self) -> list[Sample]:
+        """Samples assigned to the open micro-batch, not emitted yet."""
+        return [s for r in self._rows for s in r.samples]
+
     def add(self, sample: Sample) -> list[MicroBatch]:
         """Assign one sample; returns the micro-batches this closed (zero or one)."""
         if sample.num_tokens > self.token_budget or sample.num_trained > self.max_trained_tokens:
