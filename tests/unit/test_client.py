@@ -371,13 +371,13 @@ def test_generation_timeouts_are_retried_but_control_timeouts_raise():
     async def slow_first(request, body):
         calls["n"] += 1
         if calls["n"] == 2:  # the first real request (after the detect probe) hangs
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(1.0)
         return web.json_response(CASES["generate"]["response"])
 
     async def main():
-        runner, url = await start_app(vllm_app(generate=slow_first, pause_delay_s=2.0))
+        runner, url = await start_app(vllm_app(generate=slow_first, pause_delay_s=1.0))
         try:
-            async with GenerationClient(url, timeout_s=0.5, backoff_s=0.01) as client:
+            async with GenerationClient(url, timeout_s=0.3, backoff_s=0.01) as client:
                 await client.detect()
                 out = await client.generate([1], SamplingParams(top_k=20))
                 with pytest.raises(TimeoutError, match="vllm_server_timeout"):
