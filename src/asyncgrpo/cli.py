@@ -24,6 +24,20 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="Require this bearer token on /v1 and /inference routes.")
     p.add_argument("--served-model-name", default=None, help="Name reported by /v1/models.")
     p.add_argument("--seed", type=int, default=0, help="Seed for requests that send none.")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU).",
+    )
+    p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
+    p.add_argument(
+        "--return-sampling-mask",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Return per-token candidate sets on the generate route, as vLLM's flag (requests then need "
+        "temperature > 0 and top_k > 0).",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_run_serve)
 

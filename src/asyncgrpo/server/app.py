@@ -1,0 +1,512 @@
+"""HTTP routes of the embedded server (aiohttp): the subset of vLLM 0.33's protocol asyncgrpo uses.
+
+Thin shell: request parsing and response shapes live in `protocol.py`, generation in the engine
+thread (`engine.py`), weight transfer in `weights.py`. Every handler only validates, hands work
+to the engine, awaits it and serialises the answer.
+
+    always        GET /health /version /v1/models /metrics, POST /v1/completions /tokenize /detokenize
+    scale-out     POST /inference/v1/generate (stream or not), /inference/v1/abort_requests
+    RL / dev      /pause /resume /is_paused /abort_requests /reset_prefix_cache /server_info
+                  /get_world_size /weight_info and the weight-transfer routes
+    not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import random
+import signal
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from asyncgrpo.server import protocol as P
+from asyncgrpo.server.engine import Engine, warm_up
+from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
+from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
+from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
+
+logger = logging.getLogger(__name__)
+
+BLOCK_SIZE = 16
+_GUARDED = ("/v1", "/v2", "/inference")
+_SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+def _sse(data: Any) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def _query_bool(request: web.Request, key: str, default: bool) -> bool:
+    value = request.query.get(key)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+class _Sink:
+    """Loop-side receiver of one request's engine events."""
+
+    def __init__(self, num_seqs: int, stream: bool) -> None:
+        self.stream = stream
+        self.remaining = num_seqs
+        self.done = asyncio.Event()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, events) -> None:
+        for ev in events:
+            if self.stream:
+                self.queue.put_nowait(ev)
+            if ev[3]:
+                self.remaining -= 1
+        if self.remaining <= 0:
+            self.done.set()
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
+        self.args = args
+        self.served = served
+        self.name = args.served_model_name or args.model
+        self.kv_tokens = kv_tokens
+        self.spec = P.ServerSpec(
+            served_name=self.name,
+            max_model_len=served.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_logprobs=args.max_logprobs,
+            vocab_size=served.vocab_size,
+            return_sampling_mask=args.return_sampling_mask,
+            eos_token_id=served.eos_token_id,
+            extra_eos_ids=served.extra_eos_ids,
+        )
+        self.metrics = ServerMetrics(self.name)
+        self.cache = PagedKVCache(
+            served.num_layers, kv_tokens // BLOCK_SIZE, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
+            served.dtype, served.device,
+        )
+        self.scheduler = Scheduler(
+            BlockAllocator(self.cache.num_blocks), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(served.model, self.cache, served.device, served.vocab_size)
+        self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
+        self.engine: Engine | None = None
+        self.created = int(time.time())
+        self._rng = random.Random(args.seed)
+        self._seq_ids = itertools.count()
+        self._num_updates = 0
+
+    # ---- plumbing ---------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 2**20)
+        get, post = [], []
+        get += [("/health", self.health), ("/version", self.version), ("/v1/models", self.models)]
+        get += [("/metrics", self.metrics_route), ("/server_info", self.server_info)]
+        get += [("/get_world_size", self.world_size), ("/is_paused", self.is_paused), ("/weight_info", self.weight_info)]
+        post += [("/v1/completions", self.completions), ("/inference/v1/generate", self.generate)]
+        post += [("/tokenize", self.tokenize), ("/detokenize", self.detokenize)]
+        post += [("/pause", self.pause), ("/resume", self.resume), ("/abort_requests", self.abort_requests)]
+        post += [("/inference/v1/abort_requests", self.abort_requests), ("/reset_prefix_cache", self.reset_prefix_cache)]
+        post += [("/init_weight_transfer_engine", self.init_transfer), ("/start_weight_update", self.start_update)]
+        post += [("/update_weights", self.update_weights), ("/finish_weight_update", self.finish_update)]
+        post += [("/shutdown_weight_transfer_engine", self.shutdown_transfer)]
+        post += [("/update_weight_version", self.update_weight_version)]
+        app.add_routes([web.get(p, h) for p, h in get] + [web.post(p, h) for p, h in post])
+        return app
+
+    def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        warm_up(self.runner, self.scheduler)
+        self.engine = Engine(self.runner, self.scheduler, loop, on_update=self._on_engine_update)
+        self.engine.start()
+
+    def _on_engine_update(self, engine: Engine) -> None:
+        s = self.scheduler
+        self.metrics.update(len(s.running), len(s.waiting), s.kv_usage(), engine.stats)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except P.ApiError as exc:
+            return _json(exc.body(), exc.status)
+        except WeightTransferError as exc:
+            return _json(P.error_body(str(exc), "InternalServerError", 500), 500)
+        except web.HTTPNotFound:
+            return _json({"detail": "Not Found"}, 404)
+        except web.HTTPMethodNotAllowed:
+            return _json({"detail": "Method Not Allowed"}, 405)
+        except (web.HTTPException, asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- answered as vLLM's 500, logged with its traceback
+            logger.exception("%s %s failed", request.method, request.path)
+            return _json(P.error_body(f"{type(exc).__name__}: {exc}", "InternalServerError", 500), 500)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.args.api_key
+        if key and request.path.startswith(_GUARDED) and request.headers.get("Authorization") != f"Bearer {key}":
+            return _json({"error": "Unauthorized"}, 401)
+        return await handler(request)
+
+    async def _body(self, request: web.Request, required: bool = True) -> dict:
+        text = await request.text()
+        if not text.strip() and not required:
+            return {}
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise P.ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise P.ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def _accepting(self) -> None:
+        if self.engine is None or not self.engine.alive:
+            raise P.ApiError(500, "the generation engine is not running; see the server log")
+        if self.engine.pause_mode in ("abort", "wait"):
+            raise P.ApiError(503, P.PAUSED_MESSAGE)
+
+    def _draw_seed(self) -> int:
+        return self._rng.getrandbits(63)
+
+    def _sequences(self, key: str, prompt: list[int], params) -> list[Sequence]:
+        return [
+            Sequence(next(self._seq_ids), key, i, prompt, p, self.spec.max_model_len) for i, p in enumerate(params)
+        ]
+
+    async def _run(self, key: str, seqs: list[Sequence]) -> None:
+        sink = _Sink(len(seqs), stream=False)
+        self.engine.submit(seqs, sink)
+        try:
+            await sink.done.wait()
+        except asyncio.CancelledError:
+            self.engine.abort_nowait([key])
+            raise
+        errors = [s.error for s in seqs if s.error]
+        if errors:
+            raise P.ApiError(500, errors[0])
+
+    # ---- always-on routes -------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine is not None and self.engine.alive else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": P.VERSION})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": self.args.model, "parent": None, "max_model_len": self.spec.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": self.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        P.check_model(body.get("model"), self.spec)
+        ids = self._encode(body.get("prompt"), bool(body.get("add_special_tokens", True)))
+        return _json({"count": len(ids), "max_model_len": self.spec.max_model_len, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        P.check_model(body.get("model"), self.spec)
+        ids = P.token_id_list(body.get("tokens"), self.spec, "tokens")
+        return _json({"prompt": self._tokenizer().decode(ids)})
+
+    def _tokenizer(self):
+        if self.served.tokenizer is None:
+            raise P.ApiError(400, "this model has no tokenizer; send token ids")
+        return self.served.tokenizer
+
+    def _encode(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            raise P.ApiError(400, "prompt must be a string", param="prompt")
+        return list(self._tokenizer()(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+    # ---- generation -------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self._accepting()
+        body = await self._body(request)
+        P.check_model(body.get("model"), self.spec)
+        if body.get("output_mode", "tokens") not in (None, "tokens"):
+            raise P.ApiError(400, "output_mode must be 'tokens' on the embedded server", param="output_mode")
+        prompt = P.token_id_list(body.get("token_ids"), self.spec, "token_ids")
+        params = P.parse_sampling(
+            body.get("sampling_params") or {}, self.spec, len(prompt), route="generate", draw_seed=self._draw_seed
+        )
+        rid = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex[:16]
+        key = f"generate-tokens-{rid}"
+        seqs = self._sequences(key, prompt, params)
+        return_ids = bool(body.get("return_token_ids", False))
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+            return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
+        await self._run(key, seqs)
+        return _json(P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids))
+
+    async def _stream(
+        self, request: web.Request, key: str, prompt: list[int], seqs: list[Sequence], return_ids: bool, usage: bool
+    ) -> web.StreamResponse:
+        sink = _Sink(len(seqs), stream=True)
+        self.engine.submit(seqs, sink)
+        resp = web.StreamResponse(status=200, headers=_SSE)
+        finished = 0
+        try:
+            await resp.prepare(request)
+            first = True
+            while finished < len(seqs):
+                seq, start, end, final = await sink.queue.get()
+                finished += int(final)
+                if seq.error:
+                    self.engine.abort_nowait([key])
+                    await resp.write(_sse(P.error_body(seq.error, "InternalServerError", 500)))
+                    await resp.write(_sse("[DONE]"))
+                    return resp
+                chunk: dict[str, Any] = {"request_id": key, "usage": None, "output_mode": "tokens"}
+                if first and return_ids:
+                    chunk["prompt_token_ids"] = prompt
+                chunk["choices"] = [P.generate_choice(seq, start, end, final)]
+                first = False
+                await resp.write(_sse(chunk))
+            if usage:
+                completion = sum(len(s.output) for s in seqs)
+                tail = {"request_id": key, "usage": P.usage(len(prompt), completion, details=False),
+                        "output_mode": "tokens", "choices": []}
+                await resp.write(_sse(tail))
+            await resp.write(_sse("[DONE]"))
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            if finished < len(seqs):
+                self.engine.abort_nowait([key])
+            raise
+        return resp
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self._accepting()
+        body = await self._body(request)
+        P.check_model(body.get("model"), self.spec)
+        for key, bad in (("stream", True), ("echo", True), ("suffix", None), ("prompt_logprobs", None)):
+            if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
+                raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
+        prompts = self._prompts(body.get("prompt"))
+        rid = body.get("request_id") or request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        all_seqs = []
+        for i, prompt in enumerate(prompts):
+            params = P.parse_sampling(body, self.spec, len(prompt), route="completions", draw_seed=self._draw_seed)
+            all_seqs.append(self._sequences(f"cmpl-{rid}-{i}", prompt, params))
+        await asyncio.gather(*(self._run(seqs[0].request_key, seqs) for seqs in all_seqs))
+        tok = self.served.tokenizer
+        texts = [[tok.decode(s.output, skip_special_tokens=True) if tok else "" for s in seqs] for seqs in all_seqs]
+        as_ids = bool(body.get("return_tokens_as_token_ids", False)) or tok is None
+
+        def decode(t: int) -> str:
+            return tok.decode([t])
+
+        lps = [
+            [P.completion_logprobs(s, decode, as_ids) if s.params.logprobs is not None else None for s in seqs]
+            for seqs in all_seqs
+        ]
+        out = P.completion_response(
+            f"cmpl-{rid}", self.name, int(time.time()), prompts, all_seqs, texts, lps,
+            bool(body.get("return_token_ids", False)), bool(body.get("return_weight_versions", False)),
+        )
+        return _json(out)
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        """str | list[int] | list[str] | list[list[int]] -> token-id prompts."""
+        if isinstance(prompt, str):
+            return [self._encode(prompt)]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self._encode(p) for p in prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            return [P.token_id_list(p, self.spec, "prompt") for p in prompt]
+        return [P.token_id_list(prompt, self.spec, "prompt")]
+
+    # ---- RL / dev routes --------------------------------------------------------------------------
+    async def server_info(self, request: web.Request) -> web.Response:
+        a, s = self.args, self.served
+        config = {
+            "model_config": {
+                "model": a.model, "tokenizer": a.model, "served_model_name": self.name,
+                "dtype": str(s.dtype), "seed": a.seed, "max_model_len": self.spec.max_model_len,
+                "max_logprobs": a.max_logprobs, "logprobs_mode": "processed_logprobs",
+                "return_sampling_mask": a.return_sampling_mask, "skip_tokenizer_init": s.tokenizer is None,
+            },
+            "cache_config": {
+                "block_size": BLOCK_SIZE, "num_gpu_blocks": self.cache.num_blocks, "cache_dtype": "auto",
+                "kv_cache_size_tokens": self.kv_tokens, "enable_prefix_caching": False,
+            },
+            "parallel_config": {
+                "pipeline_parallel_size": 1, "tensor_parallel_size": 1, "data_parallel_size": 1,
+                "data_parallel_size_local": 1, "world_size": 1, "rank": 0,
+            },
+            "scheduler_config": {
+                "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "policy": "fcfs",
+            },
+            "device_config": {"device": s.device.type},
+            "weight_transfer_config": {"backend": "nccl" if s.device.type == "cuda" else "gloo"},
+        }
+        st = self.engine.stats
+        embedded = {
+            "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
+            "num_preemptions": st.num_preemptions,
+        }
+        fmt = request.query.get("config_format", "text")
+        return _json({
+            "vllm_config": config if fmt == "json" else json.dumps(config),
+            "vllm_env": {}, "system_env": {}, "embedded": embedded,
+        })
+
+    async def world_size(self, request: web.Request) -> web.Response:
+        return _json({"world_size": 1})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": self.engine.pause_mode is not None})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        try:
+            if mode not in ("abort", "wait", "keep"):
+                raise ValueError(f"mode must be one of abort, wait, keep; got {mode!r}")
+            clear_cache = _query_bool(request, "clear_cache", True)
+        except ValueError as exc:
+            return _json({"error": str(exc)}, 400)
+        await self.engine.pause(mode, clear_cache)
+        return _json({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return _json({"status": "resumed"})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request, required=False)
+        except P.ApiError as exc:
+            return _json({"error": exc.message}, 400)
+        ids = body.get("request_ids") or None
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            return _json({"error": "request_ids must be a list of strings"}, 400)
+        return _json({"status": "aborted", "aborted": await self.engine.abort(ids)})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """There is no prefix cache; like vLLM, the reset fails while requests hold KV blocks unless
+        reset_running_requests=true, which preempts them."""
+        try:
+            reset_running = _query_bool(request, "reset_running_requests", False)
+        except ValueError as exc:
+            return _json({"error": str(exc)}, 400)
+
+        def reset() -> bool:
+            if reset_running and self.scheduler.running:
+                self.engine.stats.num_preemptions += len(self.scheduler.preempt_all())
+            return not self.scheduler.running
+
+        return _json({"success": await self.engine.call(reset)})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": self.engine.weight_version})
+
+    async def init_transfer(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        with self.metrics.operation("init"):
+            await asyncio.to_thread(self.transfer.init, body.get("init_info"))
+        return _json({"message": "Weight transfer initialized"})
+
+    async def start_update(self, request: web.Request) -> web.Response:
+        with self.metrics.operation("start"):
+            self.transfer.start()
+        return _json({"message": "Weight update started"})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "update_info" not in body:
+            raise P.ApiError(400, "the body needs update_info", param="update_info")
+        with self.metrics.operation("update"):
+            await self.engine.call(lambda: self.transfer.update(body["update_info"]))
+        return _json({"message": "Weights updated"})
+
+    async def finish_update(self, request: web.Request) -> web.Response:
+        body = await self._body(request, required=False)
+        with self.metrics.operation("finish"):
+            self.transfer.finish()
+            self._num_updates += 1
+            version = body.get("weight_version")
+            await self._set_version(str(version) if version is not None else str(self._num_updates))
+        return _json({"message": "Weight update finished"})
+
+    async def shutdown_transfer(self, request: web.Request) -> web.Response:
+        with self.metrics.operation("shutdown"):
+            await asyncio.to_thread(self.transfer.shutdown)
+        return _json({"message": "Weight transfer shut down"})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            raise P.ApiError(400, "new_version must be a string", param="new_version")
+        await self._set_version(version)
+        return _json({"success": True, "new_version": version})
+
+    async def _set_version(self, version: str) -> None:
+        def apply() -> None:
+            self.engine.weight_version = version
+
+        await self.engine.call(apply)
+
+
+async def _serve(args: argparse.Namespace, server: Server) -> None:
+    loop = asyncio.get_running_loop()
+    server.start_engine(loop)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    logger.info("embedded server for %s listening on http://%s:%d", server.name, args.host, args.port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    await runner.cleanup()
+    server.engine.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli`)."""
+    logging.basicConfig(
+        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    device = resolve_device(args.device)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+    served = load_served_model(args.model, device, args.dtype, args.max_model_len)
+    kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
+    server = Server(args, served, kv_tokens)
+    asyncio.run(_serve(args, server))
+    return 0

@@ -1,0 +1,298 @@
+"""The generation engine: a thread that owns the scheduler and the model runner.
+
+    HTTP handlers (asyncio loop)                    engine thread
+    ---------------------------                     -------------
+    submit(seqs, sink) ----- command queue ----->   waiting queue
+    pause/resume/abort/call -------------------->   applied between two steps
+                                                    schedule -> forward -> sample -> stop rules
+    sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (all sequences)
+
+Only the engine thread touches sequences' mutable state while they run; a sink receives
+(sequence, first_new_index, end_index, finished) tuples after the lists were extended, so the loop
+side may read `output[first:end]` safely. Pause modes follow vLLM 0.33 (protocol section 5.3):
+keep freezes everything (new requests queue), abort ends in-flight requests with `abort`, wait
+drains running work before the pause completes. `call(fn)` runs fn in the engine thread between
+steps (weight loading), so the model never changes under a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.scheduler import Scheduler, Sequence
+
+logger = logging.getLogger(__name__)
+
+Event = tuple[Sequence, int, int, bool]
+
+
+class EngineStats:
+    """Counters read by /metrics and /server_info (written by the engine thread)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.max_batch_seqs = 0
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        loop: asyncio.AbstractEventLoop,
+        on_update: Callable[[Engine], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.loop = loop
+        self.stats = EngineStats()
+        self.weight_version = "default"
+        self.pause_mode: str | None = None  # None, "keep", "abort", "wait"
+        self._on_update = on_update
+        self._commands: queue.Queue = queue.Queue()
+        self._wait_futures: list[asyncio.Future] = []
+        self._thread = threading.Thread(target=self._run, name="asyncgrpo-engine", daemon=True)
+        self._stopping = False
+        self.dead: str | None = None  # traceback text once the thread died
+
+    # ---- loop-side API (call from the asyncio loop) -------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._commands.put(("stop",))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def submit(self, seqs: list[Sequence], sink: Callable[[list[Event]], None]) -> None:
+        for s in seqs:
+            s.sink = sink
+        self._commands.put(("add", seqs))
+
+    def _future(self) -> asyncio.Future:
+        return self.loop.create_future()
+
+    async def abort(self, request_keys: list[str] | None) -> int:
+        """Abort the sequences of these engine request ids (all when None); returns #requests."""
+        fut = self._future()
+        self._commands.put(("abort", None if request_keys is None else set(request_keys), fut))
+        return await fut
+
+    def abort_nowait(self, request_keys: list[str]) -> None:
+        self._commands.put(("abort", set(request_keys), None))
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        fut = self._future()
+        self._commands.put(("pause", mode, clear_cache, fut))
+        await fut
+
+    async def resume(self) -> None:
+        fut = self._future()
+        self._commands.put(("resume", fut))
+        await fut
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() in the engine thread between two steps; its exception propagates here."""
+        fut = self._future()
+        self._commands.put(("call", fn, fut))
+        return await fut
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _resolve(self, fut: asyncio.Future | None, value: Any = None, error: BaseException | None = None):
+        if fut is None:
+            return
+
+        def done() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+        self.loop.call_soon_threadsafe(done)
+
+    def _deliver(self, events: list[Event]) -> None:
+        if not events:
+            return
+        by_sink: dict[int, tuple[Callable, list[Event]]] = {}
+        for ev in events:
+            sink = ev[0].sink
+            if not ev[3] and not getattr(sink, "stream", True):
+                continue  # a non-streaming request only needs its final event
+            by_sink.setdefault(id(sink), (sink, []))[1].append(ev)
+        if not by_sink:
+            return
+
+        def dispatch() -> None:
+            for sink, evs in by_sink.values():
+                sink(evs)
+
+        self.loop.call_soon_threadsafe(dispatch)
+
+    def _frozen(self) -> bool:
+        return self.pause_mode in ("keep", "abort")
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = self._frozen() or not self.scheduler.has_work()
+                commands = []
+                try:
+                    commands.append(self._commands.get(block=idle, timeout=0.5 if idle else None))
+                    while True:
+                        commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                for cmd in commands:
+                    self._handle(cmd)
+                if self._stopping:
+                    break
+                if self.pause_mode == "wait" and not self.scheduler.has_work():
+                    for fut in self._wait_futures:
+                        self._resolve(fut)
+                    self._wait_futures.clear()
+                if not self._frozen() and self.scheduler.has_work():
+                    self._step()
+        except BaseException:  # noqa: BLE001 -- recorded for /health, then re-raised
+            self.dead = traceback.format_exc()
+            logger.error("engine thread died:\n%s", self.dead)
+            self._fail_all("engine thread died; see the server log")
+            raise
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            for s in cmd[1]:
+                self.scheduler.add(s)
+            self._notify()
+        elif kind == "abort":
+            keys, fut = cmd[1], cmd[2]
+            self._resolve(fut, self._abort(keys))
+        elif kind == "pause":
+            _, mode, clear_cache, fut = cmd
+            self._pause(mode, clear_cache, fut)
+        elif kind == "resume":
+            self.pause_mode = None
+            self._resolve(cmd[1])
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                self._resolve(fut, fn())
+            except Exception as exc:  # noqa: BLE001 -- handed to the awaiting handler
+                self._resolve(fut, error=exc)
+        elif kind == "stop":
+            self._stopping = True
+            self._fail_all("server shutting down")
+
+    def _pause(self, mode: str, clear_cache: bool, fut: asyncio.Future) -> None:
+        self.pause_mode = mode
+        if mode == "abort":
+            self._abort(None)
+        elif mode == "keep" and clear_cache:
+            seqs = self.scheduler.preempt_all()
+            self.stats.num_preemptions += len(seqs)
+        if mode == "wait" and self.scheduler.has_work():
+            self._wait_futures.append(fut)
+        else:
+            self._resolve(fut)
+        self._notify()
+
+    def _abort(self, keys: set[str] | None) -> int:
+        hit: set[str] = set()
+        events = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if keys is None or seq.request_key in keys:
+                self.scheduler.remove(seq)
+                seq.finish_reason = "abort"
+                hit.add(seq.request_key)
+                events.append((seq, len(seq.output), len(seq.output), True))
+        self._deliver(events)
+        self._notify()
+        return len(hit)
+
+    def _fail_all(self, message: str) -> None:
+        events = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.remove(seq)
+            seq.error = message
+            events.append((seq, len(seq.output), len(seq.output), True))
+        self._deliver(events)
+
+    def _notify(self) -> None:
+        if self._on_update is not None:
+            self._on_update(self)
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions += len(plan.preempted)
+        if plan.size == 0:
+            self._notify()
+            return
+        seqs = plan.decode + plan.prefill
+        try:
+            outs = self.runner.step(plan.decode, plan.prefill)
+        except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
+            msg = traceback.format_exc()
+            logger.error("forward pass failed; failing %d sequences:\n%s", len(seqs), msg)
+            events = []
+            for seq in seqs:
+                self.scheduler.remove(seq)
+                seq.error = "internal error in the forward pass; see the server log"
+                events.append((seq, len(seq.output), len(seq.output), True))
+            self._deliver(events)
+            return
+        self.stats.num_steps += 1
+        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(seqs))
+        self.stats.prompt_tokens += sum(len(s.prompt) for s in plan.prefill if not s.output)
+        self.stats.generation_tokens += len(seqs)
+        version = self.weight_version
+        events = []
+        for seq, out in zip(seqs, outs):
+            start = len(seq.output)
+            seq.num_cached = seq.num_tokens
+            seq.logprobs.append(out.logprob)
+            seq.ranks.append(out.rank)
+            if out.top is not None:
+                seq.top.append(out.top)
+            if out.mask is not None:
+                seq.masks.append(out.mask)
+            seq.append(out.token, version)
+            if seq.finished:
+                self.scheduler.remove(seq)
+            events.append((seq, start, start + 1, seq.finished))
+        self._deliver(events)
+        self._notify()
+
+
+def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> None:
+    """Run a short request through prefill and decode before serving (first-call kernel set-up)."""
+    from asyncgrpo.server.scheduler import SeqParams
+
+    params = SeqParams(
+        temperature=1.0, top_k=2, top_p=0.9, min_p=0.0, seed=0, max_tokens=num_tokens, min_tokens=0,
+        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=2, want_mask=True,
+    )
+    seq = Sequence(-1, "warm-up", 0, [0, 1, 2, 3], params, max_model_len=1 << 30)
+    scheduler.add(seq)
+    try:
+        while not seq.finished:
+            plan = scheduler.schedule()
+            outs = runner.step(plan.decode, plan.prefill)
+            seq.num_cached = seq.num_tokens
+            seq.append(outs[0].token, "warm-up")
+    finally:
+        scheduler.remove(seq)

@@ -1,0 +1,206 @@
+"""Paged KV cache and the attention function that reads and writes it.
+
+Layout: per layer, K and V pools of shape [num_blocks, block_size, kv_heads, head_dim]. A sequence
+owns a list of blocks (its block table); token `p` of a sequence lives in block `table[p // bs]`,
+row `p % bs`. The allocator hands out and takes back whole blocks.
+
+One forward pass serves every scheduled sequence: the runner flattens the step into a single row
+of T tokens (decode tokens first, one per running sequence, then the prompts being prefilled),
+passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to the model through the
+forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
+
+    decode part   q [Bd, kv_heads, group, D] attends over the gathered cache (length mask)
+    prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal)
+
+The model's own layers compute q/k/v, norms and RoPE; nothing here is model-specific beyond the
+attention module exposing `layer_idx`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "asyncgrpo_paged"
+
+
+class BlockAllocator:
+    """Free list of KV blocks; plain Python, used by the scheduler only."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free), f"asked for {n} blocks, {len(self._free)} free"
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return out[::-1]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """The K/V pools of every layer (preallocated once)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class AttentionMetadata:
+    """What the attention function needs for one step (device tensors unless noted)."""
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] int64: flat cache row of every token of the step
+    num_decode: int  # host: the first num_decode tokens are decode tokens, one per sequence
+    block_tables: torch.Tensor | None  # [Bd, nb] int64 blocks of the decode sequences (0-padded)
+    context_lens: torch.Tensor | None  # [Bd] int64: cached tokens incl. the new one
+    prefill_lens: list[int]  # host: new tokens of each prefilled sequence, in order
+    pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
+    unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
+
+
+def build_metadata(
+    cache: PagedKVCache,
+    slot_mapping: list[int],
+    decode_tables: list[list[int]],
+    decode_lens: list[int],
+    prefill_lens: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
+    """Host lists -> AttentionMetadata (one device copy per tensor)."""
+    block_tables = context_lens = pad_index = unpad_index = None
+    if decode_tables:
+        nb = max(len(t) for t in decode_tables)
+        rows = [t + [0] * (nb - len(t)) for t in decode_tables]
+        block_tables = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        context_lens = torch.tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
+    if len(prefill_lens) > 1:
+        lmax = max(prefill_lens)
+        pad, unpad, start = [], [], 0
+        for i, n in enumerate(prefill_lens):
+            pad.extend(range(start, start + n))
+            pad.extend([0] * (lmax - n))
+            unpad.extend(range(i * lmax, i * lmax + n))
+            start += n
+        pad_index = torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True)
+        unpad_index = torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True)
+    return AttentionMetadata(
+        cache=cache,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+        num_decode=len(decode_tables),
+        block_tables=block_tables,
+        context_lens=context_lens,
+        prefill_lens=list(prefill_lens),
+        pad_index=pad_index,
+        unpad_index=unpad_index,
+    )
+
+
+def _decode_attention(
+    q: torch.Tensor, meta: AttentionMetadata, layer: int, scaling: float
+) -> torch.Tensor:
+    """q [H, Bd, D] -> [Bd, H, D], attending over each sequence's cached keys."""
+    cache = meta.cache
+    h, bd, d = q.shape
+    kvh = cache.num_kv_heads
+    group = h // kvh
+    tables = meta.block_tables
+    length = tables.shape[1] * cache.block_size
+    keys = cache.k[layer][tables].view(bd, length, kvh, d).transpose(1, 2)
+    values = cache.v[layer][tables].view(bd, length, kvh, d).transpose(1, 2)
+    # the query heads sharing a kv head act as `group` queries of that head: no repeat needed
+    query = q.transpose(0, 1).reshape(bd, kvh, group, d)
+    valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scaling)
+    return out.reshape(bd, h, d)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float
+) -> torch.Tensor:
+    """q [H, Tp, D], k/v [KVH, Tp, D] of whole prompts -> [Tp, H, D] (causal within each prompt)."""
+    h, tp, d = q.shape
+    gqa = h != k.shape[0]
+    if len(meta.prefill_lens) == 1:
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        return out[0].transpose(0, 1)
+    bp, lmax = len(meta.prefill_lens), max(meta.prefill_lens)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(1, meta.pad_index).view(x.shape[0], bp, lmax, d).transpose(0, 1)
+
+    # padding sits after each prompt, so the causal mask alone keeps real queries off it
+    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, meta.unpad_index)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] for the flat
+    step; returns ([1, T, H, D], None). Writes this step's keys/values into the paged cache."""
+    meta: AttentionMetadata | None = kwargs.get("kv_meta")
+    if meta is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} needs the step metadata (kv_meta=...); "
+            "it only runs inside the embedded server's model runner"
+        )
+    layer = module.layer_idx
+    cache = meta.cache
+    q, k, v = query[0], key[0], value[0]
+    flat = (-1, cache.num_kv_heads, cache.head_dim)
+    cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k.transpose(0, 1))
+    cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.transpose(0, 1))
+    nd = meta.num_decode
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    parts = []
+    if nd:
+        parts.append(_decode_attention(q[:, :nd], meta, layer, scale))
+    if meta.prefill_lens:
+        parts.append(_prefill_attention(q[:, nd:], k[:, nd:], v[:, nd:], meta, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return out[None], None
+
+
+def register_attention() -> str:
+    """Register the paged attention with transformers (idempotent) and return its name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

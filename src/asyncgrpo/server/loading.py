@@ -1,0 +1,140 @@
+"""Loading the served model: device and dtype choice, context length, EOS ids, KV-cache size."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from asyncgrpo.models import load_causal_lm, load_tokenizer, resolve_model_path
+from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ServedModel:
+    model: torch.nn.Module
+    tokenizer: object | None
+    path: str
+    name: str  # the id it was asked for
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    extra_eos_ids: frozenset[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's half precision dtype if it has one; else float32 on CPU, bfloat16 on GPU."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"--dtype {name!r}: use one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if config_dtype in (torch.bfloat16, torch.float16):
+        return config_dtype
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def _eos_ids(path: str, tokenizer) -> tuple[int | None, frozenset[int]]:
+    """Primary EOS (the tokenizer's, else the first of generation_config) and the other EOS ids."""
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+    except OSError:
+        pass  # no generation_config.json: the tokenizer's EOS alone
+    primary = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if primary is None and ids:
+        primary = ids[0]
+    return primary, frozenset(i for i in ids if i != primary)
+
+
+def load_served_model(name: str, device: torch.device, dtype_name: str, max_model_len: int | None) -> ServedModel:
+    path = resolve_model_path(name)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        raise ValueError(f"{name}: sliding-window attention is not supported by the embedded server")
+    dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
+    model = load_causal_lm(name, dtype=dtype, device=device)
+    model.set_attn_implementation(register_attention())
+    model.requires_grad_(False)
+    try:
+        tokenizer = load_tokenizer(name)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer for %s (%s): text prompts are refused, token ids work", name, exc)
+        tokenizer = None
+    limit = int(getattr(text, "max_position_embeddings", 0) or 0)
+    if max_model_len is None:
+        if not limit:
+            raise ValueError(f"{name}: the config has no max_position_embeddings; pass --max-model-len")
+        max_model_len = limit
+    elif limit and max_model_len > limit:
+        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
+    heads = text.num_attention_heads
+    eos, extra = _eos_ids(path, tokenizer)
+    return ServedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        name=name,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        vocab_size=int(text.vocab_size),
+        eos_token_id=eos,
+        extra_eos_ids=extra,
+        num_layers=int(text.num_hidden_layers),
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+    )
+
+
+def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: int, block_size: int) -> int:
+    """KV-cache size in tokens (a multiple of block_size).
+
+    Default: room for max_num_seqs full-length sequences, capped on CUDA at 80 % of the memory
+    free after loading and on CPU at 30 % of the available RAM.
+    """
+    per_token = PagedKVCache.bytes_per_token(served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
+    if requested is None:
+        want = max_num_seqs * served.max_model_len
+        if served.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(served.device)
+            cap = int(0.8 * free) // per_token
+        else:
+            cap = int(0.3 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // per_token
+        tokens = min(want, cap)
+    else:
+        tokens = requested
+    tokens = tokens // block_size * block_size
+    if tokens < served.max_model_len:
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens, less than one sequence of max_model_len={served.max_model_len}: "
+            "raise --kv-cache-tokens or lower --max-model-len"
+        )
+    logger.info("KV cache: %d tokens (%.2f GiB)", tokens, tokens * per_token / 2**30)
+    return tokens

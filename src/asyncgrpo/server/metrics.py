@@ -1,0 +1,101 @@
+"""Prometheus metrics of the embedded server, with vLLM 0.33's names and labels.
+
+Series (labels `model_name` = served name, `engine` = "0"):
+    vllm:num_requests_running, vllm:num_requests_waiting   gauges (sequences, like vLLM)
+    vllm:kv_cache_usage_perc                                gauge, a fraction 0..1
+    vllm:num_preemptions_total                              counter (declared vllm:num_preemptions)
+    vllm:prompt_tokens_total, vllm:generation_tokens_total  counters
+    vllm:rl_weight_update_operation_duration_seconds        histogram, label `operation`
+    vllm:rl_weight_update_operations_in_flight              gauge, label `operation`
+    asyncgrpo:max_num_seqs_per_step                         gauge: most sequences in one forward
+Gauges refresh when the engine steps or changes state (stale while paused, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+
+
+class ServerMetrics:
+    """One registry per server (no process-global state)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        values = {"model_name": model_name, "engine": "0"}
+        reg = self.registry
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=reg
+        ).labels(**values)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=reg
+        ).labels(**values)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, registry=reg
+        ).labels(**values)
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=reg
+        ).labels(**values)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg
+        ).labels(**values)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=reg
+        ).labels(**values)
+        self.max_batch = Gauge(
+            "asyncgrpo:max_num_seqs_per_step",
+            "Most sequences served by one forward pass since start.",
+            labels,
+            registry=reg,
+        ).labels(**values)
+        op_labels = labels + ["operation"]
+        self._op_duration = Histogram(
+            "vllm:rl_weight_update_operation_duration_seconds",
+            "Duration of weight-update operations.",
+            op_labels,
+            registry=reg,
+        )
+        self._op_in_flight = Gauge(
+            "vllm:rl_weight_update_operations_in_flight",
+            "Weight-update operations in flight.",
+            op_labels,
+            registry=reg,
+        )
+        self._values = values
+        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0}
+
+    def update(self, num_running: int, num_waiting: int, kv_usage: float, stats) -> None:
+        """Refresh from the engine (called by the engine thread after each step/state change)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        self.max_batch.set(stats.max_batch_seqs)
+        for key, counter, total in (
+            ("preemptions", self.preemptions, stats.num_preemptions),
+            ("prompt", self.prompt_tokens, stats.prompt_tokens),
+            ("generation", self.generation_tokens, stats.generation_tokens),
+        ):
+            if total > self._seen[key]:
+                counter.inc(total - self._seen[key])
+                self._seen[key] = total
+
+    @contextmanager
+    def operation(self, name: str):
+        """Time a weight-transfer operation (init, start, update, finish, shutdown)."""
+        gauge = self._op_in_flight.labels(operation=name, **self._values)
+        gauge.inc()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            self._op_duration.labels(operation=name, **self._values).observe(time.perf_counter() - start)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,364 @@
+"""Wire format of the embedded server: request validation and response bodies (vLLM 0.33 shapes).
+
+Pure functions: dicts in, validated `SeqParams` or response dicts out; errors are `ApiError`
+carrying vLLM's ErrorResponse fields. See `vllm-protocol.md` sections 2-3 and the real responses
+in `vllm-fixtures/protocol-0.33.0.json` (every key present, null where vLLM sends null).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncgrpo.server.scheduler import SeqParams, Sequence
+
+VERSION = "0.33.0+embedded"
+PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+NEG_INF_SENTINEL = -9999.0
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_UNSUPPORTED_EMPTY = ("stop", "logit_bias", "allowed_token_ids", "bad_words", "logprob_token_ids")
+_UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
+
+
+class ApiError(Exception):
+    """An error answered as vLLM's ErrorResponse."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+            status, "InternalServerError"
+        )
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status, self.param)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Facts about the served model that validation needs."""
+
+    served_name: str
+    max_model_len: int
+    max_num_seqs: int
+    max_logprobs: int
+    vocab_size: int
+    return_sampling_mask: bool
+    eos_token_id: int | None
+    extra_eos_ids: frozenset[int]
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _number(raw: dict, key: str, default: float | None) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"{key} must be a finite number, got {value!r}", key)
+    return float(value)
+
+
+def _integer(raw: dict, key: str, default: int | None) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{key} must be an integer, got {value!r}", key)
+    return value
+
+
+def token_id_list(value: Any, spec: ServerSpec, key: str) -> list[int]:
+    """A list of vocabulary ids (non-empty, ints in [0, vocab_size))."""
+    if not isinstance(value, list) or not value:
+        raise _bad(f"{key} must be a non-empty list of token ids", key)
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < spec.vocab_size:
+            raise _bad(f"{key} holds {t!r}, not a token id in [0, {spec.vocab_size})", key)
+    return list(value)
+
+
+def check_model(model: Any, spec: ServerSpec) -> None:
+    if model is not None and model != spec.served_name:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+
+
+def parse_sampling(
+    raw: dict,
+    spec: ServerSpec,
+    prompt_len: int,
+    *,
+    route: str,
+    draw_seed: Callable[[], int],
+) -> list[SeqParams]:
+    """Validate vLLM SamplingParams fields (unknown keys ignored) -> one SeqParams per child (n).
+
+    route "generate": omitted max_tokens fills the context; a prompt of max_model_len tokens or
+    more is refused. route "completions": default max_tokens 16, `max_tokens > max_model_len` is
+    refused, otherwise it is clamped to the remaining context.
+    """
+    if not isinstance(raw, dict):
+        raise _bad("sampling_params must be a JSON object", "sampling_params")
+    n = _integer(raw, "n", 1)
+    if n < 1:
+        raise _bad(f"n must be at least 1, got {n}.", "n")
+    if n > spec.max_num_seqs:
+        raise _bad(f"n={n} is larger than the server's max_num_seqs ({spec.max_num_seqs}).", "n")
+    temperature = _number(raw, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise _bad(f"temperature must be in [0, 2], got {temperature}.", "temperature")
+    top_p = _number(raw, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise _bad(f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    top_k = _integer(raw, "top_k", 0)
+    if top_k < -1:
+        raise _bad(f"top_k must be -1 (disable), or at least 1, got {top_k}.", "top_k")
+    top_k = max(top_k, 0)
+    min_p = _number(raw, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise _bad(f"min_p must be in [0, 1], got {min_p}.", "min_p")
+    repetition_penalty = _number(raw, "repetition_penalty", 1.0)
+    if repetition_penalty <= 0:
+        raise _bad(f"repetition_penalty must be greater than zero, got {repetition_penalty}.", "repetition_penalty")
+    for key in _UNSUPPORTED_ZERO:
+        if _number(raw, key, 0.0) != 0.0:
+            raise _bad(f"{key} is not supported by the embedded server; leave it at 0", key)
+    for key in _UNSUPPORTED_EMPTY:
+        if raw.get(key):
+            raise _bad(f"{key} is not supported by the embedded server (token ids only); leave it empty", key)
+    logprobs = _integer(raw, "logprobs", None)
+    if logprobs is not None and (logprobs < 0 or logprobs > spec.max_logprobs):
+        raise _bad(
+            f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {spec.max_logprobs}"
+            if logprobs > spec.max_logprobs
+            else f"logprobs must be non-negative, got {logprobs}.",
+            "logprobs",
+        )
+    if prompt_len >= spec.max_model_len:
+        raise _bad(
+            f"This model's maximum context length is {spec.max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens (at least one output token must fit). Please reduce the length of the input.",
+            "input_tokens",
+        )
+    room = spec.max_model_len - prompt_len
+    max_tokens = _integer(raw, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if route == "completions":
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens > spec.max_model_len:
+            raise _bad(
+                f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
+                f"{spec.max_model_len} tokens and your request has {prompt_len} input tokens.",
+                "max_tokens",
+            )
+        max_tokens = min(max_tokens, room)
+    elif max_tokens is None:
+        max_tokens = room
+    min_tokens = _integer(raw, "min_tokens", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise _bad(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.", "min_tokens")
+    stop_ids = raw.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    ignore_eos = bool(raw.get("ignore_eos", False))
+    seed = _integer(raw, "seed", None)
+    if seed is not None and not _INT64[0] <= seed <= _INT64[1]:
+        raise _bad(f"seed must fit in 64 bits, got {seed}.", "seed")
+    want_mask = spec.return_sampling_mask and route == "generate"
+    if spec.return_sampling_mask and (temperature <= 0 or top_k <= 0):
+        message = (
+            "the server returns sampling masks (--return-sampling-mask), which needs temperature > 0 and "
+            f"top_k > 0 (got temperature={temperature}, top_k={top_k}); set both or restart the server "
+            "without --return-sampling-mask"
+        )
+        if route == "generate":
+            raise _bad(message, "top_k")
+        raise ApiError(500, message)  # vLLM 0.33 answers completions with a 500 here
+    base = seed if seed is not None else draw_seed()
+    return [
+        SeqParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=_wrap64(base + i),
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            eos_token_id=None if ignore_eos else spec.eos_token_id,
+            extra_eos_ids=frozenset() if ignore_eos else spec.extra_eos_ids,
+            logprobs=logprobs,
+            want_mask=want_mask,
+            repetition_penalty=repetition_penalty,
+        )
+        for i in range(n)
+    ]
+
+
+def _wrap64(x: int) -> int:
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+
+def clamp_logprob(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_SENTINEL
+
+
+def weight_versions(seq: Sequence, end: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for version, start, stop in seq.spans:
+        if end is not None:
+            stop = min(stop, end)
+        if stop > start:
+            out.append({"version": version, "start": start, "end": stop})
+    return out
+
+
+def token_logprobs(seq: Sequence, start: int, end: int) -> list[dict[str, Any]]:
+    """Generate-route log-probs: sampled token first, then the top-k (deduplicated by id)."""
+    content = []
+    for i in range(start, end):
+        tok = seq.output[i]
+        lp = clamp_logprob(seq.logprobs[i])
+        first = {"token_id": tok, "logprob": lp, "rank": seq.ranks[i]}
+        entries = [first]
+        ids, lps = seq.top[i]
+        for r, (tid, tlp) in enumerate(zip(ids, lps), start=1):
+            if tid != tok:
+                entries.append({"token_id": tid, "logprob": clamp_logprob(tlp), "rank": r})
+        content.append({**first, "top_logprobs": entries})
+    return content
+
+
+def generate_choice(seq: Sequence, start: int, end: int, final: bool) -> dict[str, Any]:
+    p = seq.params
+    return {
+        "index": seq.index,
+        "finish_reason": seq.finish_reason if final else None,
+        "stop_reason": seq.stop_reason if final else None,
+        "token_ids": seq.output[start:end],
+        "routed_experts": None,
+        "sampling_mask": seq.masks[start:end] if p.want_mask else None,
+        "weight_versions": weight_versions(seq) if final else None,
+        "logprobs": {"content": token_logprobs(seq, start, end)} if p.logprobs is not None else None,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> dict[str, Any]:
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if details:
+        out.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return out
+
+
+def generate_response(
+    request_id: str, model: str, created: int, prompt: list[int], seqs: list[Sequence], return_token_ids: bool
+) -> dict[str, Any]:
+    completion = sum(len(s.output) for s in seqs)
+    return {
+        "request_id": request_id,
+        "model": model,
+        "created": created,
+        "usage": usage(len(prompt), completion),
+        "prompt_logprobs": None,
+        "prompt_token_id_logprobs": None,
+        "prompt_token_ids": prompt if return_token_ids else None,
+        "mm_placeholders": None,
+        "metrics": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "output_mode": "tokens",
+        "choices": [generate_choice(s, 0, len(s.output), True) for s in seqs],
+    }
+
+
+def completion_logprobs(
+    seq: Sequence, decode: Callable[[int], str], as_ids: bool
+) -> dict[str, Any]:
+    """OpenAI completions log-probs: tokens as text (or "token_id:N"), sampled entry first."""
+
+    def name(t: int) -> str:
+        return f"token_id:{t}" if as_ids else decode(t)
+
+    tokens, offsets, top = [], [], []
+    offset = 0
+    for i, tok in enumerate(seq.output):
+        text = name(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        entry = {text: clamp_logprob(seq.logprobs[i])}
+        ids, lps = seq.top[i]
+        for tid, tlp in zip(ids, lps):
+            entry.setdefault(name(tid), clamp_logprob(tlp))
+        top.append(entry)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [clamp_logprob(x) for x in seq.logprobs],
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    created: int,
+    prompts: list[list[int]],
+    seqs_per_prompt: list[list[Sequence]],
+    texts: list[list[str]],
+    logprobs: list[list[dict | None]],
+    return_token_ids: bool,
+    return_weight_versions: bool,
+) -> dict[str, Any]:
+    choices = []
+    completion = 0
+    for prompt, seqs, prompt_texts, prompt_lps in zip(prompts, seqs_per_prompt, texts, logprobs):
+        for seq, text, lps in zip(seqs, prompt_texts, prompt_lps):
+            completion += len(seq.output)
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": text,
+                    "logprobs": lps,
+                    "finish_reason": seq.finish_reason,
+                    "stop_reason": seq.stop_reason,
+                    "token_ids": list(seq.output) if return_token_ids else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompt if return_token_ids else None,
+                    "routed_experts": None,
+                    "weight_versions": weight_versions(seq) if return_weight_versions else None,
+                }
+            )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": f"vllm-{VERSION}",
+        "usage": usage(sum(len(p) for p in prompts), completion),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }

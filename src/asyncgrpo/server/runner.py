@@ -1,0 +1,167 @@
+"""Model runner: one scheduled step -> one forward pass -> one sampled token per sequence.
+
+Builds the flat step (decode tokens first, then whole prompts to prefill), runs the Hugging Face
+model with the paged attention (`kv_cache.py`), keeps only the last position of each sequence for
+the LM head, applies the per-request logits processors and `sampling.sample`, and brings the
+results to the host in ONE transfer per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
+from asyncgrpo.server.sampling import SamplingBatch, apply_repetition_penalty, plan_columns, sample
+from asyncgrpo.server.scheduler import Sequence
+
+
+@dataclass
+class TokenOut:
+    """Host-side result for one sequence of a step."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[list[int], list[float]] | None
+    mask: list[int] | None
+
+
+class ModelRunner:
+    """Owns the model, the KV pools and the device; called from the engine thread only."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, device: torch.device, vocab_size: int):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.vocab_size = vocab_size
+
+    @torch.inference_mode()
+    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> list[TokenOut]:
+        """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
+        seqs = decode + prefill
+        bs = self.cache.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        for s in decode:
+            p = s.num_tokens - 1
+            ids.append(s.last_token())
+            pos.append(p)
+            slots.append(s.blocks[p // bs] * bs + p % bs)
+            last.append(len(ids) - 1)
+        prefill_lens = []
+        for s in prefill:
+            toks = s.all_tokens()
+            n = len(toks)
+            ids.extend(toks)
+            pos.extend(range(n))
+            blocks = s.blocks
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
+            last.append(len(ids) - 1)
+            prefill_lens.append(n)
+        meta = build_metadata(
+            self.cache,
+            slots,
+            [s.blocks for s in decode],
+            [s.num_tokens for s in decode],
+            prefill_lens,
+            self.device,
+        )
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        position_ids = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)[None]
+        keep = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=keep,
+            kv_meta=meta,
+        )
+        logits = out.logits[0].float()
+        logits = self._process(logits, seqs)
+        batch = self._sampling_batch(seqs)
+        res = sample(logits, batch)
+        return self._to_host(res, seqs, batch)
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits processors before temperature: repetition penalty and the min_tokens ban."""
+        pen_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if pen_rows:
+            rows, cols = [], []
+            for i in pen_rows:
+                toks = set(seqs[i].all_tokens())
+                rows.extend([i] * len(toks))
+                cols.extend(toks)
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = True
+            penalty = torch.tensor([s.params.repetition_penalty for s in seqs], device=self.device)
+            logits = apply_repetition_penalty(logits, seen, penalty)
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if len(s.output) < s.params.min_tokens:
+                banned = [t for t in s.params.stop_ids if t < self.vocab_size]
+                rows.extend([i] * len(banned))
+                cols.extend(banned)
+        if rows:
+            logits = logits.index_put(
+                (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
+                torch.tensor(float("-inf"), device=self.device),
+            )
+        return logits
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        ps = [s.params for s in seqs]
+        top_ks = [p.top_k for p in ps]
+        top_ps = [p.top_p for p in ps]
+        num_top = max((p.logprobs or 0) for p in ps)
+        mask_width = max((p.top_k for p in ps if p.want_mask), default=0)
+        floats = torch.tensor(
+            [[p.temperature for p in ps], top_ps, [p.min_p for p in ps]], dtype=torch.float32
+        ).to(self.device, non_blocking=True)
+        ints = torch.tensor(
+            [top_ks, [p.seed for p in ps], [len(s.output) for s in seqs]], dtype=torch.int64
+        ).to(self.device, non_blocking=True)
+        return SamplingBatch(
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            seeds=ints[1],
+            positions=ints[2],
+            num_sorted=plan_columns(top_ks, top_ps, num_top, mask_width, self.vocab_size),
+            num_top_logprobs=num_top,
+            mask_width=mask_width,
+            all_top_k=all(k > 0 for k in top_ks),
+        )
+
+    def _to_host(self, res, seqs: list[Sequence], batch: SamplingBatch) -> list[TokenOut]:
+        """One device->host transfer of everything the step produced."""
+        k, w = batch.num_top_logprobs, batch.mask_width
+        packed = torch.cat(
+            [
+                res.token_ids[:, None].double(),
+                res.logprobs[:, None].double(),
+                res.ranks[:, None].double(),
+                res.top_ids.double(),
+                res.top_logprobs.double(),
+                res.mask_ids.double(),
+            ],
+            dim=1,
+        )
+        rows = packed.cpu().tolist()
+        outs = []
+        for s, row in zip(seqs, rows):
+            p = s.params
+            top = None
+            if p.logprobs:
+                n = p.logprobs
+                top = ([int(x) for x in row[3 : 3 + n]], row[3 + k : 3 + k + n])
+            mask = None
+            if p.want_mask:
+                mask = [int(x) for x in row[3 + 2 * k : 3 + 2 * k + w] if x >= 0]
+            outs.append(TokenOut(token=int(row[0]), logprob=row[1], rank=int(row[2]), top=top, mask=mask))
+        return outs

@@ -1,0 +1,203 @@
+"""Continuous-batching scheduler: which sequences run in the next forward pass.
+
+State (touched only by the engine thread):
+
+    waiting  deque  FCFS; new sequences and preempted ones (at the front, re-prefilled later)
+    running  list   sequences with their KV in the cache, in admission order (youngest last)
+
+Each step: every running sequence decodes one token (a new block is taken when its last one is
+full); when the pool runs dry the youngest running sequence is preempted (blocks freed, pushed back
+to the front of `waiting`, it re-prefills prompt + generated tokens later). Then waiting sequences
+are admitted for prefill while there are blocks, sequence slots and token budget. Stop rules live in
+`Sequence.append`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from asyncgrpo.server.kv_cache import BlockAllocator
+
+
+@dataclass(frozen=True)
+class SeqParams:
+    """Validated sampling parameters of one sequence (one child of a request)."""
+
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float
+    min_p: float
+    seed: int
+    max_tokens: int  # already clamped to max_model_len - prompt_len where the route requires it
+    min_tokens: int
+    stop_token_ids: frozenset[int]
+    eos_token_id: int | None  # primary EOS (stop_reason None); None with ignore_eos
+    extra_eos_ids: frozenset[int]  # other EOS ids of the generation config (stop_reason = id)
+    logprobs: int | None  # top-K log-probs per token, None = none
+    want_mask: bool
+    repetition_penalty: float = 1.0
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that may end the sequence (banned before min_tokens)."""
+        ids = set(self.stop_token_ids) | set(self.extra_eos_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation; output lists only grow, finished sequences never change."""
+
+    seq_id: int
+    request_key: str
+    index: int  # choice index inside its request
+    prompt: list[int]
+    params: SeqParams
+    max_model_len: int
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    spans: list[list] = field(default_factory=list)  # [version, start, end]
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    sink: object = None  # set by the engine: where outputs are delivered
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def append(self, token: int, version: str) -> None:
+        """Record a sampled token and apply vLLM's stop rules (EOS, stop ids, lengths)."""
+        n = len(self.output)
+        self.output.append(token)
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] = n + 1
+        else:
+            self.spans.append([version, n, n + 1])
+        p = self.params
+        if n + 1 >= p.min_tokens:
+            if p.eos_token_id is not None and token == p.eos_token_id:
+                self.finish_reason = "stop"
+                return
+            if token in p.stop_token_ids or token in p.extra_eos_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+                return
+        if n + 1 >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = "length"
+
+
+@dataclass
+class StepPlan:
+    decode: list[Sequence]
+    prefill: list[Sequence]
+    preempted: list[Sequence]
+
+    @property
+    def size(self) -> int:
+        return len(self.decode) + len(self.prefill)
+
+
+class Scheduler:
+    """Admission, block accounting and preemption (plain Python, engine thread only)."""
+
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def kv_usage(self) -> float:
+        total = self.allocator.num_blocks
+        return (total - self.allocator.num_free) / total if total else 0.0
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.num_cached = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV and queue it (first) for a fresh prefill."""
+        self.running.remove(seq)
+        self._release(seq)
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> list[Sequence]:
+        """Preempt every running sequence, keeping their order at the front of `waiting`."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):
+            self.preempt(seq)
+        return seqs
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def schedule(self) -> StepPlan:
+        preempted: list[Sequence] = []
+        # 1. decode: one more slot for every running sequence, preempting the youngest when short
+        while True:
+            need = sum(
+                1 for s in self.running if self._blocks_for(s.num_tokens) > len(s.blocks)
+            )
+            if need <= self.allocator.num_free or not self.running:
+                break
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+        decode = list(self.running)
+        for s in decode:
+            missing = self._blocks_for(s.num_tokens) - len(s.blocks)
+            if missing > 0:
+                s.blocks.extend(self.allocator.allocate(missing))
+        # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
+        prefill: list[Sequence] = []
+        budget = self.max_num_batched_tokens - len(decode)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if preempted and seq in preempted:
+                break  # do not re-admit what this step just evicted
+            n = seq.num_tokens
+            blocks = self._blocks_for(n)
+            if blocks > self.allocator.num_free or (prefill and n > budget):
+                break
+            self.waiting.popleft()
+            seq.blocks = self.allocator.allocate(blocks)
+            self.running.append(seq)
+            prefill.append(seq)
+            budget -= n
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted)

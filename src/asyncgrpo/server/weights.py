@@ -1,0 +1,156 @@
+"""Receiving side of weight sync: the weight-transfer state machine and loading tensors into the model.
+
+    /init_weight_transfer_engine  -> WeightTransfer.init      (worker thread; joins the group)
+    /start_weight_update          -> WeightTransfer.start     (state check)
+    /update_weights               -> WeightTransfer.update    (engine thread: receive + copy)
+    /finish_weight_update         -> WeightTransfer.finish    (the caller sets the version)
+    /shutdown_weight_transfer_engine -> WeightTransfer.shutdown
+
+Names are Hugging Face checkpoint names (`model.layers.3.self_attn.q_proj.weight`,
+`lm_head.weight`); tied embeddings resolve to the same tensor. Every payload is checked against the
+model BEFORE receiving, so a bad request fails fast (the sender must not broadcast into it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class WeightTransferError(RuntimeError):
+    """A weight-transfer request in the wrong state or with a bad payload (HTTP 500, like vLLM)."""
+
+
+class WeightLoader:
+    """Copies named tensors into the model's parameters (in place, same dtype and shape)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+
+    def names(self) -> list[str]:
+        return list(self._params)
+
+    def check(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> None:
+        """Validate an update_info payload against the model; raises WeightTransferError."""
+        if not (len(names) == len(dtype_names) == len(shapes)):
+            raise WeightTransferError(
+                f"update_info lists differ in length: names={len(names)}, dtype_names={len(dtype_names)}, "
+                f"shapes={len(shapes)}"
+            )
+        problems = []
+        for name, dtype_name, shape in zip(names, dtype_names, shapes):
+            param = self._params.get(name)
+            if param is None:
+                problems.append(f"unknown parameter {name!r}")
+                continue
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype):
+                problems.append(f"{name}: unknown dtype name {dtype_name!r}")
+            elif dtype != param.dtype:
+                problems.append(f"{name}: dtype {dtype_name} but the server holds {param.dtype} (send the serving dtype)")
+            if list(shape) != list(param.shape):
+                problems.append(f"{name}: shape {list(shape)} but the server holds {list(param.shape)}")
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise WeightTransferError(f"update_info does not match the served model: {shown}")
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._params.get(name)
+        if param is None:
+            raise WeightTransferError(f"unknown parameter {name!r}; names are Hugging Face checkpoint names")
+        if tensor.shape != param.shape or tensor.dtype != param.dtype:
+            raise WeightTransferError(
+                f"{name}: received {tuple(tensor.shape)} {tensor.dtype}, the server holds "
+                f"{tuple(param.shape)} {param.dtype}"
+            )
+        param.copy_(tensor)
+
+    def load_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
+        n = 0
+        for name, tensor in items:
+            self.load(name, tensor)
+            n += 1
+        return n
+
+
+class WeightTransfer:
+    """State machine of the weight-transfer routes around a WeightReceiver (asyncgrpo.sync)."""
+
+    def __init__(self, device: torch.device, loader: WeightLoader) -> None:
+        self.device = device
+        self.loader = loader
+        self.receiver = None
+        self.active = False
+        self._last_info: dict | None = None
+
+    def init(self, init_info: dict) -> None:
+        """Blocking: create the receiver and join the sender's group (run off the event loop)."""
+        if self.active:
+            raise WeightTransferError("a weight update is in progress; finish it before re-initialising")
+        try:
+            from asyncgrpo.sync.receiver import WeightReceiver
+        except ImportError as exc:
+            raise WeightTransferError(
+                f"weight transfer is unavailable: cannot import asyncgrpo.sync.receiver ({exc})"
+            ) from exc
+        if not isinstance(init_info, dict):
+            raise WeightTransferError("Invalid init_info: expected a JSON object")
+        if self.receiver is not None:
+            self.receiver.shutdown()
+            self.receiver = None
+        receiver = WeightReceiver(device=self.device)
+        try:
+            receiver.init(init_info)
+        except ValueError as exc:
+            raise WeightTransferError(str(exc)) from exc
+        self.receiver = receiver
+
+    def start(self) -> None:
+        if self.receiver is None:
+            raise WeightTransferError(
+                "Weight transfer engine is not initialized; call /init_weight_transfer_engine first"
+            )
+        if self.active:
+            raise WeightTransferError("A weight update is already active; call /finish_weight_update first")
+        self.active = True
+
+    def update(self, update_info) -> int:
+        """Blocking (engine thread): validate, receive every tensor, load it. Returns the count."""
+        if not self.active:
+            raise WeightTransferError("No weight update is active; call /start_weight_update first")
+        info = update_info
+        if isinstance(info, list) and len(info) == 1:
+            info = info[0]
+        if isinstance(info, dict):
+            names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
+            if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
+                raise WeightTransferError("update_info needs the lists names, dtype_names and shapes")
+            if not names and not dtypes and not shapes:
+                if self._last_info is None:
+                    raise WeightTransferError("empty update_info reuses the previous metadata, but there is none")
+                names, dtypes, shapes = (self._last_info[k] for k in ("names", "dtype_names", "shapes"))
+            self.loader.check(names, dtypes, shapes)
+            self._last_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+        try:
+            n = self.loader.load_all(self.receiver.receive(update_info))
+        except ValueError as exc:
+            raise WeightTransferError(str(exc)) from exc
+        logger.info("loaded %d tensors", n)
+        return n
+
+    def finish(self) -> None:
+        if not self.active:
+            raise WeightTransferError("No weight update is active; call /start_weight_update first")
+        self.active = False
+
+    def shutdown(self) -> None:
+        if self.active:
+            raise WeightTransferError("cannot shut down the weight transfer engine during an update")
+        if self.receiver is not None:
+            self.receiver.shutdown()
+            self.receiver = None
