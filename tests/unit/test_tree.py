@@ -120,6 +120,13 @@ def test_nothing_shared_is_plain_packing_in_input_order():
     assert row.segment_parent.tolist() == [-1, -1, -1]
 
 
+def test_without_sharing_every_sample_is_its_own_root():
+    samples = [make_sample([1, 2, 3], 1), make_sample([1, 2, 4], 1), make_sample([1, 2, 3], 1)]
+    row = pack_row(samples, share_prefixes=False)
+    assert row.input_ids.tolist() == [1, 2, 3, 1, 2, 4, 1, 2, 3]
+    assert row.segment_parent.tolist() == [-1, -1, -1] and row.pred_index.tolist() == [0, 1, 3, 4, 6, 7]
+
+
 def test_per_token_sampler_data_follows_its_token():
     topk_a = [None, None, ((5, -0.1), (6, -2.0)), ((7, -0.3),)]
     cands_a = [None, None, (5, 6), (2, 7, 9)]

@@ -10,11 +10,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from asyncgrpo.packing import SUPPORTED_MODEL_TYPES, Sample, check_supported, pack_row  # noqa: E402
-from asyncgrpo.packing.attention import (  # noqa: E402
+from asyncgrpo.packing import SUPPORTED_MODEL_TYPES, Sample, check_supported, pack_row
+from asyncgrpo.packing.attention import (
     TreeMask,
     disable_tree_attention,
     enable_tree_attention,
@@ -25,27 +25,27 @@ VOCAB = 96
 WINDOW = 6  # shorter than the samples, so sliding layers really slide
 
 # Tiny configs: 2 layers; sliding-window models get one sliding and one full layer.
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attention_dropout=0.0)
-_SLIDING = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256, "attention_dropout": 0.0}
+_SLIDING = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
 _EXTRA: dict[str, dict] = {
     "qwen3": dict(_SLIDING, use_sliding_window=True, max_window_layers=1),
     "qwen2": dict(_SLIDING, use_sliding_window=True, max_window_layers=1),
-    "mistral": dict(sliding_window=WINDOW),
+    "mistral": {"sliding_window": WINDOW},
     "ministral": dict(_SLIDING),
-    "phi3": dict(sliding_window=WINDOW, pad_token_id=0),
+    "phi3": {"sliding_window": WINDOW, "pad_token_id": 0},
     "gemma2": dict(_SLIDING, attn_logit_softcapping=5.0, final_logit_softcapping=10.0, query_pre_attn_scalar=8),
     "gemma3_text": dict(_SLIDING, query_pre_attn_scalar=8),
     "cohere2": dict(_SLIDING),
     "exaone4": dict(_SLIDING),
     "olmo3": dict(_SLIDING),
-    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
-    "starcoder2": dict(sliding_window=WINDOW),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
+    "smollm3": {"no_rope_layers": [1, 0], "pad_token_id": 0},
+    "starcoder2": {"sliding_window": WINDOW},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1,
+                      "mlp_only_layers": []},
     "qwen2_moe": dict(_SLIDING, use_sliding_window=True, max_window_layers=1, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
-    "glm4": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    "glm4": {"partial_rotary_factor": 0.5, "pad_token_id": 0},
 }
 
 

@@ -145,8 +145,15 @@ def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
         indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return counts[None, None], indices[None, None]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask.visible(q_idx, kv_idx, window)
+    # The closure holds only tensors and an int, so a compiled FlexAttention sees the same graph for
+    # every row (new rows change tensor values and sizes, not the traced code).
+    span_end, depth = mask.span_end, mask.position_ids
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < span_end[kv_idx])
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx < span_end[kv_idx]) & (depth[q_idx] - depth[kv_idx] < window)
 
     kv_num, kv_idx = to_indices(partial)
     full_num, full_idx = to_indices(all_pairs)
@@ -182,7 +189,7 @@ def tree_attention_forward(
     if s_aux is not None or position_bias is not None:
         raise ValueError(f"{type(module).__name__} uses attention sinks or a position bias, which tree "
                          "attention cannot run exactly; check_supported() should have refused this model")
-    batch, num_heads, length, _ = query.shape
+    batch, _, length, _ = query.shape
     if batch != 1 or length != tree_mask.num_tokens:
         raise ValueError(f"tree attention runs one packed row of {tree_mask.num_tokens} tokens, got query "
                          f"batch {batch} x {length} tokens; pass input_ids/position_ids of shape [1, T]")

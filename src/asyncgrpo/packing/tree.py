@@ -36,6 +36,7 @@ Cost is O(sum of lengths) numpy work plus O(n log n) byte comparisons for n samp
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 
@@ -264,8 +265,12 @@ class PackedRow:
         return PackedRow(**moved)
 
 
-def pack_row(samples: Sequence[Sample]) -> PackedRow:
-    """Pack samples into one row (see the module docstring for the layout and its invariants)."""
+def pack_row(samples: Sequence[Sample], share_prefixes: bool = True) -> PackedRow:
+    """Pack samples into one row (see the module docstring for the layout and its invariants).
+
+    `share_prefixes=False` makes every sample its own root segment: ordinary padding-free packing
+    on the same attention path (a baseline for benchmarks and debugging).
+    """
     if not samples:
         raise ValueError("pack_row needs at least one sample")
     tokens = [s.token_ids for s in samples]
@@ -273,11 +278,13 @@ def pack_row(samples: Sequence[Sample]) -> PackedRow:
     n = len(samples)
 
     # 1. Sorted order and shareable length with the sorted predecessor.
-    keys = [sort_key(t) for t in tokens]
-    order = sorted(range(n), key=keys.__getitem__)
+    order = list(range(n))
     shared = [0] * n
-    for k in range(1, n):
-        shared[k] = shared_prefix_len(tokens[order[k - 1]], tokens[order[k]])
+    if share_prefixes:
+        keys = [sort_key(t) for t in tokens]
+        order.sort(key=keys.__getitem__)
+        for k in range(1, n):
+            shared[k] = shared_prefix_len(tokens[order[k - 1]], tokens[order[k]])
 
     # 2. Each sorted sample k adds depths [shared[k], L) of its own tokens (its "chunk"); the chunk
     #    attaches after depth shared[k] - 1 of the chunk that holds it on the predecessor's path.
@@ -310,11 +317,11 @@ def pack_row(samples: Sequence[Sample]) -> PackedRow:
     seg_hi: list[int] = []
     for k in range(n):
         start, end = shared[k], int(lengths[order[k]])
-        bounds = sorted(set([start, end, *splits[k]]))
+        bounds = sorted({start, end, *splits[k]})
         chunk_bounds.append(bounds)
         if end > start:
             chunk_first_seg[k] = len(seg_chunk)
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
+            for lo, hi in itertools.pairwise(bounds):
                 seg_chunk.append(k)
                 seg_lo.append(lo)
                 seg_hi.append(hi)
