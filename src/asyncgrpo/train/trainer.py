@@ -18,7 +18,6 @@ packing in `asyncgrpo.packing`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -32,6 +31,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from asyncgrpo import metrics as M
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import validate_prompt_dataset
 from asyncgrpo.metrics import MetricsWindow
@@ -57,7 +57,6 @@ from asyncgrpo.train.server_link import ServerLink
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_STATE_NAME = "rollout_state.json"
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -210,13 +209,11 @@ class AsyncGRPOTrainer(Trainer):
             path = get_last_checkpoint(self.args.output_dir)
             if path is None:
                 raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
-        state_file = os.path.join(path, ROLLOUT_STATE_NAME)
-        if not os.path.isfile(state_file):
-            logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_NAME)
+        state = read_rollout_state(path)
+        if state is None:
+            logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_FILE)
             return 0, 0
-        with open(state_file) as f:
-            state = json.load(f)
-        return int(state["trained_position"]), int(state["model_version"])
+        return state.trained_position, state.model_version
 
     def _resolve_token_budget(self, info: Any) -> int:
         if self.args.token_budget is not None:
@@ -390,8 +387,7 @@ class AsyncGRPOTrainer(Trainer):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with open(os.path.join(folder, ROLLOUT_STATE_NAME), "w") as f:
-            json.dump({"trained_position": self._progress.trained_position, "model_version": self.model_version}, f)
+        write_rollout_state(folder, RolloutState(self._progress.trained_position, self.model_version))
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
