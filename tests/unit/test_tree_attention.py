@@ -134,8 +134,9 @@ def test_gradients_flow_through_dense_tree_attention_with_checkpointing():
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     enable_tree_attention(model)
-    with tree_attention_context(TreeMask.from_row(row)):
-        logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits[0]
+    with tree_attention_context(TreeMask.from_row(row)):  # the base model, as a chunked LM head does
+        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+    logits = model.lm_head(hidden)[0]
     packed_loss = torch.log_softmax(logits[row.pred_index], -1).gather(-1, row.target_ids[:, None]).sum()
     packed_loss.backward()  # outside the context
     packed_grad = model.model.embed_tokens.weight.grad.clone()
@@ -240,3 +241,24 @@ def test_enable_refuses_unsupported_model():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="'gpt2'"):
         enable_tree_attention(model)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_on_cuda_matches_dense_forward_and_backward():
+    """The CUDA path (compiled FlexAttention, BlockMask from spans) against the dense rule, in fp32,
+    over rows of different lengths (the compiled kernel must follow each row's mask)."""
+    model = tiny_model("qwen3").cuda().float()
+    enable_tree_attention(model)
+    rng = np.random.default_rng(6)
+    for num_copies in (1, 2, 5):
+        row = pack_row(grpo_like_samples(rng) * num_copies).to("cuda")
+        grads = {}
+        for backend in ("dense", "flex"):
+            model.zero_grad()
+            with tree_attention_context(TreeMask.from_row(row, backend=backend, block_size=16)):
+                logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits[0]
+            lp = torch.log_softmax(logits[row.pred_index].float(), -1).gather(-1, row.target_ids[:, None])
+            lp.sum().backward()
+            grads[backend] = (lp.detach(), model.model.embed_tokens.weight.grad.clone())
+        torch.testing.assert_close(grads["flex"][0], grads["dense"][0], atol=2e-5, rtol=0)
+        torch.testing.assert_close(grads["flex"][1], grads["dense"][1], atol=2e-5, rtol=1e-4)

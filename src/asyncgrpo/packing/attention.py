@@ -15,7 +15,7 @@ Backends:
   backward). Exact, O(T^2) memory: meant for tests and the tiny CPU model.
 
 How the row reaches the layers: the trainer wraps the forward in `tree_attention_context(mask)`;
-`enable_tree_attention` installed a forward pre-hook that copies the active mask into the model's
+`enable_tree_attention` installed forward pre-hooks (on the model and on its base model) that copy the active mask into the model's
 keyword arguments, and transformers passes unknown keyword arguments down to the attention
 function. Gradient checkpointing captures them, so recomputation in the backward pass (possibly in
 another thread, after the context exited) sees the same row. Nothing global outlives the context.
@@ -278,15 +278,21 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
     if core.config._attn_implementation != TREE_ATTENTION:
         raise ValueError(f"model type {core.config.model_type!r} ({type(core).__name__}) does not route its "
                          "attention through transformers' AttentionInterface, so tree attention cannot run it")
-    if getattr(model, _HOOK_ATTR, None) is None:
-        setattr(model, _HOOK_ATTR, model.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
+    # Hook every transformers model inside (the CausalLM and its base model), so the row reaches the
+    # layers whether the trainer calls `model(...)` or `model.model(...)` for hidden states.
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and getattr(module, _HOOK_ATTR, None) is None:
+            setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
     logger.info("tree attention enabled for %s", type(core).__name__)
 
 
 def disable_tree_attention(model: torch.nn.Module, attn_implementation: str = "sdpa") -> None:
     """Undo `enable_tree_attention`: remove the hook, switch to `attn_implementation`."""
-    handle = getattr(model, _HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
-        setattr(model, _HOOK_ATTR, None)
+    for module in model.modules():
+        handle = getattr(module, _HOOK_ATTR, None)
+        if handle is not None:
+            handle.remove()
+            setattr(module, _HOOK_ATTR, None)
     _pretrained_core(model).set_attn_implementation(attn_implementation)

@@ -1,0 +1,284 @@
+"""Tree-packing benchmark: trained tokens per second of forward + backward, three layouts.
+
+The same GRPO-shaped samples (groups of `--num-generations` completions of one prompt) are split into
+rows by `TokenBudgetBatcher` (one process) and trained three ways:
+
+    tree        tree packing: shared prompts forwarded once, tree attention (FlexAttention on CUDA)
+    padfree     padding-free packing without sharing: same attention path, each sample its own root
+    padded      a padded batch of the same samples, plain transformers SDPA with an attention mask
+
+Each step is forward (gradient checkpointing) + the chunked log-prob head of
+`asyncgrpo.train.logprobs` at the trained tokens + backward of an advantage-weighted surrogate.
+There is no optimizer step. Models are random-initialised Qwen3 shapes in bf16 (no hub).
+
+MFU counts the FLOPs the layout must do, with no credit for recomputation or padding:
+6 * N_body * forwarded tokens + 6 * V * H * trained tokens (the LM head runs only there) +
+3 * 4 * layers * heads * head_dim * attended pairs, against 791 TFLOP/s (H200 dense bf16 as
+measured; pass --peak-tflops for other devices). The tree row's attended pairs are its own
+(`PackedRow.attention_pairs`); the other layouts attend sum(L (L + 1) / 2).
+
+    python bench/packing.py                       # CPU smoke run, tiny config (< 1 min)
+    python bench/packing.py --device cuda         # Qwen3-0.6B and -1.7B shapes
+
+Writes bench/results/packing_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+}
+
+
+def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab):
+    from asyncgrpo.packing import Sample
+
+    samples = []
+    for group in range(num_groups):
+        prompt = rng.integers(0, vocab, prompt_len)
+        for _ in range(num_generations):
+            completion = rng.integers(0, vocab, int(rng.integers(min_completion, max_completion + 1)))
+            tokens = np.concatenate([prompt, completion])
+            mask = np.arange(tokens.size) >= prompt_len
+            samples.append(Sample(tokens, mask, np.where(mask, -1.0, 0.0), float(rng.normal()), group))
+    return samples
+
+
+def make_rows(samples, token_budget):
+    from asyncgrpo.packing import TokenBudgetBatcher
+
+    batcher = TokenBudgetBatcher(token_budget=token_budget, num_processes=1)
+    rows = [mb.rows[0] for s in samples for mb in batcher.add(s)]
+    rows += [mb.rows[0] for mb in batcher.flush()]
+    return rows
+
+
+class Layout:
+    """Turns a list of samples into model inputs and the trained-token index of one layout."""
+
+    def __init__(self, name, device):
+        self.name, self.device = name, device
+
+    def prepare(self, samples):
+        from asyncgrpo.packing import pack_row
+        from asyncgrpo.packing.attention import TreeMask
+
+        dev = self.device
+        if self.name in ("tree", "padfree"):
+            row = pack_row(samples, share_prefixes=self.name == "tree").to(dev)
+            return dict(kind="row", ids=row.input_ids[None], pos=row.position_ids[None], mask=TreeMask.from_row(row),
+                        pred=row.pred_index, target=row.target_ids, adv=row.advantages, tokens=row.num_tokens,
+                        pairs=row.attention_pairs, trained=row.num_trained)
+        length = max(s.num_tokens for s in samples)
+        ids = torch.zeros(len(samples), length, dtype=torch.long)
+        attn = torch.zeros(len(samples), length, dtype=torch.long)
+        pred, target, adv = [], [], []
+        for b, s in enumerate(samples):
+            ids[b, : s.num_tokens] = torch.from_numpy(s.token_ids.astype(np.int64))
+            attn[b, : s.num_tokens] = 1
+            t = torch.from_numpy(np.flatnonzero(s.trained_mask))
+            pred.append(b * length + t - 1)
+            target.append(ids[b, t])
+            adv.append(torch.full((t.numel(),), s.advantage))
+        lengths = [s.num_tokens for s in samples]
+        return dict(kind="padded", ids=ids.to(dev), attn=attn.to(dev), pred=torch.cat(pred).to(dev),
+                    target=torch.cat(target).to(dev), adv=torch.cat(adv).to(dev), tokens=sum(lengths),
+                    pairs=sum(n * (n + 1) // 2 for n in lengths), trained=sum(s.num_trained for s in samples),
+                    slots=ids.numel())
+
+
+def hidden_states(model, batch):
+    from asyncgrpo.packing.attention import tree_attention_context
+
+    if batch["kind"] == "row":
+        with tree_attention_context(batch["mask"]):
+            out = model.model(input_ids=batch["ids"], position_ids=batch["pos"])
+    else:
+        out = model.model(input_ids=batch["ids"], attention_mask=batch["attn"])
+    return out.last_hidden_state.flatten(0, 1)
+
+
+def fwd_bwd(model, batch, chunk_size):
+    from asyncgrpo.train.logprobs import token_logprobs
+
+    hidden = hidden_states(model, batch)
+    lp = token_logprobs(hidden, model.lm_head.weight, batch["pred"], batch["target"], chunk_size=chunk_size)
+    loss = -(lp.target_logprobs * batch["adv"]).sum() / batch["trained"]
+    loss.backward()
+    return lp.target_logprobs.detach()
+
+
+def set_layout(model, name):
+    from asyncgrpo.packing.attention import disable_tree_attention, enable_tree_attention
+
+    if name == "padded":
+        disable_tree_attention(model, "sdpa")
+    else:
+        enable_tree_attention(model)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def logprob_diff(model, samples, device):
+    """Max |packed - unpacked| bf16 log-prob of trained tokens: tree row vs each sample alone (SDPA)."""
+    from asyncgrpo.train.logprobs import token_logprobs
+
+    with torch.no_grad():
+        set_layout(model, "tree")
+        tree = Layout("tree", device).prepare(samples)
+        packed = token_logprobs(hidden_states(model, tree), model.lm_head.weight, tree["pred"], tree["target"])
+        set_layout(model, "padded")
+        alone = []
+        for s in samples:
+            one = Layout("padded", device).prepare([s])
+            alone.append(token_logprobs(hidden_states(model, one), model.lm_head.weight, one["pred"],
+                                        one["target"]).target_logprobs)
+    return float((packed.target_logprobs - torch.cat(alone)).abs().max())
+
+
+def bench_model(shape, args, device):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, attention_dropout=0.0)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    model.train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    head_flops = 6 * config.vocab_size * config.hidden_size
+    attn_flops = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+
+    rng = np.random.default_rng(args.seed)
+    samples = make_samples(rng, args.groups, args.num_generations, args.prompt_len, args.min_completion,
+                           args.max_completion, config.vocab_size)
+    rows = make_rows(samples, args.token_budget)
+    needed = args.warmup + args.steps
+    if len(rows) < needed:
+        raise ValueError(f"{len(rows)} rows < warmup + steps = {needed}: raise --groups")
+    result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "rows": needed,
+              "samples_per_row": float(np.mean([len(r) for r in rows[:needed]]))}
+    for name in ("tree", "padfree", "padded"):
+        set_layout(model, name)
+        layout = Layout(name, device)
+        batches = [layout.prepare(r) for r in rows[:needed]]
+        for batch in batches[: args.warmup]:
+            fwd_bwd(model, batch, args.chunk_size)
+            model.zero_grad(set_to_none=True)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        elapsed = 0.0
+        for batch in batches[args.warmup:]:
+            sync(device)
+            start = time.perf_counter()
+            fwd_bwd(model, batch, args.chunk_size)
+            sync(device)
+            elapsed += time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+        timed = batches[args.warmup:]
+        tokens = sum(b["tokens"] for b in timed)
+        trained = sum(b["trained"] for b in timed)
+        pairs = sum(b["pairs"] for b in timed)
+        flops = 6 * n_body * tokens + head_flops * trained + attn_flops * pairs
+        entry = {
+            "trained_tokens_per_s": trained / elapsed,
+            "fwd_bwd_s_per_row": elapsed / len(timed),
+            "tokens_per_row": tokens / len(timed),
+            "tflops": flops / elapsed / 1e12,
+            "mfu": flops / elapsed / (args.peak_tflops * 1e12),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        }
+        if name == "padded":
+            entry["pad_frac"] = 1 - tokens / sum(b["slots"] for b in timed)
+        result[name] = entry
+        del batches
+    raw = sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:needed])
+    result["packing_ratio"] = raw / (result["tree"]["tokens_per_row"] * args.steps)
+    result["speedup_vs_padfree"] = result["tree"]["trained_tokens_per_s"] / result["padfree"]["trained_tokens_per_s"]
+    result["speedup_vs_padded"] = result["tree"]["trained_tokens_per_s"] / result["padded"]["trained_tokens_per_s"]
+    model.eval()
+    result["logprob_max_abs_diff"] = logprob_diff(model, rows[0][: args.diff_samples], device)
+    result["logprob_dtype"] = str(dtype).replace("torch.", "")
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def print_table(results):
+    print(f"{'model':<12} {'layout':<8} {'trained tok/s':>14} {'s/row':>8} {'tok/row':>8} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'peak GiB':>9}")
+    for r in results:
+        for name in ("tree", "padfree", "padded"):
+            e = r[name]
+            mem = f"{e['peak_memory_gib']:.1f}" if e["peak_memory_gib"] is not None else "-"
+            print(f"{r['shape']:<12} {name:<8} {e['trained_tokens_per_s']:>14.0f} {e['fwd_bwd_s_per_row']:>8.3f} "
+                  f"{e['tokens_per_row']:>8.0f} {e['tflops']:>8.1f} {e['mfu']:>6.1%} {mem:>9}")
+        print(f"{r['shape']:<12} packing ratio {r['packing_ratio']:.2f}, samples/row {r['samples_per_row']:.1f}, "
+              f"speedup vs padding-free {r['speedup_vs_padfree']:.2f} ({r['speedup_vs_padfree'] / r['packing_ratio']:.2f}"
+              f" x ratio), vs padded {r['speedup_vs_padded']:.2f}, {r['logprob_dtype']} log-prob max diff "
+              f"{r['logprob_max_abs_diff']:.3g}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", default=None, help=f"from {sorted(SHAPES)}")
+    parser.add_argument("--groups", type=int, default=None)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--min-completion", type=int, default=None)
+    parser.add_argument("--max-completion", type=int, default=None)
+    parser.add_argument("--token-budget", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--diff-samples", type=int, default=16)
+    parser.add_argument("--peak-tflops", type=float, default=791.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    defaults = dict(models=["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], groups=24 if gpu else 8,
+                    prompt_len=512 if gpu else 64, min_completion=256 if gpu else 32,
+                    max_completion=2048 if gpu else 256, token_budget=32768 if gpu else 2048,
+                    warmup=3 if gpu else 1, steps=5 if gpu else 2)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    results = [bench_model(shape, args, device) for shape in args.models]
+    print_table(results)
+    name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
+    out = Path(args.out or Path(__file__).parent / "results" / f"packing_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": name, "torch": torch.__version__, "args": vars(args)}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
