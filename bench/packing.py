@@ -34,16 +34,16 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
+    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
 }
 
 
@@ -83,9 +83,9 @@ class Layout:
         dev = self.device
         if self.name in ("tree", "padfree"):
             row = pack_row(samples, share_prefixes=self.name == "tree").to(dev)
-            return dict(kind="row", ids=row.input_ids[None], pos=row.position_ids[None], mask=TreeMask.from_row(row),
-                        pred=row.pred_index, target=row.target_ids, adv=row.advantages, tokens=row.num_tokens,
-                        pairs=row.attention_pairs, trained=row.num_trained)
+            return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": TreeMask.from_row(row),
+                        "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages, "tokens": row.num_tokens,
+                        "pairs": row.attention_pairs, "trained": row.num_trained}
         length = max(s.num_tokens for s in samples)
         ids = torch.zeros(len(samples), length, dtype=torch.long)
         attn = torch.zeros(len(samples), length, dtype=torch.long)
@@ -98,10 +98,10 @@ class Layout:
             target.append(ids[b, t])
             adv.append(torch.full((t.numel(),), s.advantage))
         lengths = [s.num_tokens for s in samples]
-        return dict(kind="padded", ids=ids.to(dev), attn=attn.to(dev), pred=torch.cat(pred).to(dev),
-                    target=torch.cat(target).to(dev), adv=torch.cat(adv).to(dev), tokens=sum(lengths),
-                    pairs=sum(n * (n + 1) // 2 for n in lengths), trained=sum(s.num_trained for s in samples),
-                    slots=ids.numel())
+        return {"kind": "padded", "ids": ids.to(dev), "attn": attn.to(dev), "pred": torch.cat(pred).to(dev),
+                    "target": torch.cat(target).to(dev), "adv": torch.cat(adv).to(dev), "tokens": sum(lengths),
+                    "pairs": sum(n * (n + 1) // 2 for n in lengths), "trained": sum(s.num_trained for s in samples),
+                    "slots": ids.numel()}
 
 
 def hidden_states(model, batch):
@@ -262,10 +262,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    defaults = dict(models=["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], groups=24 if gpu else 8,
-                    prompt_len=512 if gpu else 64, min_completion=256 if gpu else 32,
-                    max_completion=2048 if gpu else 256, token_budget=32768 if gpu else 2048,
-                    warmup=3 if gpu else 1, steps=5 if gpu else 2)
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": 24 if gpu else 8,
+                    "prompt_len": 512 if gpu else 64, "min_completion": 256 if gpu else 32,
+                    "max_completion": 2048 if gpu else 256, "token_budget": 32768 if gpu else 2048,
+                    "warmup": 3 if gpu else 1, "steps": 5 if gpu else 2}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
