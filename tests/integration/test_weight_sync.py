@@ -278,6 +278,7 @@ def test_push_into_the_embedded_server_changes_generation_exactly(embedded_serve
                 raise AssertionError(f"server did not start; exit code {proc.poll()}") from None
             await client.detect()
             before = await client.generate(prompt, params)
+            before_expected = _processed_logprobs(model, prompt, before.token_ids, top_k=8)
             sender = WeightSender(
                 client, backend="gloo", device=torch.device("cpu"), timeout_s=60, buffer_size_bytes=4096
             )
@@ -301,16 +302,34 @@ def test_push_into_the_embedded_server_changes_generation_exactly(embedded_serve
                     await sender.push([("model.no_such_param", torch.zeros(3))], version="bad")
                 await client.resume()
                 still = await client.generate(prompt, params)
+
+                # the next sync after the failure goes through
+                step1_logprobs = _processed_logprobs(model, prompt, after.token_ids, top_k=8)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(-1.0)
+                await client.pause(mode="keep")
+                await sender.push(
+                    [(n, p.detach().clone()) for n, p in model.state_dict().items()], version="step-2"
+                )
+                await client.resume()
+                version2 = await client.weight_info()
+                after2 = await client.generate(prompt, params)
             finally:
                 await sender.close()
-            return before, after, still, stats, version
+            return before, before_expected, after, still, after2, stats, version, version2, step1_logprobs
 
-    before, after, still, stats, version = asyncio.run(main())
-    assert version == "step-1"
-    assert stats["num_chunks"] > 1
-    expected = _processed_logprobs(model, prompt, after.token_ids, top_k=8)
-    assert after.logprobs == pytest.approx(expected, abs=1e-4)
-    assert before.logprobs != pytest.approx(
-        _processed_logprobs(model, prompt, before.token_ids, top_k=8), abs=1e-4
+    before, before_expected, after, still, after2, stats, version, version2, step1_logprobs = asyncio.run(
+        main()
     )
-    assert still.token_ids  # the server answers after the failed push
+    assert (version, version2) == ("step-1", "step-2")
+    assert stats["num_chunks"] > 1
+    assert after.logprobs == pytest.approx(step1_logprobs, abs=1e-4)
+    assert before.logprobs == pytest.approx(before_expected, abs=1e-4)  # the reference matches the server
+    assert after.token_ids != before.token_ids or after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+    # the rejected payload changed nothing: same seed, same weights, same tokens and log-probs
+    assert still.token_ids == after.token_ids and still.logprobs == pytest.approx(after.logprobs, abs=1e-6)
+    assert after2.logprobs == pytest.approx(
+        _processed_logprobs(model, prompt, after2.token_ids, top_k=8), abs=1e-4
+    )
+    assert after2.weight_versions[0].version == "step-2"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.client import GenerationClient, ServerRequestError
 from asyncgrpo.generation.protocol import TransferInit
 from asyncgrpo.sync import Communicator
 from asyncgrpo.sync.packed import TensorMeta, check_tensor, iter_packed_chunks, update_info_from_metas
@@ -70,6 +70,7 @@ class WeightSender:
         self._comm: Communicator | None = None
         self._store: Any = None
         self._broken: str | None = None
+        self._session_open = False
 
     # ---------------------------------------------------------------------------------- init
 
@@ -209,15 +210,16 @@ class WeightSender:
             )
         update_info = update_info_from_metas(metas)  # checks every dtype can be sent
         t0 = time.monotonic()
-        await self._client.start_weight_update()
+        await self._start_session()
+        self._session_open = True  # until finish succeeds: a failed push leaves the server mid-update
         update = asyncio.ensure_future(self._client.update_weights(update_info))
         num_chunks = 0
         try:
             await asyncio.wait({update}, timeout=_REJECT_WINDOW_S)
             if update.done() and update.exception() is not None:
                 raise WeightTransferError(
-                    f"the server rejected update_weights before any byte was sent: {update.exception()}; its update "
-                    "session may still be open, so push a complete update again (or restart the server)"
+                    f"the server rejected update_weights before any byte was sent: {update.exception()}; "
+                    "the update is not finished: the next push resends every tensor"
                 ) from update.exception()
         except BaseException:
             if not update.done():
@@ -253,6 +255,7 @@ class WeightSender:
                 update.cancel()
             raise
         await self._client.finish_weight_update(version)
+        self._session_open = False
         transfer_s = time.monotonic() - t0
         nbytes = sum(m.nbytes for m in metas)
         logger.info(
@@ -270,6 +273,16 @@ class WeightSender:
             "num_tensors": float(len(metas)),
             "num_chunks": float(num_chunks),
         }
+
+    async def _start_session(self) -> None:
+        """POST /start_weight_update. After a failed push some servers keep that update's session
+        open (and refuse a new start); the complete resend then goes into the open session."""
+        try:
+            await self._client.start_weight_update()
+        except ServerRequestError as exc:
+            if not self._session_open or exc.status < 500:
+                raise
+            logger.warning("the server kept the failed update open (%s); resending into it", exc.message)
 
     def _buffers(
         self, metas: list[TensorMeta], named_tensors: Iterable[tuple[str, torch.Tensor]]
