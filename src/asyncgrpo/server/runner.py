@@ -157,7 +157,7 @@ class ModelRunner:
         for s, row in zip(seqs, rows):
             p = s.params
             top = None
-            if p.logprobs:
+            if p.logprobs is not None:
                 n = p.logprobs
                 top = ([int(x) for x in row[3 : 3 + n]], row[3 + k : 3 + k + n])
             mask = None

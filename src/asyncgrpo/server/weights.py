@@ -65,8 +65,8 @@ class WeightLoader:
             raise WeightTransferError(f"unknown parameter {name!r}; names are Hugging Face checkpoint names")
         if tensor.shape != param.shape or tensor.dtype != param.dtype:
             raise WeightTransferError(
-                f"{name}: received {tuple(tensor.shape)} {tensor.dtype}, the server holds "
-                f"{tuple(param.shape)} {param.dtype}"
+                f"{name}: received shape {tuple(tensor.shape)} dtype {tensor.dtype}, the server holds shape "
+                f"{tuple(param.shape)} dtype {param.dtype}"
             )
         param.copy_(tensor)
 
