@@ -156,7 +156,7 @@ class NcclCommunicator:
             try:
                 with torch.cuda.device(self.device):
                     outcome["result"] = self._lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank)
-            except BaseException as exc:  # handed to the waiting thread below
+            except BaseException as exc:  # noqa: BLE001 -- re-raised by the waiting thread below
                 outcome["error"] = exc
 
         thread = threading.Thread(target=init, name=f"nccl-init-rank{rank}", daemon=True)
