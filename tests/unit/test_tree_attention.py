@@ -250,12 +250,12 @@ def test_compiled_flex_on_cuda_matches_dense_forward_and_backward():
     model = tiny_model("qwen3").cuda().float()
     enable_tree_attention(model)
     rng = np.random.default_rng(6)
-    for num_copies in (1, 2, 5):
-        row = pack_row(grpo_like_samples(rng) * num_copies).to("cuda")
+    for num_sets in (1, 3, 8):  # rows of about 100, 300 and 800 tokens: one to seven 128-blocks
+        row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
         grads = {}
         for backend in ("dense", "flex"):
             model.zero_grad()
-            with tree_attention_context(TreeMask.from_row(row, backend=backend, block_size=16)):
+            with tree_attention_context(TreeMask.from_row(row, backend=backend)):
                 logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits[0]
             lp = torch.log_softmax(logits[row.pred_index].float(), -1).gather(-1, row.target_ids[:, None])
             lp.sum().backward()
