@@ -321,7 +321,7 @@ class AsyncRolloutLoop:
             max_model_len=info.max_model_len,
         )
         self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
-        if self._kv_cap.adaptive:
+        if info.has_metrics:  # the vllm_* metrics are logged even when the cap cannot adapt
             self._spawn(self._poll_server_metrics(), "server-poller")
 
     async def _poll_server_metrics(self) -> None:
