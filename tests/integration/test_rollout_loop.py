@@ -98,6 +98,7 @@ def _config(tmp_path, server, cls=AsyncGRPOConfig, **overrides):
         "vllm_server_base_url": server.url,
         "num_generations": G,
         "max_completion_length": 32,
+        "max_concurrent_rollouts": 8,
         "use_cpu": True,
         "bf16": False,
         "report_to": "none",
