@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, build_metadata, register_attention
 
 
@@ -38,7 +40,9 @@ def _step(model, cache, seqs, decode, prefill):
         pos += range(len(toks))
         slots += [blocks[p // bs] * bs + p % bs for p in range(len(toks))]
         last.append(len(ids) - 1)
-    meta = build_metadata(cache, slots, [seqs[n][1] for n in decode], [len(seqs[n][0]) for n in decode],
+    nb = max((len(seqs[n][1]) for n in decode), default=0)
+    tables = torch.tensor([seqs[n][1] + [0] * (nb - len(seqs[n][1])) for n in decode], dtype=torch.int64)
+    meta = build_metadata(cache, slots, tables, [len(seqs[n][0]) for n in decode],
                           [len(seqs[n][0]) for n in prefill], torch.device("cpu"))
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False,
@@ -78,6 +82,22 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     grow("a"), grow("b"), new("c", 5)
     got = _step(paged, cache, seqs, ["a", "b"], ["c"])  # decode and a single prefill in one pass
     torch.testing.assert_close(got, expected(["a", "b", "c"]), atol=1e-5, rtol=1e-5)
+    # fixed-shape decode path (what CUDA graphs replay): 3 rows padded to 4, tables to 4 blocks
+    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False)
+    for _ in range(2):
+        for n in "abc":
+            grow(n)
+        names = ["a", "b", "c"]
+        tables = np.zeros((3, 8), dtype=np.int64)
+        for i, n in enumerate(names):
+            tables[i, : len(seqs[n][1])] = seqs[n][1]
+        lens = [len(seqs[n][0]) for n in names]
+        slots = [seqs[n][1][(p - 1) // 4] * 4 + (p - 1) % 4 for n, p in zip(names, lens)]
+        got = graphs.run([seqs[n][0][-1] for n in names], [p - 1 for p in lens], slots, tables, lens)
+        torch.testing.assert_close(got, expected(names), atol=1e-5, rtol=1e-5)
+    grow("a"), grow("c")
+    got = _step(paged, cache, seqs, ["a", "c"], [])  # the padded row wrote only the scratch block
+    torch.testing.assert_close(got, expected(["a", "c"]), atol=1e-5, rtol=1e-5)
     assert alloc.num_free == 12 - sum(len(b) for _, b in seqs.values())
 
 
@@ -89,3 +109,8 @@ def test_block_allocator_round_trip():
     alloc.free(a)
     assert alloc.num_free == 2 and sorted(alloc.allocate(2)) == sorted(a)
     assert alloc.allocate(0) == []
+
+
+def test_buckets():
+    assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 64, 65, 256)] == [1, 4, 8, 32, 64, 64, 96, 256]
+    assert [block_bucket(n, 40) for n in (1, 3, 9, 33)] == [1, 4, 16, 40]

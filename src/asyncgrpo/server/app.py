@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
 from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
@@ -103,9 +104,17 @@ class Server:
             served.dtype, served.device,
         )
         self.scheduler = Scheduler(
-            BlockAllocator(self.cache.num_blocks), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens
+            BlockAllocator(self.cache.num_blocks), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
+            served.max_model_len,
         )
-        self.runner = ModelRunner(served.model, self.cache, served.device, served.vocab_size)
+        graphs = None
+        if served.device.type == "cuda" and not args.enforce_eager:
+            graphs = DecodeGraphs(
+                served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True
+            )
+        self.runner = ModelRunner(
+            served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs
+        )
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
         self.engine: Engine | None = None
         self.created = int(time.time())

@@ -49,7 +49,8 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """The K/V pools of every layer (preallocated once)."""
+    """The K/V pools of every layer (preallocated once). Block `num_blocks` is an extra scratch block
+    that no sequence owns: padded rows of a fixed-shape (graph) step write and read there."""
 
     def __init__(
         self,
@@ -61,10 +62,11 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -91,17 +93,16 @@ class AttentionMetadata:
 def build_metadata(
     cache: PagedKVCache,
     slot_mapping: list[int],
-    decode_tables: list[list[int]],
+    decode_tables: torch.Tensor | None,
     decode_lens: list[int],
     prefill_lens: list[int],
     device: torch.device,
 ) -> AttentionMetadata:
-    """Host lists -> AttentionMetadata (one device copy per tensor)."""
+    """Host data -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb] (entries past a sequence's
+    blocks are ignored through decode_lens)."""
     block_tables = context_lens = pad_index = unpad_index = None
-    if decode_tables:
-        nb = max(len(t) for t in decode_tables)
-        rows = [t + [0] * (nb - len(t)) for t in decode_tables]
-        block_tables = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    if decode_lens:
+        block_tables = decode_tables.to(device, non_blocking=True)
         context_lens = torch.tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
     if len(prefill_lens) > 1:
         lmax = max(prefill_lens)
@@ -116,7 +117,7 @@ def build_metadata(
     return AttentionMetadata(
         cache=cache,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
-        num_decode=len(decode_tables),
+        num_decode=len(decode_lens),
         block_tables=block_tables,
         context_lens=context_lens,
         prefill_lens=list(prefill_lens),

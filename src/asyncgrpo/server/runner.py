@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.sampling import SamplingBatch, apply_repetition_penalty, plan_columns, sample
 from asyncgrpo.server.scheduler import Sequence
@@ -31,27 +33,54 @@ class TokenOut:
 class ModelRunner:
     """Owns the model, the KV pools and the device; called from the engine thread only."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, device: torch.device, vocab_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        device: torch.device,
+        vocab_size: int,
+        block_table: np.ndarray,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.vocab_size = vocab_size
+        self.block_table = block_table  # the scheduler's, one row per running sequence
+        self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> list[TokenOut]:
         """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
         seqs = decode + prefill
+        if prefill or self.graphs is None:
+            logits = self._forward(decode, prefill)
+        else:
+            logits = self._decode_static(decode)
+        logits = self._process(logits.float(), seqs)
+        batch = self._sampling_batch(seqs)
+        res = sample(logits, batch)
+        return self._to_host(res, seqs, batch)
+
+    def _decode_inputs(self, decode: list[Sequence]):
         bs = self.cache.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last: list[int] = []
+        ids, pos, slots, lens = [], [], [], []
         for s in decode:
             p = s.num_tokens - 1
             ids.append(s.last_token())
             pos.append(p)
             slots.append(s.blocks[p // bs] * bs + p % bs)
-            last.append(len(ids) - 1)
+            lens.append(p + 1)
+        return ids, pos, slots, lens, self.block_table[[s.row for s in decode]]
+
+    def _decode_static(self, decode: list[Sequence]) -> torch.Tensor:
+        return self.graphs.run(*self._decode_inputs(decode))
+
+    def _forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
+        """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
+        bs = self.cache.block_size
+        ids, pos, slots, lens, tables = self._decode_inputs(decode) if decode else ([], [], [], [], None)
+        last = list(range(len(ids)))
         prefill_lens = []
         for s in prefill:
             toks = s.all_tokens()
@@ -62,14 +91,11 @@ class ModelRunner:
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
             last.append(len(ids) - 1)
             prefill_lens.append(n)
-        meta = build_metadata(
-            self.cache,
-            slots,
-            [s.blocks for s in decode],
-            [s.num_tokens for s in decode],
-            prefill_lens,
-            self.device,
-        )
+        decode_tables = None
+        if decode:
+            nb = -(-max(lens) // bs)
+            decode_tables = torch.from_numpy(tables[:, :nb])
+        meta = build_metadata(self.cache, slots, decode_tables, lens, prefill_lens, self.device)
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
         position_ids = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)[None]
@@ -81,11 +107,7 @@ class ModelRunner:
             logits_to_keep=keep,
             kv_meta=meta,
         )
-        logits = out.logits[0].float()
-        logits = self._process(logits, seqs)
-        batch = self._sampling_batch(seqs)
-        res = sample(logits, batch)
-        return self._to_host(res, seqs, batch)
+        return out.logits[0]
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logits processors before temperature: repetition penalty and the min_tokens ban."""

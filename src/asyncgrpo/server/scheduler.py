@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from asyncgrpo.server.kv_cache import BlockAllocator
 
 
@@ -64,6 +66,7 @@ class Sequence:
     masks: list[list[int]] = field(default_factory=list)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
     blocks: list[int] = field(default_factory=list)
+    row: int = -1  # row of the scheduler's block table while running
     num_cached: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -119,7 +122,12 @@ class Scheduler:
     """Admission, block accounting and preemption (plain Python, engine thread only)."""
 
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -127,6 +135,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        # block table of the running sequences, one row each (the runner reads it without copying lists)
+        self.max_blocks = self._blocks_for(max_model_len)
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int64)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -145,6 +157,14 @@ class Scheduler:
         self.allocator.free(seq.blocks)
         seq.blocks = []
         seq.num_cached = 0
+        if seq.row >= 0:
+            self._free_rows.append(seq.row)
+            seq.row = -1
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        start = len(seq.blocks)
+        seq.blocks.extend(self.allocator.allocate(n))
+        self.block_table[seq.row, start : len(seq.blocks)] = seq.blocks[start:]
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it (first) for a fresh prefill."""
@@ -183,7 +203,7 @@ class Scheduler:
         for s in decode:
             missing = self._blocks_for(s.num_tokens) - len(s.blocks)
             if missing > 0:
-                s.blocks.extend(self.allocator.allocate(missing))
+                self._grow(s, missing)
         # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
         prefill: list[Sequence] = []
         budget = self.max_num_batched_tokens - len(decode)
@@ -196,7 +216,8 @@ class Scheduler:
             if blocks > self.allocator.num_free or (prefill and n > budget):
                 break
             self.waiting.popleft()
-            seq.blocks = self.allocator.allocate(blocks)
+            seq.row = self._free_rows.pop()
+            self._grow(seq, blocks)
             self.running.append(seq)
             prefill.append(seq)
             budget -= n

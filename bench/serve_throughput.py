@@ -1,0 +1,248 @@
+"""Embedded-server throughput: generated tokens/s at several concurrency levels, side by side with
+a plain transformers `generate` loop (and optionally a running vLLM) on the same prompts.
+
+Each level sends C requests at once to /inference/v1/generate (aiohttp; fixed random prompts,
+temperature 1, top_k 20, ignore_eos, N tokens each, one seed per request) and counts completion
+tokens over the wall time of the wave. The baseline is `model.generate` on the same C prompts as one
+batch (sampling, top_k 20, exactly N new tokens). `--logprobs K` adds a pass that also asks for K
+top log-probs (the baseline then returns scores and takes the top K of their log-softmax).
+
+    python bench/serve_throughput.py                               # CPU, bundled tiny model (~1-2 min)
+    python bench/serve_throughput.py --random-qwen3 0.6b --device cuda --logprobs 8 \
+        --prompt-len 128 --max-tokens 256 --model-dir /tmp/qwen3-0.6b-random [--vllm-url URL]
+
+`--model-dir` keeps the random model so that vLLM can serve the same weights
+(`--build-only` writes it and exits). Writes bench/results/serve_throughput_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+SHAPES = {
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "tie_word_embeddings": True},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
+}
+
+
+def build_random_qwen3(shape: str, path: Path) -> None:
+    """A random-initialised Qwen3 of the given shape in bf16 with a word-level tokenizer (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = SHAPES[shape]
+    vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, cfg["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    torch.manual_seed(0)
+    config = Qwen3Config(**cfg, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    GenerationConfig(eos_token_id=0, pad_token_id=0).save_pretrained(path)
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+
+
+async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, logprobs, seed0=0) -> dict:
+    import aiohttp
+
+    sampling = {"temperature": 1.0, "top_k": top_k, "max_tokens": max_tokens, "ignore_eos": True}
+    if logprobs:
+        sampling["logprobs"] = logprobs
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
+        async def one(i: int, prompt) -> int:
+            body = {"token_ids": prompt, "sampling_params": {**sampling, "seed": seed0 + i}}
+            if model:
+                body["model"] = model
+            async with session.post(f"{url}/inference/v1/generate", json=body) as resp:
+                data = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {resp.status}: {data}")
+            return sum(len(c["token_ids"]) for c in data["choices"])
+
+        await one(10_000, prompts[0][:8])  # connection + first-request warm-up
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        elapsed = time.perf_counter() - start
+    tokens = sum(counts)
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_k=top_k, top_p=1.0, max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens, pad_token_id=0, attention_mask=torch.ones_like(ids),
+    )
+    if logprobs:
+        kwargs.update(output_scores=True, return_dict_in_generate=True)
+    model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
+                                   "attention_mask": torch.ones_like(ids[:, :8])})  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    if logprobs:  # the server reports top-K processed log-probs: do the same with the scores
+        tops = [torch.log_softmax(s.float(), dim=-1).topk(logprobs, dim=-1) for s in out.scores]
+        _ = [t.values.cpu() for t in tops]
+        out = out.sequences
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _device_slug(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+    return "cpu"
+
+
+def run_hf(path: str, args, levels, prompts) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    results = {}
+    for k in args.logprob_passes:
+        for c in levels:
+            r = hf_wave(model, prompts[:c], args.max_tokens, args.top_k, k, args.device)
+            results[f"{k}:{c}"] = r
+            print(f"  hf generate     logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+    del model
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return results
+
+
+def run_server(url: str, model: str | None, label: str, args, levels, prompts) -> dict:
+    results = {}
+    for k in args.logprob_passes:
+        for c in levels:
+            r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k))
+            results[f"{k}:{c}"] = r
+            print(f"  {label:<15} logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="asyncgrpo/tiny-chat")
+    p.add_argument("--random-qwen3", choices=sorted(SHAPES), default=None, help="Benchmark a random Qwen3 shape.")
+    p.add_argument("--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir).")
+    p.add_argument("--build-only", action="store_true", help="Write the random model to --model-dir and exit.")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--concurrency", default="1,16,64,256", help="Comma-separated concurrency levels.")
+    p.add_argument("--prompt-len", type=int, default=None, help="Default: 128 on CUDA, 16 on CPU.")
+    p.add_argument("--max-tokens", type=int, default=None, help="Default: 256 on CUDA, 32 on CPU.")
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--logprobs", type=int, default=0, help="Also measure with this many top log-probs.")
+    p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM (same model).")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.prompt_len = args.prompt_len or (128 if cuda else 16)
+    args.max_tokens = args.max_tokens or (256 if cuda else 32)
+    args.logprob_passes = [0] + ([args.logprobs] if args.logprobs else [])
+    levels = [int(x) for x in args.concurrency.split(",")]
+
+    tmp = None
+    if args.random_qwen3:
+        if args.model_dir is None:
+            tmp = tempfile.TemporaryDirectory()
+            args.model_dir = tmp.name
+        path = Path(args.model_dir)
+        if not (path / "config.json").exists():
+            print(f"building a random Qwen3-{args.random_qwen3} in {path}", flush=True)
+            build_random_qwen3(args.random_qwen3, path)
+        model_path = str(path)
+        if args.build_only:
+            return
+    else:
+        from asyncgrpo.models import resolve_model_path
+
+        model_path = resolve_model_path(args.model)
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts = make_prompts(max(levels), args.prompt_len, vocab)
+    results: dict = {"config": {k: v for k, v in vars(args).items() if k != "logprob_passes"}, "levels": levels}
+    results["config"]["model_path"] = model_path
+    results["host"] = {"platform": platform.platform(), "torch": torch.__version__,
+                       "device_name": _device_slug(args.device)}
+    if not args.skip_hf:
+        print("transformers generate:", flush=True)
+        results["hf_generate"] = run_hf(model_path, args, levels, prompts)
+
+    from asyncgrpo.launch import EmbeddedServer
+
+    kv_tokens = max(levels) * (args.prompt_len + args.max_tokens + 16)
+    max_len = args.prompt_len + args.max_tokens + 16
+    serve_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(levels)),
+                  "--kv-cache-tokens", str(kv_tokens), *args.server_arg]
+    log = Path(tempfile.gettempdir()) / "serve_throughput_server.log"
+    print(f"embedded server (log: {log}):", flush=True)
+    with EmbeddedServer(model_path, device=args.device, extra_args=serve_args, log_path=log,
+                        startup_timeout_s=600) as server:
+        results["embedded"] = run_server(server.url, None, "embedded", args, levels, prompts)
+    if args.vllm_url:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{args.vllm_url}/v1/models") as r:
+            vllm_model = json.loads(r.read())["data"][0]["id"]
+        print(f"vLLM at {args.vllm_url} ({vllm_model}):", flush=True)
+        results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts)
+
+    print()
+    head = f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf':>10} {'x hf':>6}"
+    if args.vllm_url:
+        head += f" {'vllm':>10} {'x vllm':>7}"
+    print(head + "   (generated tokens/s)")
+    for k in args.logprob_passes:
+        for c in levels:
+            key = f"{k}:{c}"
+            ours = results["embedded"][key]["tokens_per_s"]
+            hf = results.get("hf_generate", {}).get(key, {}).get("tokens_per_s")
+            line = f"{k:>8} {c:>5} {ours:>10.1f} {hf or float('nan'):>10.1f} {ours / hf if hf else float('nan'):>6.2f}"
+            if args.vllm_url:
+                v = results["vllm"][key]["tokens_per_s"]
+                line += f" {v:>10.1f} {ours / v:>7.2f}"
+            print(line)
+    out = Path(args.output or Path(__file__).parent / "results" / f"serve_throughput_{_device_slug(args.device)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

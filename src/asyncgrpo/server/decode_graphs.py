@@ -1,0 +1,122 @@
+"""Decode-only steps with fixed shapes, replayed as CUDA graphs.
+
+A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32)
+and its block tables to a power-of-two number of blocks; every input lives in a static device
+buffer, so each (batch bucket, block bucket) shape is captured once and replayed: the ~30 kernels
+per layer of the Hugging Face forward cost one launch. Padded rows read and write the cache's
+scratch block and their logits are dropped. Without CUDA (or with graphs off) the same static path
+runs eagerly, which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+
+def batch_bucket(n: int) -> int:
+    for b in (1, 2, 4, 8, 16, 32):
+        if n <= b:
+            return b
+    return -(-n // 32) * 32
+
+
+def block_bucket(n: int, max_blocks: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max_blocks)
+
+
+class DecodeGraphs:
+    """Static buffers + captured graphs for decode-only steps (engine thread only)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        device: torch.device,
+        max_num_seqs: int,
+        max_blocks: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.max_blocks = max_blocks
+        self.use_graphs = use_graphs
+        n = batch_bucket(max_num_seqs)
+        # rows: input ids, positions, cache slots, context lengths
+        self._vec = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
+        self._keep = torch.arange(n, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._scratch_slot = cache.scratch_block * cache.block_size
+
+    def run(
+        self, ids: list[int], positions: list[int], slots: list[int], tables: np.ndarray, context_lens: list[int]
+    ) -> torch.Tensor:
+        """One decode step; tables: [B, >= max blocks used] host array. Returns logits [B, V]."""
+        b = len(ids)
+        bp = batch_bucket(b)
+        nbp = block_bucket(-(-max(context_lens) // self.cache.block_size), self.max_blocks)
+        host = torch.empty(4, bp, dtype=torch.int64)
+        host[0].zero_()
+        host[1].zero_()
+        host[2].fill_(self._scratch_slot)
+        host[3].fill_(1)
+        host[:, :b] = torch.tensor([ids, positions, slots, context_lens], dtype=torch.int64)
+        table = torch.full((bp, nbp), self.cache.scratch_block, dtype=torch.int64)
+        table[:b] = torch.from_numpy(tables[:, :nbp])
+        self._vec[:, :bp].copy_(host, non_blocking=True)
+        self._tables[:bp, :nbp].copy_(table, non_blocking=True)
+        key = (bp, nbp)
+        if not self.use_graphs:
+            return self._forward(bp, nbp)[:b]
+        if key not in self._graphs:
+            self._capture(key)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out[:b]
+
+    def _forward(self, bp: int, nbp: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            cache=self.cache,
+            slot_mapping=self._vec[2, :bp],
+            num_decode=bp,
+            block_tables=self._tables[:bp, :nbp],
+            context_lens=self._vec[3, :bp],
+            prefill_lens=[],
+            pad_index=None,
+            unpad_index=None,
+        )
+        out = self.model(
+            input_ids=self._vec[0, :bp][None],
+            position_ids=self._vec[1, :bp][None],
+            use_cache=False,
+            logits_to_keep=self._keep[:bp],
+            kv_meta=meta,
+        )
+        return out.logits[0]
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        bp, nbp = key
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._forward(bp, nbp)  # warm-up outside capture (same inputs, same cache writes)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(bp, nbp)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[key] = (graph, out)
+        logger.info("captured a decode graph for batch %d x %d blocks (%d graphs)", bp, nbp, len(self._graphs))
