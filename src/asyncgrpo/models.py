@@ -1,0 +1,85 @@
+"""Model ids the package resolves itself, and the loaders everything else calls.
+
+``BUNDLED_MODELS`` maps ids such as ``"asyncgrpo/tiny-chat"`` to folders shipped inside the package
+(``assets/``), so nothing is fetched from a hub for them. Every place that accepts a model id passes
+it through ``resolve_model_path`` first: a bundled id becomes its local folder, an existing local path
+stays itself, and anything else (a hub id) is returned unchanged for transformers to handle.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "resolve_model_path"]
+
+logger = logging.getLogger(__name__)
+
+_ASSETS = Path(__file__).resolve().parent / "assets"
+
+BUNDLED_MODELS: dict[str, str] = {
+    "asyncgrpo/tiny-chat": str(_ASSETS / "tiny_chat"),
+}
+"""Bundled model id -> folder with config, safetensors, tokenizer and chat template."""
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map a bundled model id to its folder inside the installed package.
+
+    Args:
+        name_or_path: A bundled id (``"asyncgrpo/tiny-chat"``), a local path, or a hub id.
+
+    Returns:
+        The bundled folder for a bundled id; ``name_or_path`` itself otherwise (a local path that
+        exists, or a hub id that transformers resolves).
+
+    Raises:
+        FileNotFoundError: The id is bundled but its folder is missing from this installation.
+    """
+    name_or_path = str(name_or_path)
+    if name_or_path in BUNDLED_MODELS:
+        path = BUNDLED_MODELS[name_or_path]
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"bundled model {name_or_path!r} is missing its files in {path}; rebuild them with "
+                "`python scripts/build_tiny_model.py` or reinstall asyncgrpo"
+            )
+        return path
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str, **kwargs: Any):
+    """Load the tokenizer (with its chat template) of a bundled id, local path or hub id.
+
+    Args:
+        name_or_path: See ``resolve_model_path``.
+        **kwargs: Passed to ``transformers.AutoTokenizer.from_pretrained``.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
+
+
+def load_causal_lm(name_or_path: str, dtype: Any = "auto", device: Any = None, **kwargs: Any):
+    """Load a causal language model of a bundled id, local path or hub id.
+
+    Args:
+        name_or_path: See ``resolve_model_path``.
+        dtype: Parameter dtype (``torch.bfloat16``, ``"float32"``); ``"auto"`` keeps the stored
+            dtype (float32 for the bundled tiny model).
+        device: Device to move the model to (``"cuda"``, ``torch.device("cpu")``); None leaves it
+            where transformers loads it (CPU unless ``device_map`` is passed).
+        **kwargs: Passed to ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    Returns:
+        The model in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if device is not None:
+        model = model.to(device)
+    logger.info("loaded %s from %s", type(model).__name__, path)
+    return model.eval()
