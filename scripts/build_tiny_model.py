@@ -310,7 +310,9 @@ def train(model, examples, cfg: BuildConfig, pad_id: int) -> None:
         opt.zero_grad(set_to_none=True)
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
         if step % 100 == 0 or step == len(batches) - 1:
-            print(f"  step {step + 1}/{len(batches)}  loss {running:.4f}  {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"  step {step + 1}/{len(batches)}  loss {running:.4f}  {time.time() - t0:.0f}s", flush=True
+            )
     model.eval()
 
 
@@ -364,7 +366,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]] | None:
             return None
         if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
             return None
-        calls.append({"type": "function", "function": {"name": call.get("name"), "arguments": call["arguments"]}})
+        calls.append(
+            {"type": "function", "function": {"name": call.get("name"), "arguments": call["arguments"]}}
+        )
     if "<tool_call>" in text and not calls:
         return None
     return text.split("<tool_call>")[0].strip(), calls

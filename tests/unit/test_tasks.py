@@ -149,5 +149,7 @@ def test_increment_tool_schema_comes_from_its_docstring():
     fn = schema["function"]
     assert fn["name"] == "increment"
     assert fn["description"] == "Increment the internal counter."
-    assert fn["parameters"]["properties"] == {"step": {"type": "integer", "description": "Value to add to the counter."}}
+    assert fn["parameters"]["properties"] == {
+        "step": {"type": "integer", "description": "Value to add to the counter."}
+    }
     assert fn["parameters"]["required"] == ["step"]
