@@ -47,29 +47,36 @@ class OfflineLoop(AsyncRolloutLoop):
         )
 
 
+class SlowCloseLoop(OfflineLoop):
+    """Takes long to release its resources: a failure must reach the trainer before close() ends."""
+
+    async def close(self):
+        await asyncio.sleep(60)
+
+
 class StuckLoop(AsyncRolloutLoop):
     """Blocks its event loop in setup() and ignores SIGTERM: only SIGKILL ends it."""
 
     async def setup(self):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        time.sleep(120)
+        time.sleep(120)  # noqa: ASYNC251 -- a stuck event loop on purpose
 
 
 def _config(**overrides) -> AsyncGRPOConfig:
-    values = dict(output_dir="/tmp/asyncgrpo-test-worker", num_generations=2, report_to="none")
+    values = {"output_dir": "/tmp/asyncgrpo-test-worker", "num_generations": 2, "report_to": "none"}
     values.update(overrides)
     return AsyncGRPOConfig(**values)
 
 
 def _loop_kwargs(reward_funcs, **config_overrides) -> dict:
-    return dict(
-        config=_config(**config_overrides),
-        model_name="offline",
-        dataset=[{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(4)],
-        reward_funcs=reward_funcs,
-        processing_class=None,
-        eos_token_ids=[0],
-    )
+    return {
+        "config": _config(**config_overrides),
+        "model_name": "offline",
+        "dataset": [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(4)],
+        "reward_funcs": reward_funcs,
+        "processing_class": None,
+        "eos_token_ids": [0],
+    }
 
 
 def _channel() -> RolloutChannel:
@@ -103,10 +110,10 @@ def test_check_picklable_accepts_module_functions_partials_and_instances():
 
 def test_check_health_raises_with_the_child_traceback_when_a_reward_function_raises():
     channel = _channel()
-    worker = RolloutWorker(OfflineLoop, _loop_kwargs([exploding_reward]), channel)
+    worker = RolloutWorker(SlowCloseLoop, _loop_kwargs([exploding_reward]), channel)
     worker.start()
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 40  # spawn + first group, well before close() (60 s) returns
         with pytest.raises(RuntimeError) as info:
             while time.monotonic() < deadline:
                 worker.check_health()
@@ -116,8 +123,9 @@ def test_check_health_raises_with_the_child_traceback_when_a_reward_function_rai
         assert "ZeroDivisionError" in message
         assert "return [1.0 / 0 for _ in completion_ids]" in message  # the child's own source line
         assert time.monotonic() < deadline
+        assert worker.is_alive()  # still in close(): the error was reported first
     finally:
-        assert worker.stop(timeout=10) == 1
+        assert worker.stop(timeout=1, terminate_timeout=5) != 0
 
 
 def test_a_healthy_worker_queues_samples_and_stops_cleanly():

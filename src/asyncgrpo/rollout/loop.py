@@ -208,8 +208,12 @@ class AsyncRolloutLoop:
 
     # -- run --------------------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Run until `channel.stop_event` is set (returns) or any task fails (raises)."""
+    async def run(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Run until `channel.stop_event` is set (returns) or any task fails (raises).
+
+        `on_failure(exc)` is called as soon as a task fails, before the other tasks are cancelled and
+        `close()` runs, so the trainer hears about it without waiting for the shutdown.
+        """
         loop = asyncio.get_running_loop()
         self._failure = loop.create_future()
         self._server_lock = asyncio.Lock()
@@ -224,6 +228,10 @@ class AsyncRolloutLoop:
             background.append(self._spawn(self._dispatch(), "dispatcher"))
             background.append(self._spawn(self._score_forever(), "scorer"))
             await self._until_stopped_or_failed(None)
+        except BaseException as exc:
+            if on_failure is not None and not isinstance(exc, asyncio.CancelledError):
+                on_failure(exc)
+            raise
         finally:
             await self._shutdown(background)
 

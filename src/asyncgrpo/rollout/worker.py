@@ -115,11 +115,19 @@ def run_rollout_process(loop_cls: type, loop_kwargs: dict[str, Any], channel: Ro
         level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     exit_code = 0
+    reported: list[BaseException] = []
+
+    def on_failure(exc: BaseException) -> None:  # called before the loop's shutdown and close()
+        _report_error(channel, exc)
+        reported.append(exc)
+
     try:
         loop = loop_cls(**loop_kwargs, channel=channel)
-        asyncio.run(loop.run())
+        asyncio.run(loop.run(on_failure=on_failure))
     except BaseException as exc:  # noqa: BLE001 -- reported to the trainer, then the process exits 1
-        if not (isinstance(exc, (KeyboardInterrupt, SystemExit)) and channel.stop_event.is_set()):
+        if reported:
+            exit_code = 1
+        elif not (isinstance(exc, (KeyboardInterrupt, SystemExit)) and channel.stop_event.is_set()):
             _report_error(channel, exc)
             exit_code = 1
     # Samples and metrics nobody will read must not keep the process alive at exit; the error queue
