@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from asyncgrpo import metrics as M
@@ -111,6 +110,9 @@ class RolloutBatches:
             self._consume([item])
             return
         self.record(M.SAMPLE_TIME_IN_QUEUE_S, time.time() - item.queued_at)
+        self.record(M.SAMPLE_FORWARDED_TOKENS_MEAN, item.sample.num_tokens)
+        self.record(M.SAMPLE_FORWARDED_TOKENS_MAX, item.sample.num_tokens)
+        self.record(M.SAMPLE_TRAINED_TOKENS_MEAN, item.sample.num_trained)
         self.record(M.ROLLOUT_QUEUE_SIZE, _qsize(self.channel.samples))
         self._meta[id(item.sample)] = item
         self._ready.extend(self.batcher.add(item.sample))
@@ -186,7 +188,7 @@ class RolloutBatches:
         assert len(rows) == world, f"batcher made {len(rows)} rows for {world} processes"
         items_per_row = [[self._meta.pop(id(sample)) for sample in row] for row in rows]
         num_trained = sum(sum(it.sample.trained_mask) for row in items_per_row for it in row)
-        stats = dict(getattr(micro_batch, "stats", {}) or {})
+        stats = micro_batch.metrics()
         for row in items_per_row:
             self._consume(row)
         return [
@@ -205,11 +207,3 @@ def _qsize(q: Any) -> int:
         return q.qsize()
     except NotImplementedError:  # macOS multiprocessing queues
         return -1
-
-
-def move_to(row: Any, device: torch.device) -> Any:
-    """Move every tensor field of a packed row to `device` (non-blocking where it can)."""
-    for name, value in vars(row).items():
-        if isinstance(value, torch.Tensor):
-            setattr(row, name, value.to(device, non_blocking=True))
-    return row

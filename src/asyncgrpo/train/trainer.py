@@ -35,7 +35,7 @@ from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import validate_prompt_dataset
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.packing.attention import enable_tree_attention, tree_attention_context
+from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
@@ -52,7 +52,7 @@ from asyncgrpo.train.model_setup import (
     weights_for_server,
 )
 from asyncgrpo.train.progress import TrainedPrompts
-from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches, move_to
+from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
 
 logger = logging.getLogger(__name__)
@@ -320,9 +320,9 @@ class AsyncGRPOTrainer(Trainer):
         model.train()
         device = args.device
         t0 = time.perf_counter()
-        row = move_to(pack_row(inputs.samples), device)
+        row = pack_row(inputs.samples).to(device, non_blocking=True)
         body, head = decoder_and_head(model)
-        with self.compute_loss_context_manager(), tree_attention_context(row):
+        with self.compute_loss_context_manager(), tree_attention_context(TreeMask.from_row(row, device)):
             hidden = body(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state[0]
             logps = token_logprobs(
                 hidden,
@@ -448,7 +448,7 @@ class _StepTotals:
         self.trained_tokens = 0
         self.samples = 0
         self.groups: set[int] = set()
-        self.rows: list[tuple[int, int]] = []  # (forwarded tokens, samples) per row
+        self.row_stats: list[dict[str, float]] = []  # the batcher's batch/* row metrics, per micro-batch
 
     def add_micro_batch(self, row: Any, inputs: MicroBatchInput, *, fwd_s: float, fwd_bwd_s: float) -> None:
         self.micro_batches += 1
@@ -459,8 +459,7 @@ class _StepTotals:
         self.trained_tokens += int(row.target_ids.numel())
         self.samples += len(inputs.samples)
         self.groups.update(s.group_id for s in inputs.samples)
-        self.rows.append((int(row.input_ids.numel()), len(inputs.samples)))
-        self.batch_stats = inputs.stats
+        self.row_stats.append(inputs.stats)
 
     def record_into(self, window: MetricsWindow, sync_s: dict[str, float], token_budget: int, world_size: int) -> None:
         step_s = time.perf_counter() - self.started_at
@@ -472,16 +471,10 @@ class _StepTotals:
         r(M.BATCH_MICROBATCHES_PER_STEP, self.micro_batches)
         if self.forwarded_tokens:
             r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_tokens / self.forwarded_tokens)
-            r(M.BATCH_PACKING_RATIO, self.raw_tokens / self.forwarded_tokens)
-        for tokens, samples in self.rows:
-            r(M.BATCH_SAMPLES_PER_ROW, samples)
-            r(M.BATCH_ROW_TOKENS_MEAN, tokens)
-            r(M.BATCH_ROW_TOKENS_MAX, tokens)
-            r(M.BATCH_ROW_FILL_FRAC, tokens / token_budget)
-        for name in (M.BATCH_ROW_IMBALANCE, M.BATCH_PAD_FRAC):
-            value = getattr(self, "batch_stats", {}).get(name)
-            if value is not None:
-                r(name, value)
+        for stats in self.row_stats:
+            for name, value in stats.items():
+                if name != M.BATCH_DROPPED_OVERSIZE_COUNT:  # counted where samples are taken
+                    r(name, value)
         r(M.PERF_STEP_S, step_s)
         r(M.PERF_FWD_BWD_S, self.fwd_bwd_s)
         r(M.PERF_FWD_S, self.fwd_s)
