@@ -5,7 +5,7 @@
                                    | slot freed / allowance moved    v
                               heartbeat (1 s)                  score queue (bounded: score_block_s)
                               server poller (/metrics, 5 s)          |
-                              stop watcher (stop_event)              v
+                              run(): stop_event, task failures       v
                                                               scorer: rewards -> compute_advantages
                                                                 -> drop zero-std -> Samples
                                                                 -> channel.samples (+ GroupFinished)
@@ -31,7 +31,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -420,6 +420,7 @@ class AsyncRolloutLoop:
             self._in_flight += self.num_generations
             self._num_groups_generating += 1
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
+            self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
             task = self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
             self._group_tasks.add(task)
             task.add_done_callback(self._group_tasks.discard)
@@ -535,26 +536,12 @@ class AsyncRolloutLoop:
 
     def _queue_samples(self, pending: _Pending, advantages: np.ndarray) -> int:
         group = pending.group
-        count = 0
-        for rollout, sequences, advantage in zip(pending.rollouts, group.completions_sequences, advantages):
-            for seq in sequences:
-                sample = Sample(
-                    token_ids=seq.token_ids,
-                    trained_mask=seq.trained_mask,
-                    sampler_logprobs=seq.sampler_log_probs,
-                    advantage=float(advantage),
-                    group_id=group.group_id,
-                    sampler_topk=_topk_pairs(seq.sampler_top_logprobs),
-                    candidate_sets=seq.sampling_candidates,
-                    model_version=group.model_version,
-                    rollout_id=rollout.rollout_id,
-                )
-                self._produced_tokens += len(seq.token_ids)
-                self._put_sample_item(
-                    QueuedSample(sample, pending.position, group.row_index, time.time(), seq.num_trained_tokens)
-                )
-                count += 1
-        return count
+        samples = group_samples(group, [r.rollout_id for r in pending.rollouts], advantages)
+        for sample in samples:
+            self._produced_tokens += len(sample.token_ids)
+            num_trained = int(sample.trained_mask.sum())
+            self._put_sample_item(QueuedSample(sample, pending.position, group.row_index, time.time(), num_trained))
+        return len(samples)
 
     def _put_sample_item(self, item: Any) -> None:
         self.channel.samples.put(item)
@@ -594,24 +581,61 @@ class AsyncRolloutLoop:
             self.channel.metrics.put(record)
 
     def _record_reward_metrics(self, group: RolloutGroup, scores: Any, dropped: bool) -> None:
-        rewards = group.rewards
-        scored = rewards[~np.isnan(rewards)]
-        self._record(M.FRAC_REWARD_ZERO_STD, float(dropped))
-        for value in scored:
-            self._record(M.REWARD, value)
-            if not dropped:
-                self._record(M.REWARD_KEPT, value)
-            else:
-                self._record(M.REWARD_DROPPED, value)
-        if dropped:
-            return
-        num_samples = sum(len(s) for s in group.completions_sequences)
-        self.channel.metrics.put(M.metric(M.REWARD_GROUP_STD, adv.scored_std(rewards), weight=num_samples))
-        for name, per_rollout in scores.per_source.items():
-            for value, sequences in zip(per_rollout, group.completions_sequences):
-                if sequences and not math.isnan(value):
-                    self.channel.metrics.put(M.metric(M.reward_mean(name), value, weight=len(sequences)))
-            self.channel.metrics.put(M.metric(M.reward_group_std(name), adv.scored_std(per_rollout), weight=num_samples))
+        samples_per_rollout = [len(s) for s in group.completions_sequences]
+        for record in reward_records(group.rewards, scores.per_source, samples_per_rollout, dropped=dropped):
+            self.channel.metrics.put(record)
+
+
+def reward_records(
+    rewards: np.ndarray,
+    per_source: Mapping[str, np.ndarray],
+    samples_per_rollout: Sequence[int],
+    *,
+    dropped: bool,
+) -> list[M.MetricRecord]:
+    """Reward metrics of one scored group (NaN = unscored rollout).
+
+    `reward` covers every scored rollout; `reward_kept` / `reward_dropped` split it by the group's
+    fate; `frac_reward_zero_std` is one 0/1 item per group. For a kept group, `reward_group_std` and
+    `rewards/{source}/group_std` are weighted by the group's trained samples and
+    `rewards/{source}/mean` by each rollout's samples ("over trained samples").
+    """
+    scored = rewards[~np.isnan(rewards)]
+    records = [M.metric(M.FRAC_REWARD_ZERO_STD, float(dropped))]
+    split = M.REWARD_DROPPED if dropped else M.REWARD_KEPT
+    for value in scored:
+        records += [M.metric(M.REWARD, value), M.metric(split, value)]
+    if dropped:
+        return records
+    num_samples = sum(samples_per_rollout)
+    records.append(M.metric(M.REWARD_GROUP_STD, adv.scored_std(rewards), weight=num_samples))
+    for name, values in per_source.items():
+        for value, count in zip(values, samples_per_rollout, strict=True):
+            if count and not math.isnan(value):
+                records.append(M.metric(M.reward_mean(name), value, weight=count))
+        records.append(M.metric(M.reward_group_std(name), adv.scored_std(values), weight=num_samples))
+    return records
+
+
+def group_samples(group: RolloutGroup, rollout_ids: Sequence[str], advantages: np.ndarray) -> list[Sample]:
+    """The training samples of a kept group: every sequence of rollout i carries advantage i."""
+    samples = []
+    for rollout_id, sequences, advantage in zip(rollout_ids, group.completions_sequences, advantages, strict=True):
+        for seq in sequences:
+            samples.append(
+                Sample(
+                    token_ids=seq.token_ids,
+                    trained_mask=seq.trained_mask,
+                    sampler_logprobs=seq.sampler_log_probs,
+                    advantage=float(advantage),
+                    group_id=group.group_id,
+                    sampler_topk=_topk_pairs(seq.sampler_top_logprobs),
+                    candidate_sets=seq.sampling_candidates,
+                    model_version=group.model_version,
+                    rollout_id=rollout_id,
+                )
+            )
+    return samples
 
 
 def _topk_pairs(top: list[dict[int, float] | None] | None) -> list[tuple[tuple[int, float], ...] | None] | None:
