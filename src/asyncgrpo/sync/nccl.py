@@ -84,7 +84,6 @@ class _Lib:
             "ncclCommInitRank": (c_int, [ctypes.POINTER(c_void_p), c_int, NcclUniqueId, c_int]),
             "ncclAllReduce": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
             "ncclBroadcast": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]),
-            "ncclCommDestroy": (c_int, [c_void_p]),
             "ncclCommAbort": (c_int, [c_void_p]),
         }
         for name, (restype, argtypes) in sig.items():
@@ -218,7 +217,7 @@ class NcclCommunicator:
         deadline = time.monotonic() + self.timeout_s
         while not event.query():
             if time.monotonic() > deadline:
-                self.close(abort=True)
+                self.close()
                 raise TimeoutError(
                     f"NCCL collective did not finish within {self.timeout_s:.0f}s; the peers disagree on the "
                     "transfer (chunk count, sizes or order) or one of them died. The group was aborted: "
@@ -226,8 +225,10 @@ class NcclCommunicator:
                 )
             time.sleep(0.0005)
 
-    def close(self, abort: bool = False) -> None:
+    def close(self) -> None:
+        """Free this rank's side of the group with `ncclCommAbort`, not `ncclCommDestroy`: destroy
+        finalises collectively and blocks until every peer destroys too, which a server that keeps
+        its group (or a trainer that died) never does. Call it when no collective is pending."""
         comm, self._comm = self._comm, None
         if comm is not None:
-            fn = self._lib.ncclCommAbort if abort else self._lib.ncclCommDestroy
-            self._lib.check(fn(comm), "ncclCommAbort" if abort else "ncclCommDestroy")
+            self._lib.check(self._lib.ncclCommAbort(comm), "ncclCommAbort")
