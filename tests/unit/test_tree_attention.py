@@ -49,8 +49,8 @@ _EXTRA: dict[str, dict] = {
 }
 
 
-def tiny_model(model_type: str, seed: int = 0):
-    config = CONFIG_MAPPING[model_type](**{**_COMMON, **_EXTRA.get(model_type, {})})
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    config = CONFIG_MAPPING[model_type](**{**_COMMON, **_EXTRA.get(model_type, {}), **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -247,7 +247,7 @@ def test_enable_refuses_unsupported_model():
 def test_compiled_flex_on_cuda_matches_dense_forward_and_backward():
     """The CUDA path (compiled FlexAttention, BlockMask from spans) against the dense rule, in fp32,
     over rows of different lengths (the compiled kernel must follow each row's mask)."""
-    model = tiny_model("qwen3").cuda().float()
+    model = tiny_model("qwen3", hidden_size=64, head_dim=16).cuda().float()  # compiled flex: head_dim >= 16
     enable_tree_attention(model)
     rng = np.random.default_rng(6)
     for num_sets in (1, 3, 8):  # rows of about 100, 300 and 800 tokens: one to seven 128-blocks
