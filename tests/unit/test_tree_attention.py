@@ -247,7 +247,7 @@ def test_enable_refuses_unsupported_model():
 def test_compiled_flex_on_cuda_matches_dense_forward_and_backward():
     """The CUDA path (compiled FlexAttention, BlockMask from spans) against the dense rule, in fp32,
     over rows of different lengths (the compiled kernel must follow each row's mask)."""
-    model = tiny_model("qwen3", hidden_size=64, head_dim=16).cuda().float()  # compiled flex: head_dim >= 16
+    model = tiny_model("qwen3", hidden_size=256, head_dim=64).cuda().float()  # compiled flex: head_dim >= 16
     enable_tree_attention(model)
     rng = np.random.default_rng(6)
     for num_sets in (1, 3, 8):  # rows of about 100, 300 and 800 tokens: one to seven 128-blocks
