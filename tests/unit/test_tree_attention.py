@@ -245,20 +245,22 @@ def test_enable_refuses_unsupported_model():
 
 @pytest.mark.gpu
 def test_compiled_flex_on_cuda_matches_dense_forward_and_backward():
-    """The CUDA path (compiled FlexAttention, BlockMask from spans) against the dense rule, in fp32,
-    over rows of different lengths (the compiled kernel must follow each row's mask)."""
-    model = tiny_model("qwen3", hidden_size=256, head_dim=64).cuda().float()  # compiled flex: head_dim >= 16
+    """The CUDA path (compiled FlexAttention, BlockMask from spans) against the dense rule in bf16
+    (compiled FlexAttention offers no fp32 kernel here), over rows of different lengths so the
+    compiled kernel must follow each row's mask. A wrong mask moves log-probs by O(1)."""
+    model = tiny_model("qwen3", hidden_size=256, head_dim=64).cuda().to(torch.bfloat16)  # flex: head_dim >= 16
     enable_tree_attention(model)
     rng = np.random.default_rng(6)
     for num_sets in (1, 3, 8):  # rows of about 100, 300 and 800 tokens: one to seven 128-blocks
         row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
-        grads = {}
+        results = {}
         for backend in ("dense", "flex"):
             model.zero_grad()
             with tree_attention_context(TreeMask.from_row(row, backend=backend)):
                 logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits[0]
             lp = torch.log_softmax(logits[row.pred_index].float(), -1).gather(-1, row.target_ids[:, None])
             lp.sum().backward()
-            grads[backend] = (lp.detach(), model.model.embed_tokens.weight.grad.clone())
-        torch.testing.assert_close(grads["flex"][0], grads["dense"][0], atol=2e-5, rtol=0)
-        torch.testing.assert_close(grads["flex"][1], grads["dense"][1], atol=2e-5, rtol=1e-4)
+            results[backend] = (lp.detach(), model.model.embed_tokens.weight.grad.float().clone())
+        torch.testing.assert_close(results["flex"][0], results["dense"][0], atol=3e-2, rtol=0)
+        grad = results["dense"][1]
+        torch.testing.assert_close(results["flex"][1], grad, atol=3e-2 * float(grad.abs().max()), rtol=0)
