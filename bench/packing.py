@@ -262,10 +262,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": 24 if gpu else 8,
-                    "prompt_len": 512 if gpu else 64, "min_completion": 256 if gpu else 32,
-                    "max_completion": 2048 if gpu else 256, "token_budget": 32768 if gpu else 2048,
-                    "warmup": 3 if gpu else 1, "steps": 5 if gpu else 2}
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": 20 if gpu else 6,
+                "prompt_len": 512 if gpu else 64, "min_completion": 256 if gpu else 32,
+                "max_completion": 2048 if gpu else 192, "token_budget": 32768 if gpu else 1536,
+                "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
