@@ -77,11 +77,13 @@ class TreeMask:
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
-                 block_size: int = 128) -> TreeMask:
-        """backend "auto": "flex" on CUDA, "dense" elsewhere."""
+                 block_size: int = 128, min_flex_tokens: int = 512) -> TreeMask:
+        """backend "auto": "flex" on CUDA for rows of at least `min_flex_tokens` tokens, else "dense".
+        Short rows gain nothing from block sparsity, and compiled FlexAttention failed to lower for a
+        102-token row on torch 2.11 / H200 (queries shorter than one block take its decoding path)."""
         device = torch.device(device) if device is not None else row.input_ids.device
         if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "dense"
+            backend = "flex" if device.type == "cuda" and row.num_tokens >= min_flex_tokens else "dense"
         span_end = row.segment_subtree_end[row.segment_ids]
         return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
                    block_size=block_size)
