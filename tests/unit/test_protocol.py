@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -13,7 +12,6 @@ import pytest
 from asyncgrpo.generation.protocol import (
     ProtocolError,
     SamplingParams,
-    TransferInit,
     VersionSpan,
     build_completions_request,
     build_generate_request,
@@ -330,43 +328,3 @@ def test_error_message_shapes(cases):
     assert error_message('{"error": "engine dead"}') == "engine dead"
     assert error_message('{"detail": "Not Found"}') == "Not Found"
     assert error_message("plain text") == "plain text"
-
-
-def test_transfer_init_round_trip_and_validation():
-    uid = bytes(range(128))
-    nccl = TransferInit("nccl", 2, nccl_unique_id=uid, buffer_size_bytes=4096).to_init_info()
-    assert nccl == {
-        "nccl_unique_id_b64": base64.b64encode(uid).decode(),
-        "rank_offset": 1,
-        "world_size": 2,
-        "packed": True,
-        "packed_buffer_size_bytes": 4096,
-        "packed_num_buffers": 2,
-    }
-    assert TransferInit.from_init_info(nccl).nccl_unique_id == uid
-    gloo = TransferInit("gloo", 3, master_address="127.0.0.1", master_port=1234, packed=False).to_init_info()
-    assert gloo == {
-        "backend": "gloo",
-        "master_address": "127.0.0.1",
-        "master_port": 1234,
-        "rank_offset": 1,
-        "world_size": 3,
-        "packed": False,
-    }
-    parsed = TransferInit.from_init_info(gloo)
-    assert (parsed.backend, parsed.world_size, parsed.packed, parsed.master_port) == ("gloo", 3, False, 1234)
-    bad = [
-        ({**nccl, "extra": 1}, "unknown key"),
-        ({**nccl, "nccl_unique_id_b64": "abc"}, "base64|bytes"),
-        ({**nccl, "master_address": "h", "master_port": 1}, "exactly one rendezvous"),
-        ({k: v for k, v in nccl.items() if k != "nccl_unique_id_b64"}, "nccl_unique_id_b64"),
-        ({**nccl, "world_size": 1}, "world_size"),
-        ({**nccl, "rank_offset": 2}, "rank_offset"),
-        ({**gloo, "master_port": "x"}, "master_port"),
-        ({**gloo, "nccl_unique_id_b64": "x"}, "unknown key"),
-        ({**gloo, "backend": "mpi"}, "backend"),
-        ([], "object"),
-    ]
-    for info, pattern in bad:
-        with pytest.raises(ValueError, match=f"Invalid init_info: .*({pattern})"):
-            TransferInit.from_init_info(info)

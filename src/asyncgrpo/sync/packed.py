@@ -1,4 +1,6 @@
-"""The byte-exact wire layout of a weight update (vllm-protocol.md 5.3-5.5). Pure: no I/O.
+"""The wire format of a weight transfer (vllm-protocol.md 5.1-5.5): the `init_info` of a group
+(`TransferInit`), the `update_info` of an update (`TensorMeta`), and the byte-exact packed layout.
+Pure: no I/O.
 
 An update is described by `update_info = {"names", "dtype_names", "shapes"}` (here: a list of
 `TensorMeta`). In packed mode the tensors, in `names` order, are concatenated as raw little-endian
@@ -15,6 +17,8 @@ Sender and receiver both derive the chunk plan from the metadata alone, so they 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -195,4 +199,123 @@ def iter_packed_chunks(
     if leftover is not None:
         raise ValueError(
             f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors"
+        )
+
+
+# init_info of POST /init_weight_transfer_engine (protocol 5.1)
+
+NCCL_UNIQUE_ID_BYTES = 128
+_INIT_KEYS_COMMON = {"rank_offset", "world_size", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+_INIT_KEYS_NCCL = _INIT_KEYS_COMMON | {"nccl_unique_id_b64", "master_address", "master_port"}
+_INIT_KEYS_GLOO = _INIT_KEYS_COMMON | {"backend", "master_address", "master_port"}
+
+
+@dataclass(frozen=True)
+class TransferInit:
+    """The `init_info` of a weight-transfer group (protocol 5.1). The trainer is rank 0; server
+    workers are `rank_offset + i`.
+
+    backend "nccl": UID rendezvous (`nccl_unique_id`, vLLM >= 0.30).
+    backend "gloo": the embedded server on CPU; a TCPStore hosted by the trainer at
+    `master_address:master_port`, init_info `{"backend": "gloo", "master_address", "master_port",
+    "rank_offset", "world_size", "packed", "packed_buffer_size_bytes"}`."""
+
+    backend: str
+    world_size: int
+    rank_offset: int = 1
+    packed: bool = True
+    buffer_size_bytes: int = 1 << 30
+    num_buffers: int = 2
+    nccl_unique_id: bytes | None = None
+    master_address: str | None = None
+    master_port: int | None = None
+
+    def to_init_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        if self.backend == "nccl":
+            assert self.nccl_unique_id is not None and len(self.nccl_unique_id) == NCCL_UNIQUE_ID_BYTES
+            info["nccl_unique_id_b64"] = base64.b64encode(self.nccl_unique_id).decode("ascii")
+        else:
+            assert self.backend == "gloo" and self.master_address and self.master_port
+            info.update(backend="gloo", master_address=self.master_address, master_port=self.master_port)
+        info.update(rank_offset=self.rank_offset, world_size=self.world_size, packed=self.packed)
+        if self.packed:
+            info["packed_buffer_size_bytes"] = self.buffer_size_bytes
+            if self.backend == "nccl":
+                info["packed_num_buffers"] = self.num_buffers
+        return info
+
+    @classmethod
+    def from_init_info(cls, info: Any) -> TransferInit:
+        """Validate an `init_info` body; errors are `ValueError("Invalid init_info: ...")`."""
+
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"Invalid init_info: {msg}")
+
+        if not isinstance(info, dict):
+            raise bad(f"expected an object, got {type(info).__name__}")
+        if info.get("backend") == "gloo":
+            backend, allowed = "gloo", _INIT_KEYS_GLOO
+        elif "backend" in info:
+            raise bad(f"'backend' must be 'gloo' when present, got {info['backend']!r}")
+        else:
+            backend, allowed = "nccl", _INIT_KEYS_NCCL
+        unknown = sorted(set(info) - allowed)
+        if unknown:
+            raise bad(f"unknown key(s) {unknown} for backend {backend!r}; allowed: {sorted(allowed)}")
+
+        def integer(key: str, minimum: int, default: int | None = None) -> int:
+            value = info.get(key, default)
+            if value is None:
+                raise bad(f"missing '{key}'")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise bad(f"'{key}' must be an integer >= {minimum}, got {value!r}")
+            return value
+
+        world_size = integer("world_size", 2)
+        rank_offset = integer("rank_offset", 1)
+        if rank_offset >= world_size:
+            raise bad(f"'rank_offset' ({rank_offset}) must be smaller than 'world_size' ({world_size})")
+        packed = info.get("packed", False)
+        if not isinstance(packed, bool):
+            raise bad(f"'packed' must be a boolean, got {packed!r}")
+        buffer_size = integer("packed_buffer_size_bytes", 1, 1 << 30)
+        num_buffers = integer("packed_num_buffers", 1, 2)
+        uid = None
+        address = info.get("master_address")
+        port = info.get("master_port")
+        if backend == "nccl":
+            if "nccl_unique_id_b64" not in info:
+                raise bad(
+                    "'nccl_unique_id_b64' is required: this receiver has no TCP (master_address) rendezvous "
+                    "for NCCL, which needs vLLM on the trainer"
+                )
+            if address is not None or port is not None:
+                raise bad(
+                    "give exactly one rendezvous: 'nccl_unique_id_b64' or 'master_address'/'master_port'"
+                )
+            try:
+                uid = base64.b64decode(str(info["nccl_unique_id_b64"]), validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise bad(f"'nccl_unique_id_b64' is not standard base64: {exc}") from None
+            if len(uid) != NCCL_UNIQUE_ID_BYTES:
+                raise bad(
+                    f"'nccl_unique_id_b64' decodes to {len(uid)} bytes, expected {NCCL_UNIQUE_ID_BYTES}"
+                )
+        else:
+            if not isinstance(address, str) or not address:
+                raise bad("'master_address' (the trainer's TCPStore host) is required for backend 'gloo'")
+            port = integer("master_port", 1)
+            if port > 65535:
+                raise bad(f"'master_port' must be <= 65535, got {port}")
+        return cls(
+            backend=backend,
+            world_size=world_size,
+            rank_offset=rank_offset,
+            packed=packed,
+            buffer_size_bytes=buffer_size,
+            num_buffers=num_buffers,
+            nccl_unique_id=uid,
+            master_address=address,
+            master_port=port,
         )

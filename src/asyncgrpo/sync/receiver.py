@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.protocol import TransferInit
 from asyncgrpo.sync import Communicator
-from asyncgrpo.sync.packed import TensorMeta, metas_from_update_info, plan_chunks, unpack
+from asyncgrpo.sync.packed import TensorMeta, TransferInit, metas_from_update_info, plan_chunks, unpack
 
 logger = logging.getLogger(__name__)
 

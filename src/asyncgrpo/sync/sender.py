@@ -25,9 +25,14 @@ from typing import Any
 import torch
 
 from asyncgrpo.generation.client import GenerationClient, ServerRequestError
-from asyncgrpo.generation.protocol import TransferInit
 from asyncgrpo.sync import Communicator
-from asyncgrpo.sync.packed import TensorMeta, check_tensor, iter_packed_chunks, update_info_from_metas
+from asyncgrpo.sync.packed import (
+    TensorMeta,
+    TransferInit,
+    check_tensor,
+    iter_packed_chunks,
+    update_info_from_metas,
+)
 
 logger = logging.getLogger(__name__)
 
