@@ -74,7 +74,8 @@ class ModelRunner:
         return ids, pos, slots, lens, self.block_table[[s.row for s in decode]]
 
     def _decode_static(self, decode: list[Sequence]) -> torch.Tensor:
-        return self.graphs.run(*self._decode_inputs(decode))
+        ids, pos, slots, lens, tables = self._decode_inputs(decode)
+        return self.graphs.run(ids=ids, positions=pos, slots=slots, tables=tables, context_lens=lens)
 
     def _forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
