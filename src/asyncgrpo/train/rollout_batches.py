@@ -76,6 +76,8 @@ class RolloutBatches:
         self._ready: list[Any] = []  # closed micro-batches not yet handed out
         self._meta: dict[int, QueuedSample] = {}  # id(sample) -> its queue item, while in the batcher
         self._markers_seen = 0
+        self._empty_markers = 0
+        self.notice_after_s = 30.0
         self._finished = False
 
     # -- rank 0: the queue side -------------------------------------------------------------------
@@ -87,6 +89,7 @@ class RolloutBatches:
     def _take(self, item: Any) -> None:
         if isinstance(item, GroupFinished):
             self._markers_seen += 1
+            self._empty_markers += item.num_samples == 0
             self.progress.on_group_finished(item.position, item.num_samples)
             return
         assert isinstance(item, QueuedSample), f"unexpected item in the rollout queue: {type(item).__name__}"
@@ -131,6 +134,8 @@ class RolloutBatches:
     def _next_micro_batch(self) -> Any | None:
         """Block until a micro-batch is closed; None when the run has nothing more to train."""
         empty_since = None
+        waiting_since = time.monotonic()
+        next_notice = waiting_since + self.notice_after_s
         while not self._ready:
             if self._run_finished():
                 self._ready.extend(self.batcher.flush())
@@ -153,6 +158,13 @@ class RolloutBatches:
                 self.wait_s += time.perf_counter() - t0
                 self.check_health()
                 now = time.monotonic()
+                if now >= next_notice:
+                    logger.info(
+                        "waited %.0fs for rollout samples (%d prompts finished so far, %d of them dropped: zero "
+                        "reward std or filtered); if this persists, check the reward function and frac_reward_zero_std",
+                        now - waiting_since, self._markers_seen, self._empty_markers,
+                    )
+                    next_notice = now + self.notice_after_s
                 empty_since = empty_since or now
                 if now - empty_since >= self.flush_after_s:
                     self._ready.extend(self.batcher.flush())
