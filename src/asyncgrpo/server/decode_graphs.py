@@ -81,7 +81,16 @@ class DecodeGraphs:
         if not self.use_graphs:
             return self._forward(bp, nbp)[:b]
         if key not in self._graphs:
-            self._capture(key)
+            try:
+                self._capture(key)
+            except RuntimeError:
+                logger.exception(
+                    "capturing a CUDA graph for the decode step failed; decode steps run eagerly from now on "
+                    "(start with --enforce-eager to skip the attempt)"
+                )
+                self.use_graphs = False
+                torch.cuda.synchronize(self.device)
+                return self._forward(bp, nbp)[:b]
         graph, out = self._graphs[key]
         graph.replay()
         return out[:b]
@@ -114,7 +123,8 @@ class DecodeGraphs:
             self._forward(bp, nbp)  # warm-up outside capture (same inputs, same cache writes)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: HTTP-side threads may touch CUDA while the engine thread captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(bp, nbp)
         if self._pool is None:
             self._pool = graph.pool()
