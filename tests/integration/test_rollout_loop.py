@@ -118,7 +118,7 @@ class Trainer:
         self.records: list[tuple] = []
         self.order: list[object] = []  # samples and markers in queue order
 
-    def take(self, num_markers: int, *, consume: bool = True, timeout_s: float = 60.0) -> None:
+    def take(self, num_markers: int, *, consume: bool = True, timeout_s: float = 120.0) -> None:
         """Take items until `num_markers` more markers arrived; consume the samples if asked."""
         target = len(self.markers) + num_markers
         deadline = time.monotonic() + timeout_s

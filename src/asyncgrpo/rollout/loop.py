@@ -69,6 +69,7 @@ class _RolloutContext:
 
     position: int
     rollout_index: int
+    model_version: int
     num_turns: int = 0
 
 
@@ -197,7 +198,7 @@ class AsyncRolloutLoop:
         params = sampling_params(
             config, seed=seed, eos_token_ids=self.eos_token_ids, return_sampling_mask=self._wants_candidates(info)
         )
-        out = await client.generate(list(prompt_ids), params, **self._model_kwargs())
+        out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -301,8 +302,14 @@ class AsyncRolloutLoop:
                 self._start_server_poller()
         return self._client, self._server_info
 
-    def _model_kwargs(self) -> dict[str, Any]:
-        return {"model": self.lora_name} if self.lora_name else {}
+    def _model_kwargs(self, context: _RolloutContext | None) -> dict[str, Any]:
+        """The served model to ask: the base model, or the LoRA adapter `lora_name`. A "{version}" in
+        `lora_name` is the model version when the rollout started, so a rollout finishes under the
+        adapter it started with (the trainer keeps max_staleness + 1 versions loaded)."""
+        if not self.lora_name:
+            return {}
+        version = context.model_version if context is not None else int(self.channel.model_version.value)
+        return {"model": self.lora_name.format(version=version)}
 
     def _wants_candidates(self, info: Any) -> bool:
         config = self.config
@@ -433,7 +440,10 @@ class AsyncRolloutLoop:
         reward_kwargs = {k: [v] * self.num_generations for k, v in row.items() if k != "prompt"}
         try:
             results = await asyncio.gather(
-                *(self._run_rollout(prompt, row, position, i, group_id) for i in range(self.num_generations))
+                *(
+                    self._run_rollout(prompt, row, _RolloutContext(position, i, model_version), group_id)
+                    for i in range(self.num_generations)
+                )
             )
         finally:
             self._num_groups_generating -= 1
@@ -462,10 +472,10 @@ class AsyncRolloutLoop:
         self._record(M.ROLLOUT_SCORE_QUEUE_SIZE, self._score_queue.qsize())
 
     async def _run_rollout(
-        self, prompt: list[dict[str, Any]], row: dict[str, Any], position: int, index: int, group_id: int
+        self, prompt: list[dict[str, Any]], row: dict[str, Any], context: _RolloutContext, group_id: int
     ) -> tuple[Rollout, tuple[type, float] | None, list[dict[str, Any]]]:
         """One rollout with its environment (if any); returns it, its env reward and its prompt."""
-        _CURRENT_ROLLOUT.set(_RolloutContext(position, index))
+        _CURRENT_ROLLOUT.set(context)
         start = time.perf_counter()
         try:
             if self._environments is None:
