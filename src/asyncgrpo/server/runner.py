@@ -175,16 +175,22 @@ class ModelRunner:
             ],
             dim=1,
         )
-        rows = packed.cpu().tolist()
+        arr = packed.cpu().numpy()
+        tokens = arr[:, 0].astype(np.int64).tolist()
+        logprobs = arr[:, 1].tolist()
+        ranks = arr[:, 2].astype(np.int64).tolist()
+        top_ids = arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None
+        top_lps = arr[:, 3 + k : 3 + 2 * k].tolist() if k else None
+        masks = arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None
         outs = []
-        for s, row in zip(seqs, rows):
+        for i, s in enumerate(seqs):
             p = s.params
             top = None
             if p.logprobs is not None:
                 n = p.logprobs
-                top = ([int(x) for x in row[3 : 3 + n]], row[3 + k : 3 + k + n])
+                top = (top_ids[i][:n], top_lps[i][:n]) if n else ([], [])
             mask = None
             if p.want_mask:
-                mask = [int(x) for x in row[3 + 2 * k : 3 + 2 * k + w] if x >= 0]
-            outs.append(TokenOut(token=int(row[0]), logprob=row[1], rank=int(row[2]), top=top, mask=mask))
+                mask = [x for x in masks[i] if x >= 0]
+            outs.append(TokenOut(tokens[i], logprobs[i], ranks[i], top, mask))
         return outs

@@ -73,9 +73,10 @@ class Sequence:
     error: str | None = None
     sink: object = None  # set by the engine: where outputs are delivered
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+    num_tokens: int = field(init=False)  # len(prompt) + len(output), kept by append
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt) + len(self.output)
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,7 @@ class Sequence:
         """Record a sampled token and apply vLLM's stop rules (EOS, stop ids, lengths)."""
         n = len(self.output)
         self.output.append(token)
+        self.num_tokens += 1
         if self.spans and self.spans[-1][0] == version:
             self.spans[-1][2] = n + 1
         else:
