@@ -140,7 +140,7 @@ class AsyncRolloutLoop:
         self._server_lock: asyncio.Lock | None = None
         self._score_queue: asyncio.Queue[_Pending] | None = None
         self._failure: asyncio.Future | None = None
-        self._group_tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # every task the loop started and that is not done
         self._in_flight = 0  # rollouts started and not finished
         self._pending_tokens = 0  # tokens of generated groups not yet queued (or dropped)
         self._produced_tokens = 0  # tokens of every sample put on channel.samples
@@ -221,23 +221,26 @@ class AsyncRolloutLoop:
         self._score_queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
         self._executor = ThreadPoolExecutor(self.max_concurrent_rollouts, thread_name_prefix="asyncgrpo-tool")
         self._rate_mark = time.perf_counter()
-        background = [self._spawn(self._heartbeat(), "heartbeat"), self._spawn(self.setup(), "setup")]
+        self._spawn(self._heartbeat(), "heartbeat")
+        setup = self._spawn(self.setup(), "setup")
         try:
-            await self._until_stopped_or_failed(background[-1])
+            await self._until_stopped_or_failed(setup)
             if self._stopping():
                 return
-            background.append(self._spawn(self._dispatch(), "dispatcher"))
-            background.append(self._spawn(self._score_forever(), "scorer"))
+            self._spawn(self._dispatch(), "dispatcher")
+            self._spawn(self._score_forever(), "scorer")
             await self._until_stopped_or_failed(None)
         except BaseException as exc:
             if on_failure is not None and not isinstance(exc, asyncio.CancelledError):
                 on_failure(exc)
             raise
         finally:
-            await self._shutdown(background)
+            await self._shutdown()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         task.add_done_callback(self._on_task_done)
         return task
 
@@ -260,8 +263,8 @@ class AsyncRolloutLoop:
                 return
             await asyncio.sleep(POLL_S)
 
-    async def _shutdown(self, background: list[asyncio.Task]) -> None:
-        tasks = [t for t in [*background, *self._group_tasks] if not t.done()]
+    async def _shutdown(self) -> None:
+        tasks = [t for t in self._tasks if not t.done()]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -428,9 +431,7 @@ class AsyncRolloutLoop:
             self._num_groups_generating += 1
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
-            task = self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
-            self._group_tasks.add(task)
-            task.add_done_callback(self._group_tasks.discard)
+            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
 
     # -- one group --------------------------------------------------------------------------------
 
