@@ -276,7 +276,8 @@ class Server:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
             return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
         await self._run(key, seqs)
-        return _json(P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids))
+        text = P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids)
+        return web.Response(text=text, content_type="application/json")
 
     async def _stream(
         self, request: web.Request, key: str, prompt: list[int], seqs: list[Sequence], return_ids: bool, usage: bool
@@ -299,9 +300,10 @@ class Server:
                 chunk: dict[str, Any] = {"request_id": key, "usage": None, "output_mode": "tokens"}
                 if first and return_ids:
                     chunk["prompt_token_ids"] = prompt
-                chunk["choices"] = [P.generate_choice(seq, start, end, final)]
+                rendered = P.Rendered()
+                chunk["choices"] = [P.generate_choice(seq, start, end, final, rendered)]
                 first = False
-                await resp.write(_sse(chunk))
+                await resp.write(_sse(rendered.dumps(chunk)))
             if usage:
                 completion = sum(len(s.output) for s in seqs)
                 tail = {"request_id": key, "usage": P.usage(len(prompt), completion, details=False),

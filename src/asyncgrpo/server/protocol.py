@@ -7,7 +7,9 @@ in `vllm-fixtures/protocol-0.33.0.json` (every key present, null where vLLM send
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -229,24 +231,47 @@ def weight_versions(seq: Sequence, end: int | None = None) -> list[dict[str, Any
     return out
 
 
-def token_logprobs(seq: Sequence, start: int, end: int) -> list[dict[str, Any]]:
-    """Generate-route log-probs: sampled token first, then the top-k (deduplicated by id)."""
-    content = []
+def token_logprobs(seq: Sequence, start: int, end: int) -> str:
+    """Generate-route `logprobs.content` as JSON text: per token the sampled entry, then the top-k
+    deduplicated by id. Rendered with string formatting (floats as repr, like json) because this is
+    the hot path of large responses."""
+    out, lps, ranks, top = seq.output, seq.logprobs, seq.ranks, seq.top
+    entry = '{"token_id":%d,"logprob":%r,"rank":%d'
+    parts = []
     for i in range(start, end):
-        tok = seq.output[i]
-        lp = clamp_logprob(seq.logprobs[i])
-        first = {"token_id": tok, "logprob": lp, "rank": seq.ranks[i]}
-        entries = [first]
-        ids, lps = seq.top[i]
-        for r, (tid, tlp) in enumerate(zip(ids, lps), start=1):
-            if tid != tok:
-                entries.append({"token_id": tid, "logprob": clamp_logprob(tlp), "rank": r})
-        content.append({**first, "top_logprobs": entries})
-    return content
+        tok = out[i]
+        head = entry % (tok, clamp_logprob(lps[i]), ranks[i])
+        ids, tlps = top[i]
+        rest = "".join(
+            "," + entry % (t, clamp_logprob(lp), r) + "}" for r, (t, lp) in enumerate(zip(ids, tlps), 1) if t != tok
+        )
+        parts.append(f'{head},"top_logprobs":[{head}}}{rest}]}}')
+    return "[" + ",".join(parts) + "]"
 
 
-def generate_choice(seq: Sequence, start: int, end: int, final: bool) -> dict[str, Any]:
+class Rendered:
+    """Collects pre-rendered JSON fragments and splices them into json.dumps output."""
+
+    def __init__(self) -> None:
+        self._raw: list[str] = []
+        self._tag = uuid.uuid4().hex  # placeholders no request field can spell by chance
+
+    def add(self, text: str) -> str:
+        self._raw.append(text)
+        return f"\x00{self._tag}{len(self._raw) - 1}\x00"
+
+    def dumps(self, obj: Any) -> str:
+        text = json.dumps(obj, separators=(",", ":"))
+        for i, raw in enumerate(self._raw):
+            text = text.replace(f'"\\u0000{self._tag}{i}\\u0000"', raw, 1)
+        return text
+
+
+def generate_choice(seq: Sequence, start: int, end: int, final: bool, rendered: Rendered) -> dict[str, Any]:
     p = seq.params
+    logprobs = None
+    if p.logprobs is not None:
+        logprobs = {"content": rendered.add(token_logprobs(seq, start, end))}
     return {
         "index": seq.index,
         "finish_reason": seq.finish_reason if final else None,
@@ -255,7 +280,7 @@ def generate_choice(seq: Sequence, start: int, end: int, final: bool) -> dict[st
         "routed_experts": None,
         "sampling_mask": seq.masks[start:end] if p.want_mask else None,
         "weight_versions": weight_versions(seq) if final else None,
-        "logprobs": {"content": token_logprobs(seq, start, end)} if p.logprobs is not None else None,
+        "logprobs": logprobs,
     }
 
 
@@ -272,9 +297,11 @@ def usage(prompt_tokens: int, completion_tokens: int, details: bool = True) -> d
 
 def generate_response(
     request_id: str, model: str, created: int, prompt: list[int], seqs: list[Sequence], return_token_ids: bool
-) -> dict[str, Any]:
+) -> str:
+    """The non-streaming generate body as JSON text."""
     completion = sum(len(s.output) for s in seqs)
-    return {
+    rendered = Rendered()
+    return rendered.dumps({
         "request_id": request_id,
         "model": model,
         "created": created,
@@ -287,8 +314,8 @@ def generate_response(
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "output_mode": "tokens",
-        "choices": [generate_choice(s, 0, len(s.output), True) for s in seqs],
-    }
+        "choices": [generate_choice(s, 0, len(s.output), True, rendered) for s in seqs],
+    })
 
 
 def completion_logprobs(
