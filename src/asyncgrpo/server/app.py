@@ -494,7 +494,7 @@ class Server:
 async def _serve(args: argparse.Namespace, server: Server) -> None:
     loop = asyncio.get_running_loop()
     server.start_engine(loop)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -504,8 +504,8 @@ async def _serve(args: argparse.Namespace, server: Server) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down")
+    server.engine.stop()  # in-flight requests end with an error instead of holding the shutdown
     await runner.cleanup()
-    server.engine.stop()
 
 
 def main(args: argparse.Namespace) -> int:
