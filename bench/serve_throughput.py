@@ -91,10 +91,10 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
 
 def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=top_k, top_p=1.0, max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens, pad_token_id=0, attention_mask=torch.ones_like(ids),
-    )
+    kwargs = {
+        "do_sample": True, "temperature": 1.0, "top_k": top_k, "top_p": 1.0, "max_new_tokens": max_tokens,
+        "min_new_tokens": max_tokens, "pad_token_id": 0, "attention_mask": torch.ones_like(ids),
+    }
     if logprobs:
         kwargs.update(output_scores=True, return_dict_in_generate=True)
     model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,

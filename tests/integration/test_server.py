@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", str(model), "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+        self._log = open(log, "w")  # noqa: SIM115 -- closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, log.read_text()
@@ -106,6 +108,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -323,11 +326,12 @@ def test_stream_framing_matches_fixture_and_non_stream_result(main, fixtures):
     _same_shape(chunks[-1], ref_chunks[-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     token_chunks = chunks[:-1]
-    assert sum((c["choices"][0]["token_ids"] for c in token_chunks), []) == full["token_ids"]
+    assert list(chain.from_iterable(c["choices"][0]["token_ids"] for c in token_chunks)) == full["token_ids"]
     assert all(c["choices"][0]["weight_versions"] is None for c in token_chunks[:-1])
     assert token_chunks[-1]["choices"][0]["weight_versions"] == full["weight_versions"]
     assert token_chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum((c["choices"][0]["sampling_mask"] for c in token_chunks), []) == full["sampling_mask"]
+    masks = list(chain.from_iterable(c["choices"][0]["sampling_mask"] for c in token_chunks))
+    assert masks == full["sampling_mask"]
 
 
 def test_eos_and_stop_tokens_are_kept_and_reported(main):

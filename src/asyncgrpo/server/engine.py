@@ -167,7 +167,7 @@ class Engine:
                     self._wait_futures.clear()
                 if not self._frozen() and self.scheduler.has_work():
                     self._step()
-        except BaseException:  # noqa: BLE001 -- recorded for /health, then re-raised
+        except BaseException:
             self.dead = traceback.format_exc()
             logger.error("engine thread died:\n%s", self.dead)
             self._fail_all("engine thread died; see the server log")

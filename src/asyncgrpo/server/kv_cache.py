@@ -149,7 +149,7 @@ def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float
 ) -> torch.Tensor:
     """q [H, Tp, D], k/v [KVH, Tp, D] of whole prompts -> [Tp, H, D] (causal within each prompt)."""
-    h, tp, d = q.shape
+    h, _, d = q.shape
     gqa = h != k.shape[0]
     if len(meta.prefill_lens) == 1:
         out = F.scaled_dot_product_attention(

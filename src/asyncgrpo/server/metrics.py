@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
 
 class ServerMetrics:

@@ -1,0 +1,165 @@
+"""RL / dev routes of the embedded server (vLLM's `VLLM_SERVER_DEV_MODE` set): pause, resume,
+abort, cache reset, server description and the weight-transfer routes (protocol sections 2.3, 5).
+
+A mixin of `app.Server`: handlers use its engine, scheduler, weight transfer and metrics. Pause-route
+errors are `{"error": "<text>"}` (400), weight-route errors vLLM's ErrorResponse with 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from asyncgrpo.server import protocol as P
+
+
+def _json(data, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+def _query_bool(request: web.Request, key: str, default: bool) -> bool:
+    value = request.query.get(key)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+class ControlRoutes:
+    """Handlers of the RL / dev routes (mixed into app.Server)."""
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        a, s = self.args, self.served
+        config = {
+            "model_config": {
+                "model": a.model, "tokenizer": a.model, "served_model_name": self.name,
+                "dtype": str(s.dtype), "seed": a.seed, "max_model_len": self.spec.max_model_len,
+                "max_logprobs": a.max_logprobs, "logprobs_mode": "processed_logprobs",
+                "return_sampling_mask": a.return_sampling_mask, "skip_tokenizer_init": s.tokenizer is None,
+            },
+            "cache_config": {
+                "block_size": self.cache.block_size, "num_gpu_blocks": self.cache.num_blocks, "cache_dtype": "auto",
+                "kv_cache_size_tokens": self.kv_tokens, "enable_prefix_caching": False,
+            },
+            "parallel_config": {
+                "pipeline_parallel_size": 1, "tensor_parallel_size": 1, "data_parallel_size": 1,
+                "data_parallel_size_local": 1, "world_size": 1, "rank": 0,
+            },
+            "scheduler_config": {
+                "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "policy": "fcfs",
+            },
+            "device_config": {"device": s.device.type},
+            "weight_transfer_config": {"backend": "nccl" if s.device.type == "cuda" else "gloo"},
+        }
+        st = self.engine.stats
+        embedded = {
+            "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
+            "num_preemptions": st.num_preemptions,
+        }
+        fmt = request.query.get("config_format", "text")
+        return _json({
+            "vllm_config": config if fmt == "json" else json.dumps(config),
+            "vllm_env": {}, "system_env": {}, "embedded": embedded,
+        })
+
+    async def world_size(self, request: web.Request) -> web.Response:
+        return _json({"world_size": 1})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return _json({"is_paused": self.engine.pause_mode is not None})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        try:
+            if mode not in ("abort", "wait", "keep"):
+                raise ValueError(f"mode must be one of abort, wait, keep; got {mode!r}")
+            clear_cache = _query_bool(request, "clear_cache", True)
+        except ValueError as exc:
+            return _json({"error": str(exc)}, 400)
+        await self.engine.pause(mode, clear_cache)
+        return _json({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await self.engine.resume()
+        return _json({"status": "resumed"})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request, required=False)
+        except P.ApiError as exc:
+            return _json({"error": exc.message}, 400)
+        ids = body.get("request_ids") or None
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            return _json({"error": "request_ids must be a list of strings"}, 400)
+        return _json({"status": "aborted", "aborted": await self.engine.abort(ids)})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """There is no prefix cache; like vLLM, the reset fails while requests hold KV blocks unless
+        reset_running_requests=true, which preempts them."""
+        try:
+            reset_running = _query_bool(request, "reset_running_requests", False)
+        except ValueError as exc:
+            return _json({"error": str(exc)}, 400)
+
+        def reset() -> bool:
+            if reset_running and self.scheduler.running:
+                self.engine.stats.num_preemptions += len(self.scheduler.preempt_all())
+            return not self.scheduler.running
+
+        return _json({"success": await self.engine.call(reset)})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return _json({"weight_version": self.engine.weight_version})
+
+    async def init_transfer(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        with self.metrics.operation("init"):
+            await asyncio.to_thread(self.transfer.init, body.get("init_info"))
+        return _json({"message": "Weight transfer initialized"})
+
+    async def start_update(self, request: web.Request) -> web.Response:
+        with self.metrics.operation("start"):
+            self.transfer.start()
+        return _json({"message": "Weight update started"})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "update_info" not in body:
+            raise P.ApiError(400, "the body needs update_info", param="update_info")
+        with self.metrics.operation("update"):
+            await self.engine.call(lambda: self.transfer.update(body["update_info"]))
+        return _json({"message": "Weights updated"})
+
+    async def finish_update(self, request: web.Request) -> web.Response:
+        body = await self._body(request, required=False)
+        with self.metrics.operation("finish"):
+            self.transfer.finish()
+            self._num_updates += 1
+            version = body.get("weight_version")
+            await self._set_version(str(version) if version is not None else str(self._num_updates))
+        return _json({"message": "Weight update finished"})
+
+    async def shutdown_transfer(self, request: web.Request) -> web.Response:
+        with self.metrics.operation("shutdown"):
+            await asyncio.to_thread(self.transfer.shutdown)
+        return _json({"message": "Weight transfer shut down"})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            raise P.ApiError(400, "new_version must be a string", param="new_version")
+        await self._set_version(version)
+        return _json({"success": True, "new_version": version})
+
+    async def _set_version(self, version: str) -> None:
+        def apply() -> None:
+            self.engine.weight_version = version
+
+        await self.engine.call(apply)
