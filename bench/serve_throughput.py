@@ -71,8 +71,8 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def one(i: int, prompt) -> int:
-            body = {"token_ids": prompt, "sampling_params": {**sampling, "seed": seed0 + i}}
+        async def one(i: int, prompt, params: dict) -> int:
+            body = {"token_ids": prompt, "sampling_params": {**params, "seed": seed0 + i}}
             if model:
                 body["model"] = model
             async with session.post(f"{url}/inference/v1/generate", json=body) as resp:
@@ -81,9 +81,10 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
                     raise RuntimeError(f"{url}: HTTP {resp.status}: {data}")
             return sum(len(c["token_ids"]) for c in data["choices"])
 
-        await one(10_000, prompts[0][:8])  # connection + first-request warm-up
+        # warm-up wave of the same shape (connections, graph captures), few tokens
+        await asyncio.gather(*(one(i, p, {**sampling, "max_tokens": 4}) for i, p in enumerate(prompts)))
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        counts = await asyncio.gather(*(one(i, p, sampling) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
     tokens = sum(counts)
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
@@ -97,8 +98,7 @@ def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     }
     if logprobs:
         kwargs.update(output_scores=True, return_dict_in_generate=True)
-    model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
-                                   "attention_mask": torch.ones_like(ids[:, :8])})  # warm-up
+    model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # same-shape warm-up
     _sync(device)
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
