@@ -354,7 +354,9 @@ class AsyncGRPOTrainer(Trainer):
             )
             loss = result.loss
         t_fwd = time.perf_counter()
-        self.accelerator.backward(loss)
+        # The loss is already normalised by the trained tokens of all processes; data-parallel
+        # gradient averaging divides by the world size once more, which this undoes.
+        self.accelerator.backward(loss * self.accelerator.num_processes)
         t_bwd = time.perf_counter()
         self._step.add_micro_batch(row, inputs, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
