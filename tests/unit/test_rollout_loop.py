@@ -222,3 +222,14 @@ def test_compute_advantages_of_the_wrong_shape_is_an_error_that_names_the_hook()
     run = InProcess(BadAdvantages, [length_reward])
     run.thread.join(15)
     assert isinstance(run.error, ValueError) and "compute_advantages returned shape (4,)" in str(run.error)
+
+
+async def stuck_reward(completions, **kwargs):
+    await asyncio.sleep(60)
+    return [0.0] * len(completions)
+
+
+def test_a_stuck_reward_function_fails_the_loop_after_rollout_worker_timeout():
+    run = InProcess(ScriptedLoop, [stuck_reward], rollout_worker_timeout=1.0)
+    run.thread.join(20)
+    assert isinstance(run.error, TimeoutError) and "rollout_worker_timeout=1" in str(run.error)

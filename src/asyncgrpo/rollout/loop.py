@@ -520,8 +520,15 @@ class AsyncRolloutLoop:
                 continue
             self._record(M.ROLLOUT_SCORE_WAIT_S, time.monotonic() - pending.group.queued_at)
             start = time.perf_counter()
+            limit_s = float(getattr(self.config, "rollout_worker_timeout", 300.0))
             try:
-                await self._score_group(pending)
+                await asyncio.wait_for(self._score_group(pending), timeout=limit_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"scoring group {pending.group.group_id} (position {pending.position}) took more than "
+                    f"rollout_worker_timeout={limit_s:g} s: a reward function or an environment's get_reward "
+                    "is stuck; fix it or raise rollout_worker_timeout"
+                ) from None
             finally:
                 self._pending_tokens -= pending.num_tokens
             self._record(M.ROLLOUT_SCORE_S, time.perf_counter() - start)
