@@ -200,7 +200,7 @@ class RolloutWorker:
                     os.environ[key] = value
         self._process = process
         self._started_at = time.time()
-        logger.info("Rollout process started (pid %d)", process.pid)
+        logger.info("rollout process started (pid %d)", process.pid)
 
     def _child_error(self, wait_s: float) -> WorkerError | None:
         """The first error the child reported, waiting up to `wait_s` for it to arrive."""
@@ -242,8 +242,8 @@ class RolloutWorker:
         if age > self.heartbeat_timeout_s:
             raise TimeoutError(
                 f"The rollout process (pid {process.pid}) has not sent a heartbeat for {age:.0f} s "
-                f"(rollout_worker_timeout={self.heartbeat_timeout_s:g}); its event loop is stuck, e.g. in a "
-                "blocking reward function or tool. Raise rollout_worker_timeout if this is expected."
+                f"(rollout_worker_timeout={self.heartbeat_timeout_s:g}): its event loop is blocked, e.g. by a loop "
+                "hook doing blocking work instead of awaiting it. Raise rollout_worker_timeout if this is expected."
             )
 
     def stop(self, timeout: float = 30.0, *, terminate_timeout: float = 5.0) -> int | None:
