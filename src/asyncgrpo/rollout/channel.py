@@ -21,6 +21,8 @@ import multiprocessing as mp
 from dataclasses import dataclass, field
 from typing import Any
 
+ROLLOUT_PROCESS_NAME = "asyncgrpo-rollout"  # multiprocessing name of the spawned rollout process
+
 
 @dataclass(frozen=True)
 class QueuedSample:

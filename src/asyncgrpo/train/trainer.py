@@ -39,7 +39,7 @@ from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_at
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
-from asyncgrpo.rollout.channel import RolloutChannel
+from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_picklable
 from asyncgrpo.train.logprobs import token_logprobs
@@ -94,6 +94,13 @@ class AsyncGRPOTrainer(Trainer):
         tools: list[Callable] | None = None,
         environment_factory: Callable | dict[str, Callable] | None = None,
     ) -> None:
+        if mp.current_process().name == ROLLOUT_PROCESS_NAME:
+            raise RuntimeError(
+                "AsyncGRPOTrainer was constructed inside the rollout process: the training script runs "
+                "training when it is imported. The rollout process is spawned and imports the script to "
+                "find the reward functions, tools or loop class defined there; put the training code "
+                "under `if __name__ == \"__main__\":`"
+            )
         if args is None:
             args = AsyncGRPOConfig(output_dir="asyncgrpo-output")
         if not isinstance(args, AsyncGRPOConfig):
