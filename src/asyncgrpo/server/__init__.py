@@ -1,1 +1,15 @@
+"""The embedded generation server (`asyncgrpo serve MODEL`): the subset of vLLM 0.33's HTTP protocol
+that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
 
+    app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
+    protocol.py           request validation and response bodies (vLLM shapes)
+    engine.py             engine thread: commands, pause modes, delivery to the event loop
+    scheduler.py          admission, block accounting, preemption, stop rules
+    runner.py             one step -> one forward pass -> sampled tokens (one host transfer)
+    kv_cache.py           paged K/V pools and the attention function registered with transformers
+    decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
+    sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
+    weights.py            weight-transfer state machine and in-place loading by checkpoint name
+    metrics.py            Prometheus series with vLLM's names
+    loading.py            model, dtype, context length, EOS ids, KV-cache size
+"""
