@@ -12,7 +12,6 @@ per question) before training, every `eval_every` steps, and after. The output d
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -114,40 +113,19 @@ class HeldOutAccuracy:
 
     def __init__(self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int) -> None:
         self.url = url
+        self.tokenizer = tokenizer
         self.rows = rows
         self.samples = samples
         self.seed = seed
-        self.calls = 0
-        self.prompt_ids = [
-            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
-            for row in rows
-        ]
-        self.tokenizer = tokenizer
 
     def __call__(self) -> float:
-        self.calls += 1
-        return asyncio.run(self._evaluate())
-
-    async def _evaluate(self) -> float:
-        from asyncgrpo.generation.client import GenerationClient
-        from asyncgrpo.generation.protocol import SamplingParams
+        from asyncgrpo.evaluate import evaluate, last_message_text
         from asyncgrpo.tasks import arithmetic
 
-        client = GenerationClient(self.url, timeout_s=600)
-        await client.start()
-        try:
-            await client.detect()
-
-            async def one(i: int, j: int) -> bool:
-                params = SamplingParams(temperature=1.0, max_tokens=48, seed=1_000_003 * (i + 1) + j)
-                output = await client.generate(self.prompt_ids[i], params)
-                text = self.tokenizer.decode(output.token_ids, skip_special_tokens=True)
-                return arithmetic.is_correct(text, self.rows[i]["answer"])
-
-            results = await asyncio.gather(*(one(i, j) for i in range(len(self.rows)) for j in range(self.samples)))
-        finally:
-            await client.close()
-        return sum(results) / len(results)
+        return evaluate(
+            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48,
+            score=lambda row, rollout: float(arithmetic.is_correct(last_message_text(rollout), row["answer"])),
+        )
 
 
 class DemoProgress(TrainerCallback):
