@@ -1,0 +1,489 @@
+"""Chat templates for the tool loop: the prefix-preserving check, bundled training templates, tool calls.
+
+The tool loop renders the whole conversation before every assistant turn, and a turn extends the sample
+held so far only when its prompt starts with those tokens (DESIGN 6). That needs a *prefix-preserving*
+chat template: rendering a conversation and then rendering it with more messages appended gives token
+ids that start with the first rendering. Some official templates are not: Qwen3's drops the `<think>`
+block of earlier turns (and adds an empty one to the last message only); DeepSeek-V3's cannot render
+dict tool arguments and re-opens an assistant header after tool outputs. For those families
+`prepare_chat_template` switches to a bundled training template (`assets/chat_templates/<family>.jinja`)
+that renders tools, tool calls, tool results and the generation prompt like the official one, but
+renders every earlier turn as it was written.
+
+Tool calls are parsed with transformers' response parsing when the tokenizer defines a
+`response_template`, else with the family's format: `<tool_call>{json}</tool_call>` blocks (Qwen and the
+default), bare JSON objects with "parameters" (Llama 3.1+), or DeepSeek-V3's tool-call special tokens.
+A malformed call raises `ToolCallParseError`, which the tool loop turns into a tool error message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+
+__all__ = [
+    "FAMILIES",
+    "REFERENCE_TOOLS",
+    "ToolCallParseError",
+    "detect_family",
+    "is_prefix_preserving",
+    "parse_assistant_message",
+    "parse_tool_calls",
+    "prepare_chat_template",
+    "reference_conversation",
+    "training_template",
+]
+
+logger = logging.getLogger(__name__)
+
+QWEN3, QWEN2_5, LLAMA3, DEEPSEEK_V3 = "qwen3", "qwen2_5", "llama3", "deepseek_v3"
+FAMILIES = (QWEN3, QWEN2_5, LLAMA3, DEEPSEEK_V3)
+"""Model families with a bundled training template (`assets/chat_templates/<family>.jinja`)."""
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+CONTEXT_CHARS = 48  # text shown on each side of a divergence
+
+
+def _ds(name: str) -> str:
+    """A DeepSeek-V3 special token: `_ds("tool calls begin")` -> "<(U+FF5C)tool(U+2581)calls...>"."""
+    return "<\uff5c" + name.replace(" ", "\u2581") + "\uff5c>"
+
+
+DS_ASSISTANT, DS_CALLS_BEGIN, DS_CALLS_END = _ds("Assistant"), _ds("tool calls begin"), _ds("tool calls end")
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = _ds("tool call begin"), _ds("tool call end"), _ds("tool sep")
+
+# -- the reference conversation ---------------------------------------------------------------------
+
+REFERENCE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "expression": {"type": "string", "description": "The expression, e.g. 2 + 3."}
+                },
+                "required": ["expression"],
+            },
+        },
+    }
+]
+
+
+def _call(expression: str) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]
+
+
+def reference_conversation(thinking: bool = True) -> list[dict[str, Any]]:
+    """A multi-turn tool conversation shaped like the tool loop's (one call per turn: Llama 3.1 allows no
+    more). With `thinking`, assistant turns carry reasoning both ways the loop may store it: inline
+    `<think>` text in `content`, and `reasoning_content`; without it (`enable_thinking=False`) none do."""
+
+    def think(text: str) -> str:
+        return f"<think>\n{text}\n</think>\n\n" if thinking else ""
+
+    reasoning = {"reasoning_content": "The tool says 400; now double it."} if thinking else {}
+    return [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is 17 * 23?"},
+        {
+            "role": "assistant",
+            "content": think("I should use the calculator.") + "Let me compute it.",
+            "tool_calls": _call("17 * 23"),
+        },
+        {"role": "tool", "name": "calculator", "content": "391"},
+        {
+            "role": "assistant",
+            "content": "17 * 23 = 391.",
+            **({"reasoning_content": "The tool returned 391."} if thinking else {}),
+        },
+        {"role": "user", "content": "Add 9 to that, then double the result."},
+        {"role": "assistant", "content": "", "tool_calls": _call("391 + 9")},
+        {"role": "tool", "name": "calculator", "content": "400"},
+        {"role": "assistant", "content": "", "tool_calls": _call("400 * 2"), **reasoning},
+        {"role": "tool", "name": "calculator", "content": "800"},
+        {"role": "assistant", "content": think("Both steps are done.") + "The result is 800."},
+        {"role": "user", "content": "Thanks!"},
+    ]
+
+
+# -- the prefix-preserving check ----------------------------------------------------------------------
+
+
+def _template_text(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(
+        template, dict
+    ):  # named templates: apply_chat_template picks "tool_use" when tools are given
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered chat, as `apply_chat_template(tokenize=True)` produces them."""
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+    return list(text_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _around(text: str, index: int) -> str:
+    return repr(text[max(0, index - CONTEXT_CHARS) : index + CONTEXT_CHARS])
+
+
+def is_prefix_preserving(
+    tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None
+) -> tuple[bool, str]:
+    """Check that appending messages never changes how the earlier ones render.
+
+    Renders `reference_conversation()` with the tokenizer's chat template prefix by prefix, from the
+    first user message on. A prefix ends after a complete message and gets the generation prompt when
+    the next message is the assistant's; a run of tool results counts as one step, since the tool loop
+    renders only after all results of a turn are in. Each rendering's token ids must be a prefix of the
+    next one's.
+
+    Args:
+        tokenizer: A tokenizer (or processor) with a `chat_template`.
+        chat_template_kwargs: Extra template variables, as the tool loop passes them
+            (`enable_thinking=False` removes the reasoning from the reference conversation).
+
+    Returns:
+        `(True, "")`, or `(False, explanation)` naming the first message whose rendering changed,
+        with the text around the divergence (or the rendering error).
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    if _template_text(tokenizer) is None:
+        return False, "the tokenizer has no chat_template"
+    messages = reference_conversation(thinking=kwargs.get("enable_thinking") is not False)
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    ends = [
+        k
+        for k in range(first_user + 1, len(messages) + 1)
+        if k == len(messages) or not (messages[k - 1]["role"] == "tool" and messages[k]["role"] == "tool")
+    ]
+    history: list[tuple[int, str, list[int]]] = []  # (k, text, ids) of each prefix rendered so far
+    for k in ends:
+        generation_prompt = k < len(messages) and messages[k]["role"] == "assistant"
+        try:
+            text = tokenizer.apply_chat_template(
+                messages[:k],
+                tools=REFERENCE_TOOLS,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+                **kwargs,
+            )
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:
+            last = messages[k - 1]
+            return False, (
+                f"rendering messages[:{k}] (up to message {k - 1}, {last['role']}"
+                f"{' with tool_calls' if last.get('tool_calls') else ''}) raised {type(exc).__name__}: {exc}"
+            )
+        current = (k, text, _encode(tokenizer, text))
+        reason = _divergence(tokenizer, messages, history, current) if history else ""
+        if reason:
+            return False, reason
+        history.append(current)
+    return True, ""
+
+
+def _divergence(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    history: list[tuple[int, str, list[int]]],
+    current: tuple[int, str, list[int]],
+) -> str:
+    """Why the last rendering in `history` is not a token prefix of `current`, or "" when it is."""
+    (k0, text0, ids0), (k1, text1, ids1) = history[-1], current
+    appended = ", ".join(f"message {i} ({messages[i]['role']})" for i in range(k0, k1))
+    if not text1.startswith(text0):
+        at = next((i for i, (a, b) in enumerate(zip(text0, text1)) if a != b), min(len(text0), len(text1)))
+        # The changed text belongs to the first message whose prefix rendering reached past it (or to the
+        # generation prompt rendered after that message).
+        owner = next((k - 1 for k, text, _ in history if len(text) > at), k0 - 1)
+        return (
+            f"appending {appended} changes the rendering of earlier messages: the text of messages[:{k0}] is "
+            f"not a prefix of the text of messages[:{k1}]; they differ at character {at}, in message {owner} "
+            f"({messages[owner]['role']}) or the generation prompt after it.\n"
+            f"  messages[:{k0}]: ...{_around(text0, at)}...\n  messages[:{k1}]: ...{_around(text1, at)}..."
+        )
+    if ids1[: len(ids0)] != ids0:
+        at = next((i for i, (a, b) in enumerate(zip(ids0, ids1)) if a != b), len(ids1))
+        return (
+            f"appending {appended} keeps the text but changes the tokens: the text of messages[:{k0}] is a "
+            f"prefix of the text of messages[:{k1}], yet their token ids differ from token {at} on (text "
+            f"merges into one token across the message boundary).\n"
+            f"  messages[:{k0}] ends with {tokenizer.decode(ids0[max(0, at - 4) :])!r}\n"
+            f"  messages[:{k1}] continues {tokenizer.decode(ids1[max(0, at - 4) : at + 4])!r}"
+        )
+    return ""
+
+
+# -- families and bundled templates ------------------------------------------------------------------
+
+
+def detect_family(tokenizer: Any) -> str | None:
+    """The model family of a tokenizer's chat template, by its markers and special tokens.
+
+    Returns:
+        "qwen3" (ChatML with `<tool_call>` and `<think>`), "qwen2_5" (ChatML with `<tool_call>`, and no
+        `<think>` or Qwen2.5's default system prompt), "llama3" (header tokens with the `ipython` tool role of Llama 3.1+), "deepseek_v3"
+        (DeepSeek's assistant and tool-call tokens), or None.
+    """
+    template = _template_text(tokenizer)
+    if template is None:
+        return None
+    added = set(getattr(tokenizer, "get_added_vocab", dict)())
+    if {DS_ASSISTANT, DS_CALLS_BEGIN} <= added and "tool_calls" in template:
+        return DEEPSEEK_V3
+    if "<|start_header_id|>" in template and "ipython" in template:
+        return LLAMA3
+    if "<|im_start|>" in template and "<tool_call>" in template and "<function=" not in template:
+        # Qwen2.5's default system prompt tells it apart even when a template renders <think> blocks.
+        return QWEN3 if "<think>" in template and "created by Alibaba Cloud" not in template else QWEN2_5
+    return None
+
+
+def training_template(family: str) -> str:
+    """The bundled prefix-preserving chat template of a family in `FAMILIES`."""
+    if family not in FAMILIES:
+        raise ValueError(f"no bundled training template for family {family!r}; known families: {FAMILIES}")
+    return (TEMPLATE_DIR / f"{family}.jinja").read_text(encoding="utf-8")
+
+
+def prepare_chat_template(
+    tokenizer: Any, *, tools_enabled: bool, chat_template_kwargs: dict[str, Any] | None
+) -> str | None:
+    """Make sure the tool loop gets a prefix-preserving chat template; switch a known family's if needed.
+
+    Without tools nothing is checked (one turn per rollout). With tools: a prefix-preserving template is
+    kept; a known family's template is replaced (on `tokenizer`, in place) by the bundled training
+    template, with a warning; any other template raises.
+
+    Returns:
+        The family whose training template was switched in, or None when the template was kept.
+
+    Raises:
+        ValueError: The template is not prefix-preserving and the family is unknown (or the bundled
+            template still fails with these `chat_template_kwargs`); the message holds the divergence.
+    """
+    if not tools_enabled:
+        return None
+    ok, reason = is_prefix_preserving(tokenizer, chat_template_kwargs)
+    if ok:
+        return None
+    family = detect_family(tokenizer)
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if family is None:
+        raise ValueError(
+            f"the chat template of {name!r} is not prefix-preserving, which the tool loop needs (each turn's "
+            f"prompt must extend the previous one): {reason}\nIts family is not one with a bundled training "
+            f"template ({', '.join(FAMILIES)}). Pass a `processing_class` whose `chat_template` renders "
+            "earlier turns unchanged when messages are appended (keep earlier reasoning, never re-render "
+            "an earlier turn differently once it is no longer the last)."
+        )
+    logger.warning(
+        "tools are enabled and the chat template of %r is not prefix-preserving (%s); switching to the bundled "
+        "%s training template %s, which renders the last turn and tool calls the same way but keeps earlier "
+        "turns unchanged. Pass a processing_class with your own chat_template to choose otherwise.",
+        name,
+        reason,
+        family,
+        TEMPLATE_DIR / f"{family}.jinja",
+    )
+    tokenizer.chat_template = training_template(family)
+    ok, reason = is_prefix_preserving(tokenizer, chat_template_kwargs)
+    if not ok:
+        raise ValueError(
+            f"the bundled {family} training template is not prefix-preserving with chat_template_kwargs="
+            f"{chat_template_kwargs!r}: {reason}\nPass a `processing_class` whose `chat_template` renders "
+            "earlier turns unchanged when messages are appended."
+        )
+    return family
+
+
+# -- tool-call parsing --------------------------------------------------------------------------------
+
+
+class ToolCallParseError(ValueError):
+    """The model wrote a tool call that does not parse.
+
+    Attributes:
+        calls: The well-formed calls of the same text, in order (the tool loop may still run them).
+        errors: One message per malformed call.
+    """
+
+    def __init__(self, errors: list[str], calls: list[dict[str, Any]] | None = None) -> None:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        super().__init__(f"{errors[0]}{more}")
+        self.errors = list(errors)
+        self.calls = list(calls or [])
+
+
+QWEN_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+LLAMA_CALL_START_RE = re.compile(r'\{\s*"name"\s*:')
+DS_CALL_RE = re.compile(
+    re.escape(DS_CALL_BEGIN) + r"(?P<type>.*?)" + re.escape(DS_SEP) + r"(?P<name>[^\n]*)\n```(?:json)?\n"
+    r"(?P<args>.*?)\n```" + re.escape(DS_CALL_END),
+    re.DOTALL,
+)
+
+
+def _tool_call(name: Any, arguments: Any, raw: str, arguments_key: str = "arguments") -> dict[str, Any]:
+    """A call in the chat-template form; raises ValueError naming the expected shape."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the arguments of tool call {raw[:200]!r} are not JSON ({exc.msg})") from exc
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        raise ValueError(
+            f'a tool call must be {{"name": <string>, "{arguments_key}": <object>}}, got {raw[:200]!r}'
+        )
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _payload_call(payload: Any, raw: str, arguments_key: str) -> dict[str, Any]:
+    """A call from a decoded JSON payload `{"name": ..., arguments_key: ...}` (either key accepted)."""
+    fields = payload if isinstance(payload, dict) else {}
+    arguments = fields.get(arguments_key, fields.get("arguments", fields.get("parameters", {})))
+    return _tool_call(fields.get("name"), arguments, raw, arguments_key)
+
+
+def _split_qwen(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; an unclosed block is text.
+
+    The content is the text before the first block less the one newline the Qwen templates write before
+    a call, so that re-rendering gives back what the model wrote (other text between or after the
+    blocks, which the templates cannot place, is appended on its own line)."""
+    matches = list(QWEN_CALL_RE.finditer(text))
+    if not matches:
+        return text, [], []
+    calls, errors = [], []
+    for match in matches:
+        raw = match.group(1).strip()
+        try:
+            calls.append(_payload_call(json.loads(raw), raw, "arguments"))
+        except json.JSONDecodeError as exc:
+            errors.append(f"could not parse the tool call as JSON ({exc.msg}): {raw[:200]!r}")
+        except ValueError as exc:
+            errors.append(str(exc))
+    content = text[: matches[0].start()].removesuffix("\n")
+    between = (text[a.end() : b.start() if b else len(text)] for a, b in zip(matches, [*matches[1:], None]))
+    leftovers = [piece.strip() for piece in between if piece.strip()]
+    content = "\n".join([content, *leftovers]) if leftovers else content
+    return content, calls, errors
+
+
+def _split_llama(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """Bare JSON objects `{"name": ..., "parameters": {...}}` (optionally after <|python_tag|>), several
+    separated by ";"; the content is the text before the first one."""
+    match = LLAMA_CALL_START_RE.search(text)
+    if match is None:
+        return text, [], []
+    content = text[: match.start()].replace("<|python_tag|>", "")
+    calls, errors = [], []
+    rest = text[match.start() :]
+    decoder = json.JSONDecoder()
+    while rest.startswith("{"):
+        try:
+            payload, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError as exc:
+            errors.append(f"could not parse the tool call as JSON ({exc.msg}): {rest[:200]!r}")
+            break
+        try:
+            calls.append(_payload_call(payload, rest[:end], "parameters"))
+        except ValueError as exc:
+            errors.append(str(exc))
+        rest = rest[end:].lstrip().removeprefix(";").lstrip().removeprefix("<|python_tag|>")
+    return (content if content.strip() else ""), calls, errors
+
+
+def _split_deepseek(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+    start = text.find(DS_CALLS_BEGIN)
+    if start < 0:
+        return text, [], []
+    block = text[start + len(DS_CALLS_BEGIN) :].split(DS_CALLS_END)[0]
+    calls, errors = [], []
+    pieces = [p for p in block.split(DS_CALL_BEGIN) if p.strip()]
+    for piece in pieces:
+        match = DS_CALL_RE.fullmatch(DS_CALL_BEGIN + piece.rstrip("\n"))
+        if match is None:
+            errors.append(
+                f"a DeepSeek tool call must be <tool call begin>function<tool sep>NAME\\n```json\\nARGS\\n```"
+                f"<tool call end>, got {piece[:200]!r}"
+            )
+            continue
+        try:
+            calls.append(_tool_call(match.group("name").strip(), match.group("args"), piece))
+        except ValueError as exc:
+            errors.append(str(exc))
+    return text[:start], calls, errors
+
+
+def parse_assistant_message(
+    tokenizer: Any, text: str, *, prefix: str = "", tools: list[Any] | None = None
+) -> dict[str, Any]:
+    """The assistant message of one generated turn: content and `tool_calls` in the chat-template form.
+
+    Uses `tokenizer.parse_response` when the tokenizer defines a `response_template` (its message may
+    also split off reasoning); otherwise the family's format (`detect_family`), Qwen's `<tool_call>`
+    blocks by default. The content keeps the text around the calls, `<think>` blocks included.
+
+    Args:
+        tokenizer: The tokenizer whose chat template rendered the prompt.
+        text: The decoded output of the turn, special tokens kept, end-of-sequence token removed.
+        prefix: The rendered prompt (transformers' parser needs it when the template pre-writes part of
+            the answer, e.g. an opening `<think>`).
+        tools: The tools, for transformers' parser to cast arguments by their JSON schema.
+
+    Raises:
+        ToolCallParseError: A call does not parse; `.calls` holds the well-formed ones.
+    """
+    if getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response"):
+        try:
+            message = dict(tokenizer.parse_response(text, prefix=prefix, tools=tools))
+        except ValueError as exc:
+            raise ToolCallParseError([f"the response parser of the tokenizer failed: {exc}"]) from exc
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call) if isinstance(call, dict) else {}
+            try:
+                calls.append(
+                    _tool_call(
+                        function.get("name"), function.get("arguments", {}), json.dumps(call, default=str)
+                    )
+                )
+            except ValueError as exc:
+                raise ToolCallParseError([str(exc)], calls) from exc
+        message.update(role="assistant", content=message.get("content") or "")
+        if calls:
+            message["tool_calls"] = calls
+        else:
+            message.pop("tool_calls", None)
+        return message
+    family = detect_family(tokenizer)
+    split = {LLAMA3: _split_llama, DEEPSEEK_V3: _split_deepseek}.get(family, _split_qwen)
+    content, calls, errors = split(text)
+    if errors:
+        raise ToolCallParseError(errors, calls)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def parse_tool_calls(
+    tokenizer: Any, text: str, *, prefix: str = "", tools: list[Any] | None = None
+) -> list[dict]:
+    """The tool calls of one generated turn, in order, each
+    `{"type": "function", "function": {"name": str, "arguments": dict}}`; see `parse_assistant_message`.
+
+    Raises:
+        ToolCallParseError: A call does not parse (bad JSON, no name, arguments not an object).
+    """
+    return parse_assistant_message(tokenizer, text, prefix=prefix, tools=tools).get("tool_calls", [])
