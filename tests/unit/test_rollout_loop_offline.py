@@ -233,3 +233,20 @@ def test_a_stuck_reward_function_fails_the_loop_after_rollout_worker_timeout():
     run = InProcess(ScriptedLoop, [stuck_reward], rollout_worker_timeout=1.0)
     run.thread.join(20)
     assert isinstance(run.error, TimeoutError) and "rollout_worker_timeout=1" in str(run.error)
+
+
+class FailingSetup(ScriptedLoop):
+    async def setup(self):
+        self.closed = False
+        raise RuntimeError("the judge service is down")
+
+    async def close(self):
+        self.closed = True
+
+
+def test_a_failing_setup_stops_the_loop_and_close_still_runs():
+    run = InProcess(FailingSetup, [index_reward])
+    run.thread.join(15)
+    assert isinstance(run.error, RuntimeError) and "judge service is down" in str(run.error)
+    assert run.loop.closed
+    assert run.channel.samples.empty()

@@ -40,6 +40,7 @@ import numpy as np
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import PromptItem, iter_prompts
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.packing.tree import Sample
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
@@ -225,8 +226,9 @@ class AsyncRolloutLoop:
         setup = self._spawn(self.setup(), "setup")
         try:
             await self._until_stopped_or_failed(setup)
-            if self._stopping():
+            if self.channel.stop_event.is_set():
                 return
+            setup.result()  # raises what setup() raised
             self._spawn(self._dispatch(), "dispatcher")
             self._spawn(self._score_forever(), "scorer")
             await self._until_stopped_or_failed(None)
@@ -250,9 +252,6 @@ class AsyncRolloutLoop:
         exc = task.exception()
         if exc is not None and self._failure is not None and not self._failure.done():
             self._failure.set_exception(exc)
-
-    def _stopping(self) -> bool:
-        return self.channel.stop_event.is_set() or (self._failure is not None and self._failure.done())
 
     async def _until_stopped_or_failed(self, task: asyncio.Task | None) -> None:
         """Wait until `task` (if any) is done, the trainer asks to stop, or a task failed (raise)."""
@@ -290,8 +289,6 @@ class AsyncRolloutLoop:
             return self._client, self._server_info
         async with self._server_lock:
             if self._server_info is None:
-                from asyncgrpo.generation.client import GenerationClient
-
                 timeout_s = float(self.config.vllm_server_timeout)
                 client = GenerationClient(
                     self.config.vllm_server_base_url,
