@@ -262,6 +262,21 @@ def test_prepare_raises_a_clear_error_for_an_unknown_non_preserving_template():
     assert "processing_class" in message and "chat_template" in message  # the fix
 
 
+def test_prepare_refuses_to_switch_a_variant_the_bundled_template_does_not_reproduce():
+    # A DeepSeek template whose generation prompt also opens the reasoning (R1 style)
+    variant = (
+        (FIXTURES / "deepseek_v3.jinja")
+        .read_text()
+        .replace("{{ ASSISTANT }}{% endif %}", "{{ ASSISTANT + '<think>\\n' }}{% endif %}")
+    )
+    tokenizer = family_tokenizer("deepseek_v3", variant)
+    assert detect_family(tokenizer) == "deepseek_v3"
+    with pytest.raises(ValueError) as info:
+        prepare_chat_template(tokenizer, tools_enabled=True, chat_template_kwargs={})
+    assert "renders the first prompt differently" in str(info.value) and "<think>" in str(info.value)
+    assert tokenizer.chat_template == variant  # left as it was
+
+
 # ------------------------------------------------------------- bundled versus official renderings
 
 
@@ -408,6 +423,7 @@ def test_malformed_calls_raise_with_the_well_formed_ones_attached():
     error = info.value
     assert isinstance(error, ValueError)
     assert error.calls == [{"type": "function", "function": {"name": "a", "arguments": {}}}]
+    assert error.partial == {"role": "assistant", "content": "", "tool_calls": error.calls}
     assert len(error.errors) == 3
     assert "could not parse the tool call as JSON" in error.errors[0] and "{not json}" in error.errors[0]
     assert '"name": <string>, "arguments": <object>' in error.errors[2]

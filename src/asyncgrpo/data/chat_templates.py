@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,7 @@ def reference_conversation(thinking: bool = True) -> list[dict[str, Any]]:
 
 def _template_text(tokenizer: Any) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(
-        template, dict
-    ):  # named templates: apply_chat_template picks "tool_use" when tools are given
+    if isinstance(template, dict):  # named templates: "tool_use" is the one rendered with tools
         template = template.get("tool_use") or template.get("default")
     return template if isinstance(template, str) else None
 
@@ -136,6 +135,11 @@ def _around(text: str, index: int) -> str:
     return repr(text[max(0, index - CONTEXT_CHARS) : index + CONTEXT_CHARS])
 
 
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """The first index where `a` and `b` differ (the shorter length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def is_prefix_preserving(
     tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None
 ) -> tuple[bool, str]:
@@ -143,9 +147,9 @@ def is_prefix_preserving(
 
     Renders `reference_conversation()` with the tokenizer's chat template prefix by prefix, from the
     first user message on. A prefix ends after a complete message and gets the generation prompt when
-    the next message is the assistant's; a run of tool results counts as one step, since the tool loop
-    renders only after all results of a turn are in. Each rendering's token ids must be a prefix of the
-    next one's.
+    the next message is the assistant's; each rendering's token ids must be a prefix of the next one's.
+    Every assistant turn makes one call (Llama 3.1 allows no more), so no two tool results are adjacent:
+    Qwen's templates group adjacent results in one turn, which the tool loop only renders complete.
 
     Args:
         tokenizer: A tokenizer (or processor) with a `chat_template`.
@@ -161,13 +165,8 @@ def is_prefix_preserving(
         return False, "the tokenizer has no chat_template"
     messages = reference_conversation(thinking=kwargs.get("enable_thinking") is not False)
     first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    ends = [
-        k
-        for k in range(first_user + 1, len(messages) + 1)
-        if k == len(messages) or not (messages[k - 1]["role"] == "tool" and messages[k]["role"] == "tool")
-    ]
     history: list[tuple[int, str, list[int]]] = []  # (k, text, ids) of each prefix rendered so far
-    for k in ends:
+    for k in range(first_user + 1, len(messages) + 1):
         generation_prompt = k < len(messages) and messages[k]["role"] == "assistant"
         try:
             text = tokenizer.apply_chat_template(
@@ -201,7 +200,7 @@ def _divergence(
     (k0, text0, ids0), (k1, text1, ids1) = history[-1], current
     appended = ", ".join(f"message {i} ({messages[i]['role']})" for i in range(k0, k1))
     if not text1.startswith(text0):
-        at = next((i for i, (a, b) in enumerate(zip(text0, text1)) if a != b), min(len(text0), len(text1)))
+        at = _first_difference(text0, text1)
         # The changed text belongs to the first message whose prefix rendering reached past it (or to the
         # generation prompt rendered after that message).
         owner = next((k - 1 for k, text, _ in history if len(text) > at), k0 - 1)
@@ -212,7 +211,7 @@ def _divergence(
             f"  messages[:{k0}]: ...{_around(text0, at)}...\n  messages[:{k1}]: ...{_around(text1, at)}..."
         )
     if ids1[: len(ids0)] != ids0:
-        at = next((i for i, (a, b) in enumerate(zip(ids0, ids1)) if a != b), len(ids1))
+        at = _first_difference(ids0, ids1)
         return (
             f"appending {appended} keeps the text but changes the tokens: the text of messages[:{k0}] is a "
             f"prefix of the text of messages[:{k1}], yet their token ids differ from token {at} on (text "
@@ -231,8 +230,8 @@ def detect_family(tokenizer: Any) -> str | None:
 
     Returns:
         "qwen3" (ChatML with `<tool_call>` and `<think>`), "qwen2_5" (ChatML with `<tool_call>`, and no
-        `<think>` or Qwen2.5's default system prompt), "llama3" (header tokens with the `ipython` tool role of Llama 3.1+), "deepseek_v3"
-        (DeepSeek's assistant and tool-call tokens), or None.
+        `<think>` or Qwen2.5's default system prompt), "llama3" (header tokens and the `ipython` tool
+        role of Llama 3.1+), "deepseek_v3" (DeepSeek's assistant and tool-call tokens), or None.
     """
     template = _template_text(tokenizer)
     if template is None:
@@ -255,6 +254,40 @@ def training_template(family: str) -> str:
     return (TEMPLATE_DIR / f"{family}.jinja").read_text(encoding="utf-8")
 
 
+def _first_prompt(tokenizer: Any, kwargs: dict[str, Any]) -> str | None:
+    """The reference conversation's first prompt (system, user, generation prompt); None if it fails."""
+    messages = reference_conversation(thinking=kwargs.get("enable_thinking") is not False)[:2]
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=REFERENCE_TOOLS, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except (TemplateError, TypeError, ValueError, KeyError):
+        return None
+
+
+def _switch(tokenizer: Any, family: str, kwargs: dict[str, Any]) -> str:
+    """Put the bundled template of `family` on `tokenizer`; on failure restore it and say why."""
+    original, before = tokenizer.chat_template, _first_prompt(tokenizer, kwargs)
+    tokenizer.chat_template = training_template(family)
+    ok, reason = is_prefix_preserving(tokenizer, kwargs)
+    after = _first_prompt(tokenizer, kwargs)
+    problem = ""
+    if not ok:
+        problem = (
+            f"The bundled {family} training template fails too, with these chat_template_kwargs: {reason}"
+        )
+    elif before is not None and after != before:
+        at = _first_difference(before, after or "")
+        problem = (
+            f"It looks like {family}, but the bundled {family} training template renders the first prompt "
+            f"differently, so it is a variant the bundled template does not reproduce:\n"
+            f"  this template: ...{_around(before, at)}...\n  bundled:       ...{_around(after or '', at)}..."
+        )
+    if problem:
+        tokenizer.chat_template = original
+    return problem
+
+
 def prepare_chat_template(
     tokenizer: Any, *, tools_enabled: bool, chat_template_kwargs: dict[str, Any] | None
 ) -> str | None:
@@ -262,47 +295,45 @@ def prepare_chat_template(
 
     Without tools nothing is checked (one turn per rollout). With tools: a prefix-preserving template is
     kept; a known family's template is replaced (on `tokenizer`, in place) by the bundled training
-    template, with a warning; any other template raises.
+    template, with a warning; any other template raises. The switch is refused (the template is left
+    as it was) when the bundled template renders the first prompt differently: the tokenizer's template
+    is then a variant of the family that the bundled one does not reproduce.
 
     Returns:
         The family whose training template was switched in, or None when the template was kept.
 
     Raises:
-        ValueError: The template is not prefix-preserving and the family is unknown (or the bundled
-            template still fails with these `chat_template_kwargs`); the message holds the divergence.
+        ValueError: The template is not prefix-preserving and no bundled template can stand in for it;
+            the message holds the divergence and the fix.
     """
     if not tools_enabled:
         return None
-    ok, reason = is_prefix_preserving(tokenizer, chat_template_kwargs)
+    kwargs = dict(chat_template_kwargs or {})
+    ok, reason = is_prefix_preserving(tokenizer, kwargs)
     if ok:
         return None
     family = detect_family(tokenizer)
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if family is None:
+        problem = f"Its family is not one with a bundled training template ({', '.join(FAMILIES)})."
+    else:
+        problem = _switch(tokenizer, family, kwargs)
+    if problem:
         raise ValueError(
             f"the chat template of {name!r} is not prefix-preserving, which the tool loop needs (each turn's "
-            f"prompt must extend the previous one): {reason}\nIts family is not one with a bundled training "
-            f"template ({', '.join(FAMILIES)}). Pass a `processing_class` whose `chat_template` renders "
-            "earlier turns unchanged when messages are appended (keep earlier reasoning, never re-render "
-            "an earlier turn differently once it is no longer the last)."
+            f"prompt must extend the previous one): {reason}\n{problem}\nPass a `processing_class` whose "
+            "`chat_template` renders earlier turns unchanged when messages are appended (keep earlier "
+            "reasoning, never re-render an earlier turn differently once it is no longer the last)."
         )
     logger.warning(
-        "tools are enabled and the chat template of %r is not prefix-preserving (%s); switching to the bundled "
-        "%s training template %s, which renders the last turn and tool calls the same way but keeps earlier "
-        "turns unchanged. Pass a processing_class with your own chat_template to choose otherwise.",
+        "tools are enabled and the chat template of %r is not prefix-preserving (%s); switched to the bundled "
+        "%s training template %s, which renders the prompt, tools and tool calls the same way but keeps "
+        "earlier turns unchanged. Pass a processing_class with your own chat_template to choose otherwise.",
         name,
         reason,
         family,
         TEMPLATE_DIR / f"{family}.jinja",
     )
-    tokenizer.chat_template = training_template(family)
-    ok, reason = is_prefix_preserving(tokenizer, chat_template_kwargs)
-    if not ok:
-        raise ValueError(
-            f"the bundled {family} training template is not prefix-preserving with chat_template_kwargs="
-            f"{chat_template_kwargs!r}: {reason}\nPass a `processing_class` whose `chat_template` renders "
-            "earlier turns unchanged when messages are appended."
-        )
     return family
 
 
@@ -313,15 +344,17 @@ class ToolCallParseError(ValueError):
     """The model wrote a tool call that does not parse.
 
     Attributes:
-        calls: The well-formed calls of the same text, in order (the tool loop may still run them).
-        errors: One message per malformed call.
+        errors: One message per malformed call, saying what was expected.
+        partial: The assistant message without the malformed calls (content and the well-formed calls).
+        calls: The well-formed calls, in order (`partial["tool_calls"]`, or []).
     """
 
-    def __init__(self, errors: list[str], calls: list[dict[str, Any]] | None = None) -> None:
+    def __init__(self, errors: list[str], partial: dict[str, Any]) -> None:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         super().__init__(f"{errors[0]}{more}")
         self.errors = list(errors)
-        self.calls = list(calls or [])
+        self.partial = partial
+        self.calls = list(partial.get("tool_calls", []))
 
 
 QWEN_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -404,6 +437,7 @@ def _split_llama(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
 
 
 def _split_deepseek(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """DeepSeek-V3's tool-calls block; the content is the text before it."""
     start = text.find(DS_CALLS_BEGIN)
     if start < 0:
         return text, [], []
@@ -442,38 +476,37 @@ def parse_assistant_message(
         tools: The tools, for transformers' parser to cast arguments by their JSON schema.
 
     Raises:
-        ToolCallParseError: A call does not parse; `.calls` holds the well-formed ones.
+        ToolCallParseError: A call does not parse; `.partial` is the message without it.
     """
+    errors: list[str] = []
     if getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response"):
         try:
             message = dict(tokenizer.parse_response(text, prefix=prefix, tools=tools))
         except ValueError as exc:
-            raise ToolCallParseError([f"the response parser of the tokenizer failed: {exc}"]) from exc
+            partial = {"role": "assistant", "content": text}
+            raise ToolCallParseError(
+                [f"the response parser of the tokenizer failed: {exc}"], partial
+            ) from exc
         calls = []
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", call) if isinstance(call, dict) else {}
+        for call in message.pop("tool_calls", None) or []:
+            function = call.get("function", call) if isinstance(call, dict) else None
+            function = function if isinstance(function, dict) else {}
             try:
-                calls.append(
-                    _tool_call(
-                        function.get("name"), function.get("arguments", {}), json.dumps(call, default=str)
-                    )
-                )
+                raw = json.dumps(call, default=str)
+                calls.append(_tool_call(function.get("name"), function.get("arguments", {}), raw))
             except ValueError as exc:
-                raise ToolCallParseError([str(exc)], calls) from exc
+                errors.append(str(exc))
         message.update(role="assistant", content=message.get("content") or "")
-        if calls:
-            message["tool_calls"] = calls
-        else:
-            message.pop("tool_calls", None)
-        return message
-    family = detect_family(tokenizer)
-    split = {LLAMA3: _split_llama, DEEPSEEK_V3: _split_deepseek}.get(family, _split_qwen)
-    content, calls, errors = split(text)
-    if errors:
-        raise ToolCallParseError(errors, calls)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    else:
+        split = {LLAMA3: _split_llama, DEEPSEEK_V3: _split_deepseek}.get(
+            detect_family(tokenizer), _split_qwen
+        )
+        content, calls, errors = split(text)
+        message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
+    if errors:
+        raise ToolCallParseError(errors, message)
     return message
 
 
