@@ -14,6 +14,10 @@ Tool calls are parsed with transformers' response parsing when the tokenizer def
 `response_template`, else with the family's format: `<tool_call>{json}</tool_call>` blocks (Qwen and the
 default), bare JSON objects with "parameters" (Llama 3.1+), or DeepSeek-V3's tool-call special tokens.
 A malformed call raises `ToolCallParseError`, which the tool loop turns into a tool error message.
+
+Callers: the trainer runs `prepare_chat_template(processing_class, tools_enabled=..., chat_template_kwargs=...)`
+once, before the rollout process is spawned (the switched template travels with the pickled tokenizer);
+the tool loop builds each turn's assistant message with `parse_assistant_message`.
 """
 
 from __future__ import annotations
