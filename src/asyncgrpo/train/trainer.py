@@ -33,6 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from asyncgrpo import metrics as M
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data.chat_templates import prepare_chat_template
 from asyncgrpo.data.prompts import validate_prompt_dataset
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
@@ -122,6 +123,13 @@ class AsyncGRPOTrainer(Trainer):
             revision = (args.model_init_kwargs or {}).get("revision")
             processing_class = load_tokenizer(self.model_id, trust_remote_code=args.trust_remote_code, revision=revision)
 
+        # the tool loop renders the growing conversation each turn: its template must keep earlier
+        # turns unchanged (known families are switched to a bundled training template)
+        prepare_chat_template(
+            processing_class,
+            tools_enabled=bool(tools) or environment_factory is not None,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
         if peft_config is not None:
             model = _wrap_peft(model, peft_config)
 
