@@ -10,13 +10,10 @@ import pytest
 
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
-    ToolCall,
     apply_reset_output,
-    assistant_message,
     environment_tools,
     execute_tool_call,
     generation_records,
-    parse_tool_calls,
     request_seed,
     run_tool_loop,
     sampling_params,
@@ -79,54 +76,25 @@ class Counter:
         pass
 
 
-def test_parse_tool_calls_in_order_and_strips_blocks():
-    text = (
-        'Let me compute.<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
-        '<tool_call>{"name": "async_add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
-    )
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me compute."
-    assert calls == [ToolCall("multiply", {"a": 3, "b": 4}), ToolCall("async_add", {"a": 1, "b": 2})]
-
-
-def test_parse_tool_calls_without_calls_keeps_text():
-    assert parse_tool_calls("The answer is \\boxed{4}.") == ("The answer is \\boxed{4}.", [])
-
-
-def test_malformed_tool_call_is_a_call_with_an_error():
-    _, calls = parse_tool_calls("<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>")
-    assert len(calls) == 2
-    assert all(call.error for call in calls)
-    assert "JSON" in calls[0].error
-
-
-def test_assistant_message_carries_tool_calls():
-    message = assistant_message("hi", [ToolCall("multiply", {"a": 1, "b": 2})])
-    assert message["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 1, "b": 2}}}]
-    assert "tool_calls" not in assistant_message("hi", [])
-
-
 def test_execute_tool_calls_sync_async_unknown_raising():
     tools = {tool_name(t): t for t in (multiply, async_add, broken)}
 
     async def run():
         with ThreadPoolExecutor(2) as pool:
             return [
-                await execute_tool_call(ToolCall("multiply", {"a": 6, "b": 7}), tools, pool),
-                await execute_tool_call(ToolCall("async_add", {"a": 1, "b": 2}), tools, pool),
-                await execute_tool_call(ToolCall("nope", {}), tools, pool),
-                await execute_tool_call(ToolCall("broken", {"x": 1}), tools, pool),
-                await execute_tool_call(ToolCall("multiply", {"c": 1}), tools, pool),
-                await execute_tool_call(ToolCall("", {}, error="bad json"), tools, pool),
+                await execute_tool_call("multiply", {"a": 6, "b": 7}, tools, pool),
+                await execute_tool_call("async_add", {"a": 1, "b": 2}, tools, pool),
+                await execute_tool_call("nope", {}, tools, pool),
+                await execute_tool_call("broken", {"x": 1}, tools, pool),
+                await execute_tool_call("multiply", {"c": 1}, tools, pool),
             ]
 
-    ok, added, unknown, raised, bad_args, unparsed = asyncio.run(run())
+    ok, added, unknown, raised, bad_args = asyncio.run(run())
     assert (ok.content, ok.failed) == ("42", False)
     assert (added.content, added.failed) == ("3", False)
     assert unknown.failed and unknown.unknown_name and "nope" in unknown.content and "multiply" in unknown.content
     assert raised.failed and not raised.unknown_name and "tool exploded" in raised.content
     assert bad_args.failed and "TypeError" in bad_args.content
-    assert unparsed.failed and "bad json" in unparsed.content
 
 
 def test_tool_name_of_partial_is_its_function():
@@ -202,7 +170,7 @@ class _CharTokenizer:
 def test_tool_loop_runs_calls_until_an_answer_without_calls():
     answers = iter([
         '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>',
-        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{not json}</tool_call>',
         "It is 42.",
     ])
     prompts: list[list[int]] = []
@@ -224,10 +192,15 @@ def test_tool_loop_runs_calls_until_an_answer_without_calls():
 
     rollout = asyncio.run(run())
     assert len(rollout.turns) == 3
-    assert (rollout.tool_call_count, rollout.tool_failure_count) == (2, 1)
-    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert (rollout.tool_call_count, rollout.tool_failure_count) == (3, 2)
+    roles = ["assistant", "tool", "assistant", "tool", "tool", "assistant"]
+    assert [m["role"] for m in rollout.completion] == roles
+    assert rollout.completion[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    ]
     assert rollout.completion[1]["content"] == "42"
     assert "unknown tool 'nope'" in rollout.completion[3]["content"]
+    assert "JSON" in rollout.completion[4]["content"]  # a malformed call is answered, not raised
     assert rollout.completion[-1] == {"role": "assistant", "content": "It is 42."}
     # each turn re-renders the whole conversation: the tool result is in the next prompt
     assert "<tool>42" in "".join(chr(i) for i in prompts[1])

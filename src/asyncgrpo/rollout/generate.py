@@ -3,12 +3,13 @@
 One turn of `AsyncRolloutLoop.generate_one`:
 
     messages --render_prompt_ids--> prompt_ids --generate_one_turn--> output_ids
-    output_ids --decode_output--> text --parse_tool_calls--> (content, calls)
-    calls --execute_tool_call (in order; sync tools in the thread pool)--> tool messages
+    output_ids --decode_output--> text --parse_assistant_message--> assistant message (+ tool_calls)
+    tool_calls --execute_tool_call (in order; sync tools in the thread pool)--> tool messages
 
-The model calls a tool by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the
-Qwen / Hermes convention that the bundled chat template uses). A malformed block, an unknown name or a
-raising tool becomes a tool message that carries the error; it is counted, never raised.
+Tool calls are parsed in the model family's format by `asyncgrpo.data.chat_templates` (Qwen's
+`<tool_call>` blocks, Llama 3.1 JSON, DeepSeek-V3 tokens, or the tokenizer's response parser). A
+malformed call, an unknown name or a raising tool becomes a tool message that carries the error; it is
+counted as a failed call, never raised.
 
 Environments (`environment_factory`) get one instance per running rollout, taken from a pool so that an
 expensive `__init__` is paid once; their public methods other than `reset` / `get_reward` are tools.
@@ -22,7 +23,6 @@ import hashlib
 import inspect
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -30,23 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo import metrics as M
+from asyncgrpo.data.chat_templates import ToolCallParseError, parse_assistant_message
 from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.rollout.reconcile import ReconciledRollout
 from asyncgrpo.types import Rollout, TurnRecord
 
 logger = logging.getLogger(__name__)
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 RESERVED_ENV_METHODS = frozenset({"reset", "get_reward"})
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One parsed `<tool_call>` block. `error` is set (and name may be "") when it did not parse."""
-
-    name: str
-    arguments: dict[str, Any]
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,51 +79,6 @@ def decode_output(tokenizer: Any, output_ids: list[int], eos_token_ids: list[int
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Split a turn's text into its content (tool-call blocks removed) and the calls, in order.
-
-    A block must hold a JSON object with a string "name" and an object "arguments" (a JSON string
-    holding an object is accepted too); anything else gives a `ToolCall` with `error` set.
-    """
-    calls: list[ToolCall] = []
-    for match in TOOL_CALL_RE.finditer(text):
-        raw = match.group(1).strip()
-        try:
-            payload = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            calls.append(ToolCall("", {}, f"could not parse the tool call as JSON ({exc.msg}): {raw[:200]}"))
-            continue
-        name = payload.get("name") if isinstance(payload, dict) else None
-        arguments = payload.get("arguments", {}) if isinstance(payload, dict) else None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            calls.append(
-                ToolCall(
-                    name if isinstance(name, str) else "",
-                    {},
-                    'a tool call must be {"name": <string>, "arguments": <object>}, got: ' + raw[:200],
-                )
-            )
-            continue
-        calls.append(ToolCall(name, arguments))
-    content = TOOL_CALL_RE.sub("", text).strip() if calls else text
-    return content, calls
-
-
-def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
-    """The assistant message of a turn, in the chat-template format (`tool_calls` when it has calls)."""
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in calls
-        ]
-    return message
-
-
 async def call_maybe_async(fn: Callable, executor: Executor, *args: Any, **kwargs: Any) -> Any:
     """Await `fn(*args, **kwargs)` if it is a coroutine function, else run it in `executor`."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
@@ -144,23 +90,27 @@ async def call_maybe_async(fn: Callable, executor: Executor, *args: Any, **kwarg
     return result
 
 
-async def execute_tool_call(call: ToolCall, tools_by_name: Mapping[str, Callable], executor: Executor) -> ToolResult:
-    """Run one parsed call; every failure becomes a `ToolResult` with `failed=True`."""
+async def execute_tool_call(
+    name: str, arguments: dict[str, Any], tools_by_name: Mapping[str, Callable], executor: Executor
+) -> ToolResult:
+    """Run one call `name(**arguments)`; every failure becomes a `ToolResult` with `failed=True`."""
     start = time.perf_counter()
-    if call.error is not None:
-        return ToolResult(call.name or "<unparsed>", f"Error: {call.error}", True, False, 0.0)
-    tool = tools_by_name.get(call.name)
+    tool = tools_by_name.get(name)
     if tool is None:
         known = ", ".join(sorted(tools_by_name)) or "none"
-        content = f"Error: unknown tool {call.name!r}; available tools: {known}."
-        return ToolResult(call.name, content, True, True, 0.0)
+        return ToolResult(name, f"Error: unknown tool {name!r}; available tools: {known}.", True, True, 0.0)
     try:
-        result = await call_maybe_async(tool, executor, **call.arguments)
+        result = await call_maybe_async(tool, executor, **arguments)
     except Exception as exc:  # noqa: BLE001 -- a raising tool is the policy's problem, reported to it
-        logger.debug("tool %s raised %r", call.name, exc)
-        return ToolResult(call.name, f"Error: {type(exc).__name__}: {exc}", True, False, time.perf_counter() - start)
+        logger.debug("tool %s raised %r", name, exc)
+        return ToolResult(name, f"Error: {type(exc).__name__}: {exc}", True, False, time.perf_counter() - start)
     content = result if isinstance(result, str) else json.dumps(result, default=str)
-    return ToolResult(call.name, content, False, False, time.perf_counter() - start)
+    return ToolResult(name, content, False, False, time.perf_counter() - start)
+
+
+def parse_error_result(error: str) -> ToolResult:
+    """The tool message for a call the model wrote that does not parse."""
+    return ToolResult("<unparsed>", f"Error: {error}", True, False, 0.0)
 
 
 def tool_message(result: ToolResult) -> dict[str, Any]:
@@ -338,19 +288,22 @@ async def run_tool_loop(
         turns.append(turn)
         completion_ids.extend(turn.output_ids)
         text = decode_output(tokenizer, turn.output_ids, eos_token_ids)
-        content, calls = parse_tool_calls(text) if tools else (text, [])
-        message = assistant_message(content, calls)
+        message, parse_errors = _assistant_message(tokenizer, text, turn.prompt_ids, tools)
         messages.append(message)
         completion.append(message)
-        if not calls:
+        calls = message.get("tool_calls", [])
+        if not calls and not parse_errors:
             break
         if max_iterations is not None and iterations >= max_iterations:
             exhausted = True
             break
         iterations += 1
-        record(M.metric(M.TOOLS_PARALLEL_CALLS_MEAN, len(calls)))
-        for call in calls:  # in the order the model wrote them
-            result = await execute_tool_call(call, tools_by_name, executor)
+        record(M.metric(M.TOOLS_PARALLEL_CALLS_MEAN, len(calls) + len(parse_errors)))
+        results = [
+            await execute_tool_call(call["function"]["name"], call["function"]["arguments"], tools_by_name, executor)
+            for call in calls  # in the order the model wrote them
+        ] + [parse_error_result(error) for error in parse_errors]
+        for result in results:
             num_calls += 1
             num_failures += int(result.failed)
             for rec in tool_result_records(result):
@@ -366,6 +319,19 @@ async def run_tool_loop(
         tool_call_count=num_calls,
         tool_failure_count=num_failures,
     )
+
+
+def _assistant_message(
+    tokenizer: Any, text: str, prompt_ids: list[int], tools: list[Callable]
+) -> tuple[dict[str, Any], list[str]]:
+    """The assistant message of a turn and the errors of the calls that did not parse (no tools: text)."""
+    if not tools:
+        return {"role": "assistant", "content": text}, []
+    prefix = tokenizer.decode(prompt_ids, skip_special_tokens=False) if getattr(tokenizer, "response_template", None) else ""
+    try:
+        return parse_assistant_message(tokenizer, text, prefix=prefix, tools=tools), []
+    except ToolCallParseError as exc:
+        return exc.partial, exc.errors
 
 
 def tool_result_records(result: ToolResult) -> list[M.MetricRecord]:
