@@ -22,7 +22,7 @@ import pytest
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop  # the seed's import line
 from asyncgrpo import metrics as M
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import load_tokenizer
+from asyncgrpo.models import load_tokenizer, resolve_model_path
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.tasks import arithmetic, counter
@@ -82,6 +82,10 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    try:
+        resolve_model_path(MODEL)
+    except FileNotFoundError as exc:
+        pytest.skip(f"{exc} (or set ASYNCGRPO_TEST_MODEL to a local chat model)")
     log = tmp_path_factory.mktemp("server") / "server.log"
     with EmbeddedServer(MODEL, log_path=log) as s:
         yield s
