@@ -58,7 +58,7 @@ def _logged(trainer) -> list[dict]:
 def test_short_run_updates_parameters_and_logs_the_seed_metrics(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(64),
-        args=_config(tmp_path, server, max_steps=3, report_to="tensorboard", logging_dir=str(tmp_path / "tb")),
+        args=_config(tmp_path, server, max_steps=3, report_to="tensorboard"),
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -82,7 +82,7 @@ def test_short_run_updates_parameters_and_logs_the_seed_metrics(tmp_path, server
     # report_to=tensorboard received the same scalars
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    runs = [root for root, _, files in os.walk(tmp_path / "tb") if any(f.startswith("events.") for f in files)]
+    runs = [root for root, _, files in os.walk(tmp_path / "out") if any(f.startswith("events.") for f in files)]
     assert runs, "no tensorboard event file written"
     events = EventAccumulator(runs[0])
     events.Reload()
