@@ -263,6 +263,8 @@ class AsyncGRPOTrainer(Trainer):
         ctx = mp.get_context("spawn")
         initial = args.world_size * self._token_budget * args.gradient_accumulation_steps * max(args.max_staleness, 1)
         self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
+        if args.log_completions:
+            self._channel.extra["completions"] = ctx.Queue()
         self._channel.model_version.value = self.model_version
         self._server.init_weight_transfer(self.args.device)
         self._sync_weights()  # the server serves exactly the weights being trained
@@ -379,11 +381,39 @@ class AsyncGRPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._drain_worker_metrics()
+        self._print_completions()
         logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
         if self._loss_stats is not None:
             logs.update(loss_metrics(_all_reduce_stats(self._loss_stats)))
             self._loss_stats = None
         super().log(logs, start_time) if start_time is not None else super().log(logs)
+
+    def _print_completions(self) -> None:
+        """`log_completions`: a table of the latest sampled completions (one per group), rank 0 only."""
+        q = self._channel.extra.get("completions") if self._channel is not None else None
+        if q is None:
+            return
+        entries = []
+        while True:
+            try:
+                entries.append(q.get_nowait())
+            except (queue_lib.Empty, EOFError, OSError):
+                break
+        limit = self.args.num_completions_to_print
+        entries = entries[-limit:] if limit else entries
+        if not entries or not self.is_world_process_zero():
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"completions at step {self.state.global_step}", show_lines=True)
+        for column in ("prompt", "completion", "reward", "advantage", "version"):
+            table.add_column(column)
+        for e in entries:
+            prompt = (e["prompt"] or [{}])[-1].get("content", "")
+            completion = "\n".join(str(m.get("content") or m.get("tool_calls") or "") for m in e["completion"])
+            table.add_row(prompt, completion, f"{e['reward']:.3f}", f"{e['advantage']:+.3f}", str(e["model_version"]))
+        Console().print(table)
 
     def _drain_worker_metrics(self) -> None:
         if self._channel is None:
