@@ -148,6 +148,9 @@ class AsyncRolloutLoop:
         self._tokens_per_rollout: float | None = None  # running estimate, known once a group finished
         self._num_groups_generating = 0
         self._groups_generated = 0
+        # max_staleness=0 (strictly on-policy): tokens started under the current weight version
+        self._policy_version: int | None = None
+        self._tokens_started_at_version = 0.0
         self._reward_names = reward_func_names(self.reward_funcs)
         self._kv_cap: ConcurrencyCap | None = None
         self._warned_candidates = False
@@ -382,7 +385,17 @@ class AsyncRolloutLoop:
             groups_in_flight=self._num_groups_generating,
         ):
             return "staleness" if self._groups_generated else "first group"
+        if self.config.max_staleness == 0 and self._on_policy_step_full():
+            return "staleness"
         return None
+
+    def _on_policy_step_full(self) -> bool:
+        """With max_staleness=0, one step's worth of tokens is generated per weight version; the next
+        groups wait for the trainer's sync instead of producing samples that would be dropped stale."""
+        version = int(self.channel.model_version.value)
+        if version != self._policy_version:
+            self._policy_version, self._tokens_started_at_version = version, 0.0
+        return self._groups_generated > 0 and self._tokens_started_at_version >= int(self.channel.token_allowance.value)
 
     async def _admit(self, num_rollouts: int) -> None:
         """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`."""
@@ -424,6 +437,7 @@ class AsyncRolloutLoop:
                 logger.info("the prompt stream ended: no new rollouts will start")
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+            self._tokens_started_at_version += self.num_generations * (self._tokens_per_rollout or 0.0)
             self._in_flight += self.num_generations
             self._num_groups_generating += 1
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
