@@ -17,6 +17,7 @@ a `TypeError` that names it instead of deep inside `Process.start()`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -25,10 +26,10 @@ import queue
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from asyncgrpo.rollout.channel import RolloutChannel, WorkerError
+from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -65,25 +66,58 @@ def check_picklable(obj: Any, what: str) -> None:
         raise TypeError(f"{what} ({name}) cannot be pickled: {exc}; {_PICKLE_ADVICE}.") from exc
 
 
+def _user_objects(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(how the user knows it, object) for everything user-supplied that the child unpickles."""
+    yield "loop_cls", loop_cls
+    for i, func in enumerate(loop_kwargs.get("reward_funcs") or []):
+        yield f"reward_funcs[{i}]", func
+    for i, tool in enumerate(loop_kwargs.get("tools") or []):
+        yield f"tools[{i}]", tool
+    factory = loop_kwargs.get("environment_factory")
+    if isinstance(factory, Mapping):
+        for name, item in factory.items():
+            yield f"environment_factory[{name!r}]", item
+    elif factory is not None:
+        yield "environment_factory", factory
+    if loop_kwargs.get("config") is not None:
+        yield "config", loop_kwargs["config"]
+
+
 def check_loop_inputs_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
     """Pickle the loop class and each user-supplied callable of `loop_kwargs` separately.
 
     Checks `reward_funcs[i]`, `tools[i]`, `environment_factory` (or each entry of a dict of
     factories) and `config`, so the error names the one object that fails.
     """
-    check_picklable(loop_cls, "loop_cls")
-    for i, func in enumerate(loop_kwargs.get("reward_funcs") or []):
-        check_picklable(func, f"reward_funcs[{i}]")
-    for i, tool in enumerate(loop_kwargs.get("tools") or []):
-        check_picklable(tool, f"tools[{i}]")
-    factory = loop_kwargs.get("environment_factory")
-    if isinstance(factory, Mapping):
-        for name, item in factory.items():
-            check_picklable(item, f"environment_factory[{name!r}]")
-    elif factory is not None:
-        check_picklable(factory, "environment_factory")
-    if loop_kwargs.get("config") is not None:
-        check_picklable(loop_kwargs["config"], "config")
+    for what, obj in _user_objects(loop_cls, loop_kwargs):
+        check_picklable(obj, what)
+
+
+def _needs_main_module(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> bool:
+    """Whether something handed to the child is defined in the launching script (`__main__`)."""
+    return any(b"__main__" in pickle.dumps(obj) for _, obj in _user_objects(loop_cls, loop_kwargs))
+
+
+@contextlib.contextmanager
+def _main_module_hidden(hide: bool) -> Iterator[None]:
+    """Keep the spawned child from re-running the launching script when nothing needs it.
+
+    A spawned child imports the parent's `__main__` script so that objects defined there unpickle;
+    a script that trains at import time (no `if __name__ == "__main__":`) would then train again in
+    the child. When no object comes from `__main__`, the child is told there is no main script.
+    """
+    main = sys.modules.get("__main__")
+    if not hide or main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _scrubbed_environ_updates() -> dict[str, str | None]:
@@ -180,18 +214,20 @@ class RolloutWorker:
         process = ctx.Process(
             target=run_rollout_process,
             args=(self.loop_cls, self.loop_kwargs, self.channel),
-            name="asyncgrpo-rollout",
+            name=ROLLOUT_PROCESS_NAME,
             daemon=True,
         )
         updates = _scrubbed_environ_updates()
         saved = {key: os.environ.get(key) for key in updates}
+        hide_main = not _needs_main_module(self.loop_cls, self.loop_kwargs)
         try:
             for key, value in updates.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            process.start()
+            with _main_module_hidden(hide_main):
+                process.start()
         finally:
             for key, value in saved.items():
                 if value is None:

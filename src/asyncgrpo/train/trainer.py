@@ -42,7 +42,7 @@ from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.worker import RolloutWorker, check_picklable
+from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
@@ -206,13 +206,12 @@ class AsyncGRPOTrainer(Trainer):
             self._shutdown()
 
     def _check_picklable(self) -> None:
-        check_picklable(self.loop_cls, "loop_cls")
-        for i, fn in enumerate(self.reward_funcs):
-            check_picklable(fn, f"reward_funcs[{i}]")
-        for i, tool in enumerate(self.tools):
-            check_picklable(tool, f"tools[{i}]")
-        if self.environment_factory is not None:
-            check_picklable(self.environment_factory, "environment_factory")
+        """Before anything starts: everything the spawned rollout process receives must pickle."""
+        check_loop_inputs_picklable(
+            self.loop_cls,
+            {"reward_funcs": self.reward_funcs, "tools": self.tools,
+             "environment_factory": self.environment_factory, "config": self.args},
+        )
 
     def _rollout_state(self, resume_from_checkpoint: str | bool | None) -> tuple[int, int]:
         if not resume_from_checkpoint:
