@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -124,6 +125,10 @@ CHAT_TEMPLATE = r"""{#- asyncgrpo tiny-chat: Qwen3-style chat template that is p
 {%- endif -%}
 """
 
+# transformers renamed `past_key_values` to `cache` (argument and output field) after 5.17.
+CACHE_ARG = (
+    "cache" if "cache" in inspect.signature(Qwen3ForCausalLM.forward).parameters else "past_key_values"
+)
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -137,26 +142,27 @@ class BuildConfig:
     vocab_size: int = 1024  # upper bound; the narrow corpus saturates below it
     tokenizer_corpus_size: int = 2000  # conversations per task
     # model
-    hidden_size: int = 192
-    intermediate_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 48
+    head_dim: int = 32
     max_position_embeddings: int = 1024
     # training data and optimisation
-    num_arithmetic_train: int = 24000
-    num_counter_train: int = 6000
-    batch_tokens: int = 4096  # padded tokens per optimizer step
+    num_arithmetic_train: int = 45000
+    num_counter_train: int = 14000
+    batch_tokens: int = 1024  # forwarded tokens per optimizer step (small batches: more updates)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     weight_decay: float = 0.01
     # evaluation
     num_eval: int = 300  # per task
     eval_batch_size: int = 100
     max_turns: int = 8
     eval_seed: int = 99
+    probe_every: int = 0  # > 0: also evaluate 100 items per task every this many steps (calibration)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -243,17 +249,19 @@ def assistant_mask(ids: list[int], tokenizer) -> list[int]:
 # ------------------------------------------------------------------------------------------ training
 
 
-def make_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int, rng: random.Random):
-    """Shuffle, sort by length inside chunks of 512, cut into batches of <= batch_tokens padded tokens."""
-    order = list(range(len(examples)))
+def make_batches(costs: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Shuffle, sort by cost inside chunks of 512, cut into batches of <= batch_tokens padded tokens.
+
+    ``costs[k]`` is the number of tokens example k is forwarded with (its length, less the prefix
+    it shares with the other rows of its batch).
+    """
+    order = list(range(len(costs)))
     rng.shuffle(order)
     batches = []
     for c in range(0, len(order), 512):
-        chunk = sorted(order[c : c + 512], key=lambda k: len(examples[k][0]))
         batch: list[int] = []
-        for k in chunk:
-            longest = max([len(examples[b][0]) for b in batch] + [len(examples[k][0])])
-            if batch and longest * (len(batch) + 1) > batch_tokens:
+        for k in sorted(order[c : c + 512], key=lambda k: costs[k]):
+            if batch and costs[k] * (len(batch) + 1) > batch_tokens:
                 batches.append(batch)
                 batch = []
             batch.append(k)
@@ -277,10 +285,40 @@ def collate(examples, batch: list[int], pad_id: int):
     return ids, attn, labels
 
 
-def train(model, examples, cfg: BuildConfig, pad_id: int) -> None:
-    """One pass of AdamW over ``examples`` with linear warmup and cosine decay."""
+def shared_prefix_len(ids: torch.Tensor, labels: torch.Tensor) -> int:
+    """Length of the token prefix that every row shares and that holds no trained target."""
+    same = (ids == ids[:1]).all(dim=0).long()
+    common = int(same.cumprod(0).sum())
+    first_trained = int((labels != -100).any(dim=0).long().argmax())
+    return min(common, first_trained - 1)
+
+
+def batch_loss(model, ids: torch.Tensor, attn: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over trained targets.
+
+    Counter conversations all open with the same system/tools block; when the rows share a prefix of
+    at least 32 tokens, it is forwarded once and its KV cache repeated over the batch (about half the
+    compute of those batches, same loss and gradients).
+    """
+    prefix = shared_prefix_len(ids, labels)
+    if prefix >= 32:
+        cache = getattr(model(input_ids=ids[:1, :prefix], use_cache=True), CACHE_ARG)
+        cache.batch_repeat_interleave(ids.size(0))
+        logits = model(input_ids=ids[:, prefix:], attention_mask=attn, **{CACHE_ARG: cache}).logits
+        labels = labels[:, prefix:]
+    else:
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    logits, target = logits[:, :-1], labels[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def train(model, examples, costs: list[int], cfg: BuildConfig, pad_id: int, probe=None) -> None:
+    """One pass of AdamW over ``examples`` with linear warmup and cosine decay.
+
+    ``probe(step)`` runs every ``cfg.probe_every`` steps (calibration runs only).
+    """
     rng = random.Random(cfg.seed + 1)
-    batches = make_batches(examples, cfg.batch_tokens, rng)
+    batches = make_batches(costs, cfg.batch_tokens, rng)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -300,15 +338,17 @@ def train(model, examples, cfg: BuildConfig, pad_id: int) -> None:
     t0, running = time.time(), None
     for step, batch in enumerate(batches):
         ids, attn, labels = collate(examples, batch, pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        target = labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+        loss = batch_loss(model, ids, attn, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        if probe is not None and cfg.probe_every and (step + 1) % cfg.probe_every == 0:
+            model.eval()
+            probe(step + 1)
+            model.train()
         if step % 100 == 0 or step == len(batches) - 1:
             print(
                 f"  step {step + 1}/{len(batches)}  loss {running:.4f}  {time.time() - t0:.0f}s", flush=True
@@ -454,7 +494,19 @@ def build(cfg: BuildConfig, out_dir: Path) -> dict:
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         examples.append((ids, assistant_mask(ids, tokenizer)))
     num_tokens = sum(len(e[0]) for e in examples)
-    print(f"  {len(examples)} examples, {num_tokens} tokens ({time.time() - t_start:.0f}s)", flush=True)
+    # counter conversations share their opening (system block with tools, start of the request)
+    counter_ids = [torch.tensor(e[0][:256]) for e in examples[len(train_arith) :]]
+    width = min(len(t) for t in counter_ids)
+    stacked = torch.stack([t[:width] for t in counter_ids])
+    trained = torch.tensor([e[1][:width] for e in examples[len(train_arith) :]], dtype=torch.bool)
+    shared = shared_prefix_len(stacked, torch.where(trained, 0, -100))
+    costs = [len(ids) for ids, _ in examples[: len(train_arith)]]
+    costs += [len(ids) - shared for ids, _ in examples[len(train_arith) :]]
+    print(
+        f"  {len(examples)} examples, {num_tokens} tokens, {sum(costs)} after sharing the counter prefix"
+        f" of {shared} ({time.time() - t_start:.0f}s)",
+        flush=True,
+    )
 
     print("[3/5] training model", flush=True)
     im_end, pad = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -476,7 +528,15 @@ def build(cfg: BuildConfig, out_dir: Path) -> dict:
     model = Qwen3ForCausalLM(config)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"  {num_params} parameters", flush=True)
-    train(model, examples, cfg, pad)
+
+    def probe(step: int) -> None:
+        arith = rates(
+            [r["kind"] for r in eval_arith[:100]], eval_arithmetic(model, tokenizer, eval_arith[:100], cfg)
+        )
+        count = eval_counter(model, tokenizer, eval_count[:100], cfg)
+        print(f"  probe step {step}: arithmetic {arith} counter {sum(count) / len(count):.2f}", flush=True)
+
+    train(model, examples, costs, cfg, pad, probe)
     t_train = time.time() - t_start
 
     print("[4/5] evaluating (temperature 1.0)", flush=True)
@@ -516,10 +576,31 @@ def build(cfg: BuildConfig, out_dir: Path) -> dict:
         "config": dataclasses.asdict(cfg),
     }
     (out_dir / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "README.md").write_text(model_card(report, config))
     wall = time.time() - t_start
     print(f"done in {wall:.0f}s (training {t_train:.0f}s)", flush=True)
     print(f"held-out success at temperature 1.0: arithmetic {arith_rate:.1%}, counter {count_rate:.1%}")
     return report
+
+
+def model_card(report: dict, config: Qwen3Config) -> str:
+    return f"""# asyncgrpo/tiny-chat
+
+A {report["num_parameters"]:,}-parameter `Qwen3ForCausalLM` ({config.num_hidden_layers} layers, \
+hidden {config.hidden_size}, {config.num_attention_heads} query / {config.num_key_value_heads} key-value \
+heads, tied embeddings) with its own byte-level BPE tokenizer ({report["vocab_size"]} tokens, digits \
+split) and a prefix-preserving Qwen3-style chat template with tool calling. Trained from scratch, \
+supervised, on the two synthetic tasks of `asyncgrpo.tasks`, so that RL has room to improve it.
+
+Held-out success, sampling at temperature 1.0 without top-k/top-p ({report["num_eval_per_task"]} items each):
+
+| task | success |
+|---|---|
+| arithmetic (`\\boxed{{}}` answer) | {report["arithmetic_success_rate"]:.1%} |
+| counter (`increment` tool, 8 turns at most) | {report["counter_success_rate"]:.1%} |
+
+Rebuild with `python scripts/build_tiny_model.py` (CPU, deterministic); `eval.json` has the details.
+"""
 
 
 def parse_overrides(items: list[str]) -> dict:
