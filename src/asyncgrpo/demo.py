@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=10, help="Steps between held-out evaluations.")
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--server-url", default=None, help="Use this running server instead of starting one.")
+    parser.add_argument("--model", default=MODEL_ID, help="Model id or path (default: the bundled tiny model).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
     eval_rows = arithmetic.make_dataset(args.num_eval_prompts, seed=10_000 + args.seed)
     held_out = {row["prompt"][-1]["content"] for row in eval_rows}
     train_rows = arithmetic.make_dataset(args.num_train_prompts, seed=args.seed, exclude=held_out)
-    tokenizer = load_tokenizer(MODEL_ID, trust_remote_code=False)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=False)
 
-    server = None if args.server_url else EmbeddedServer(MODEL_ID, log_path=out / "server.log").start()
+    server = None if args.server_url else EmbeddedServer(args.model, log_path=out / "server.log").start()
     url = args.server_url or server.url
     started = time.perf_counter()
     try:
@@ -85,13 +86,14 @@ def run(args: argparse.Namespace) -> int:
         )
         progress = DemoProgress(out / "metrics.jsonl", evaluator, args.eval_every, args.max_steps, before)
         trainer = AsyncGRPOTrainer(
-            model=MODEL_ID,
+            model=args.model,
             reward_funcs=accuracy_reward,
             train_dataset=Dataset.from_list(train_rows),
             args=config,
             processing_class=tokenizer,
             callbacks=[progress],
         )
+        trainer.remove_callback(PrinterCallback)  # the progress bar shows the run; metrics.jsonl has every log
         trainer.train()
         after = evaluator()
         progress.close(after, trainer.state.global_step)

@@ -492,6 +492,7 @@ class _StepTotals:
         self.forwarded_tokens = 0
         self.raw_tokens = 0
         self.trained_tokens = 0
+        self.trained_positions = 0
         self.samples = 0
         self.groups: set[int] = set()
         self.row_stats: list[dict[str, float]] = []  # the batcher's batch/* row metrics, per micro-batch
@@ -503,6 +504,8 @@ class _StepTotals:
         self.forwarded_tokens += int(row.input_ids.numel())
         self.raw_tokens += sum(len(s.token_ids) for s in inputs.samples)
         self.trained_tokens += int(row.target_ids.numel())
+        # duplicated samples share their positions: a forwarded position is trained if any sample trains it
+        self.trained_positions += int(torch.unique(row.pred_index).numel())
         self.samples += len(inputs.samples)
         self.groups.update(s.group_id for s in inputs.samples)
         self.row_stats.append(inputs.stats)
@@ -516,7 +519,7 @@ class _StepTotals:
         r(M.BATCH_GROUPS_PER_STEP, len(self.groups))
         r(M.BATCH_MICROBATCHES_PER_STEP, self.micro_batches)
         if self.forwarded_tokens:
-            r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_tokens / self.forwarded_tokens)
+            r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_positions / self.forwarded_tokens)
         for stats in self.row_stats:
             for name, value in stats.items():
                 if name != M.BATCH_DROPPED_OVERSIZE_COUNT:  # counted where samples are taken
