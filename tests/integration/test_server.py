@@ -28,7 +28,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FIXTURES = Path("/work/shared/vllm-fixtures/protocol-0.33.0.json")
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "protocol-0.33.0.json"
 EOS, EXTRA_EOS = 0, 1  # "<|endoftext|>" (tokenizer + generation config) and a second config EOS
 
 

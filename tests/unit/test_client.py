@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,11 +16,7 @@ from aiohttp import web
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
 from asyncgrpo.generation.protocol import SamplingParams, VersionSpan
 
-FIXTURES = Path(
-    os.environ.get(
-        "ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"
-    )
-)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 CASES = json.loads((FIXTURES / "protocol-0.33.0.json").read_text())
 METRICS = (FIXTURES / "metrics-0.33.0.txt").read_text()
 

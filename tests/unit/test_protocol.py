@@ -1,10 +1,9 @@
-"""The protocol parsers against real vLLM 0.33 bodies (`shared/vllm-fixtures`)."""
+"""The protocol parsers against real vLLM 0.33 bodies (`tests/fixtures/vllm`)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,13 @@ from asyncgrpo.generation.protocol import (
     parse_world_size,
 )
 
-FIXTURES = Path(
-    os.environ.get(
-        "ASYNCGRPO_VLLM_FIXTURES", Path(__file__).resolve().parents[3] / "shared" / "vllm-fixtures"
-    )
-)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
 
 @pytest.fixture(scope="module")
 def cases() -> dict:
     path = FIXTURES / "protocol-0.33.0.json"
-    assert path.exists(), f"vLLM fixtures not found at {path}; set ASYNCGRPO_VLLM_FIXTURES"
+    assert path.exists(), f"vLLM fixtures not found at {path}"
     return json.loads(path.read_text())
 
 
