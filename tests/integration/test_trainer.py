@@ -158,7 +158,9 @@ class SlowTrainer(AsyncGRPOTrainer):
 def test_stale_samples_are_dropped_under_a_slow_trainer(tmp_path, server):
     trainer = SlowTrainer(
         model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(64, seed=7),
-        args=_config(tmp_path, server, max_steps=4, max_staleness=1, token_budget=256),
+        # a row holds one or two samples while a group brings four: a group's last samples wait
+        # several weight versions in the queue
+        args=_config(tmp_path, server, max_steps=6, max_staleness=1, token_budget=64),
     )
     trainer.train()
     logs = _logged(trainer)

@@ -150,6 +150,8 @@ class AsyncRolloutLoop:
         self._groups_generated = 0
         # max_staleness=0 (strictly on-policy): tokens started under the current weight version
         self._policy_version: int | None = None
+        # epoch-based runs (max_steps <= 0) end after num_train_epochs passes over the dataset
+        self._last_position = _last_position(config, dataset)
         self._tokens_started_at_version = 0.0
         self._reward_names = reward_func_names(self.reward_funcs)
         self._kv_cap: ConcurrencyCap | None = None
@@ -429,6 +431,9 @@ class AsyncRolloutLoop:
         while True:
             await self._admit(self.num_generations)
             for item in stream:
+                if self._last_position is not None and item.position >= self._last_position:
+                    logger.info("all %d prompts of the run were dispatched: no new rollouts will start", self._last_position)
+                    return
                 if item.accepted:
                     break
                 self._put_sample_item(GroupFinished(item.position, item.row_index, 0))
@@ -672,6 +677,17 @@ def _topk_pairs(top: list[dict[int, float] | None] | None) -> list[tuple[tuple[i
     if top is None:
         return None
     return [None if entry is None else tuple(entry.items()) for entry in top]
+
+
+def _last_position(config: Any, dataset: Any) -> int | None:
+    """First position past the run when epochs stop it (None: max_steps stops it, or a stream)."""
+    if getattr(config, "max_steps", -1) > 0 or dataset is None:
+        return None
+    try:
+        n = len(dataset)
+    except TypeError:
+        return None
+    return int(math.ceil(float(config.num_train_epochs) * n))
 
 
 def _nan(value: float | None) -> float:

@@ -76,6 +76,8 @@ class RolloutBatches:
         self._ready: list[Any] = []  # closed micro-batches not yet handed out
         self._meta: dict[int, QueuedSample] = {}  # id(sample) -> its queue item, while in the batcher
         self._markers_seen = 0
+        self._markers_in_run = 0
+        self._start_position = progress.trained_position
         self._empty_markers = 0
         self.notice_after_s = 30.0
         self._finished = False
@@ -91,8 +93,13 @@ class RolloutBatches:
             self._markers_seen += 1
             self._empty_markers += item.num_samples == 0
             self.progress.on_group_finished(item.position, item.num_samples)
+            if self.total_positions is None or item.position < self.total_positions:
+                self._markers_in_run += 1
             return
         assert isinstance(item, QueuedSample), f"unexpected item in the rollout queue: {type(item).__name__}"
+        if self.total_positions is not None and item.position >= self.total_positions:
+            self._consume([item])  # generated past the last epoch: not part of this run
+            return
         version = self.current_version()
         staleness = version - item.sample.model_version
         self.record(M.SAMPLE_STALENESS_MEAN, staleness)
@@ -129,7 +136,10 @@ class RolloutBatches:
             self.progress.on_sample_consumed(it.position)
 
     def _run_finished(self) -> bool:
-        return self.total_positions is not None and self._markers_seen >= self.total_positions
+        """Every prompt of the run (positions below `total_positions`) has sent its marker."""
+        if self.total_positions is None:
+            return False
+        return self._markers_in_run >= self.total_positions - self._start_position
 
     def _next_micro_batch(self) -> Any | None:
         """Block until a micro-batch is closed; None when the run has nothing more to train."""

@@ -194,11 +194,13 @@ class AsyncGRPOTrainer(Trainer):
             self._token_budget = self._resolve_token_budget(info)
             self._warn_dtype(info)
             total_positions = self._total_positions(start_position)
+            if self._server is not None:
+                self._start_rollout(info, start_position)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
+                if total_positions is None:
+                    raise ValueError("a streaming train_dataset has no length to count epochs: set `max_steps`")
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
-            if self._server is not None:
-                self._start_rollout(info, start_position)
             self._batches = self._make_batches(total_positions, start_position)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
