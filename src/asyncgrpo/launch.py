@@ -54,7 +54,7 @@ class EmbeddedServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "EmbeddedServer":
+    def start(self) -> EmbeddedServer:
         cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", self.model, "--port", str(self.port),
                "--device", self.device, *self.extra_args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
@@ -99,7 +99,7 @@ class EmbeddedServer:
             self._log_file.close()
             self._log_file = None
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self) -> EmbeddedServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -80,7 +80,7 @@ class RolloutChannel:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> "RolloutChannel":
+    def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> RolloutChannel:
         return cls(
             samples=ctx.Queue(),
             metrics=ctx.Queue(),
