@@ -79,12 +79,25 @@ class RolloutChannel:
     failed_event: Any
     extra: dict = field(default_factory=dict)
 
+    def close(self) -> None:
+        """Release the queues without waiting for unread items: a process that put items nobody
+        will read (the trainer after a stop, an in-process loop) must still be able to exit."""
+        for q in (self.samples, self.metrics, self.errors, *self.extra.values()):
+            if hasattr(q, "cancel_join_thread"):
+                q.cancel_join_thread()
+                q.close()
+
     @classmethod
     def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> RolloutChannel:
+        samples, metrics, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # The creating process (the trainer) only reads; an in-process writer (tests, a loop run in
+        # a thread) must not block its exit on items nobody reads. Spawned children reset this flag.
+        for q in (samples, metrics, errors):
+            q.cancel_join_thread()
         return cls(
-            samples=ctx.Queue(),
-            metrics=ctx.Queue(),
-            errors=ctx.Queue(),
+            samples=samples,
+            metrics=metrics,
+            errors=errors,
             model_version=ctx.Value("q", 0),
             token_allowance=ctx.Value("q", int(initial_allowance)),
             consumed_tokens=ctx.Value("q", 0),

@@ -308,6 +308,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._worker is not None:
             self._worker.stop()
             self._worker = None
+        if self._channel is not None:
+            self._channel.close()
         if self._server is not None:
             self._server.close()
             self._server = None
