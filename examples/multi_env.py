@@ -19,29 +19,9 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic, counter
+from asyncgrpo.tasks.counter import IncrementEnv as CounterEnv  # increment tool + get_reward
 
 MODEL = "asyncgrpo/tiny-chat"
-
-
-class CounterEnv:
-    def reset(self, target=None, max_step=None, **kwargs) -> None:
-        self.counter, self.target = 0, int(target)
-
-    def get_reward(self) -> float:
-        return float(self.counter == self.target)
-
-    def increment(self, step: int) -> int:
-        """
-        Increment the internal counter.
-
-        Args:
-            step: Value to add to the counter.
-
-        Returns:
-            The updated counter value.
-        """
-        self.counter += step
-        return self.counter
 
 
 class ArithmeticEnv:
