@@ -112,6 +112,24 @@ def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
+def wait_for_health(url: str, timeout_s: float) -> None:
+    """Block until `url`/health answers 200 (a server started alongside this benchmark may still load)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s; is the server running?")
+        time.sleep(1)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -164,6 +182,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--logprobs", type=int, default=0, help="Also measure with this many top log-probs.")
     p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM (same model).")
+    p.add_argument("--vllm-wait-s", type=float, default=600, help="How long to wait for vLLM's /health.")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
     p.add_argument("--output", default=None)
@@ -216,6 +235,7 @@ def main() -> None:
     if args.vllm_url:
         import urllib.request
 
+        wait_for_health(args.vllm_url, args.vllm_wait_s)
         with urllib.request.urlopen(f"{args.vllm_url}/v1/models") as r:
             vllm_model = json.loads(r.read())["data"][0]["id"]
         print(f"vLLM at {args.vllm_url} ({vllm_model}):", flush=True)

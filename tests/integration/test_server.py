@@ -5,6 +5,10 @@ Two real server subprocesses share a random tiny Qwen3 (built here, no hub):
 - `small`: max_model_len 64, a KV cache of 128 tokens (forces preemption), an API key, masks off.
 Log-probs, top-K lists and candidate sets are checked against the Hugging Face model run directly
 on prompt + generated tokens with a plain per-position loop.
+
+On a GPU machine the same suite checks the CUDA engine (paged attention, decode CUDA graphs) against
+the CPU reference: `ASYNCGRPO_TEST_SERVER_DEVICE=cuda pytest tests/integration/test_server.py`
+(fp32 on both sides; `ASYNCGRPO_TEST_SERVER_EAGER=1` adds `--enforce-eager`).
 """
 
 from __future__ import annotations
@@ -67,12 +71,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER_DEVICE = os.environ.get("ASYNCGRPO_TEST_SERVER_DEVICE", "cpu")
+DEVICE_ARGS = ("--device", SERVER_DEVICE, "--dtype", "float32") + (
+    ("--enforce-eager",) if os.environ.get("ASYNCGRPO_TEST_SERVER_EAGER") == "1" else ()
+)
+
+
 class Server:
     def __init__(self, model: Path, log: Path, *args: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", str(model), "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", str(model), "--port", str(self.port),
+               *DEVICE_ARGS, *args]
         self._log = open(log, "w")  # noqa: SIM115 -- closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
         deadline = time.monotonic() + 120
