@@ -333,3 +333,32 @@ def test_push_into_the_embedded_server_changes_generation_exactly(embedded_serve
         _processed_logprobs(model, prompt, after2.token_ids, top_k=8), abs=1e-4
     )
     assert after2.weight_versions[0].version == "step-2"
+
+
+def test_weight_checksum_route_matches_the_pushed_weights(embedded_server):
+    from asyncgrpo.sync.checksum import checksum_mismatches, tensor_digest, weights_checksum
+
+    model, url, _ = embedded_server
+    g = torch.Generator().manual_seed(11)
+    named = [(n, p.detach() + 0.1 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+
+    async def main():
+        async with GenerationClient(url, timeout_s=60) as client:
+            await client.wait_until_ready(120)
+            await client.detect()
+            sender = WeightSender(client, backend="gloo", device=torch.device("cpu"), timeout_s=60)
+            await sender.init()
+            try:
+                await client.pause(mode="keep")
+                await sender.push(named, version="checksum")
+                await client.resume()
+                return await client.weight_checksum()
+            finally:
+                await sender.close()
+
+    served = asyncio.run(main())
+    expected = weights_checksum(named)
+    assert set(served) >= set(expected) and checksum_mismatches(expected, served) == []
+    name, tensor = named[0]
+    assert served[name] == tensor_digest(tensor.clone()) != tensor_digest(tensor.nextafter(tensor + 1))
+    assert served[name].startswith(f"float32:{list(tensor.shape)}:")

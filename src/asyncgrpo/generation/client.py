@@ -63,6 +63,7 @@ _RL_ROUTES = (
     "/finish_weight_update",
     "/weight_info",
     "/shutdown_weight_transfer_engine",
+    "/weight_checksum",
 )
 
 
@@ -394,6 +395,15 @@ class GenerationClient:
         if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
             raise ProtocolError(f"/weight_info: expected {{'weight_version': str}}, got {body!r}")
         return body["weight_version"]
+
+    async def weight_checksum(self) -> dict[str, str]:
+        """{parameter name: digest} of the served weights (`asyncgrpo.sync.checksum`). The embedded
+        server answers it; vLLM has no such route (404)."""
+        body = await self._get_json("/weight_checksum")
+        tensors = body.get("tensors") if isinstance(body, dict) else None
+        if not isinstance(tensors, dict):
+            raise ProtocolError(f"/weight_checksum: expected {{'tensors': {{name: digest}}}}, got {body!r}")
+        return tensors
 
     # ---------------------------------------------------------------------------------- weight transfer
 

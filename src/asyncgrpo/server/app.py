@@ -8,6 +8,7 @@ to the engine, awaits it and serialises the answer.
     scale-out     POST /inference/v1/generate (stream or not), /inference/v1/abort_requests
     RL / dev      /pause /resume /is_paused /abort_requests /reset_prefix_cache /server_info
                   /get_world_size /weight_info and the weight-transfer routes
+    extension     GET /weight_checksum (digests of the served weights; not in vLLM)
     not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
 """
 
@@ -119,6 +120,7 @@ class Server(ControlRoutes):
         get += [("/health", self.health), ("/version", self.version), ("/v1/models", self.models)]
         get += [("/metrics", self.metrics_route), ("/server_info", self.server_info)]
         get += [("/get_world_size", self.world_size), ("/is_paused", self.is_paused), ("/weight_info", self.weight_info)]
+        get += [("/weight_checksum", self.weight_checksum)]
         post += [("/v1/completions", self.completions), ("/inference/v1/generate", self.generate)]
         post += [("/tokenize", self.tokenize), ("/detokenize", self.detokenize)]
         post += [("/pause", self.pause), ("/resume", self.resume), ("/abort_requests", self.abort_requests)]

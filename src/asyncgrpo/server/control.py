@@ -13,6 +13,7 @@ import json
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.sync.checksum import weights_checksum
 
 
 def _json(data, status: int = 200) -> web.Response:
@@ -116,6 +117,17 @@ class ControlRoutes:
 
     async def weight_info(self, request: web.Request) -> web.Response:
         return _json({"weight_version": self.engine.weight_version})
+
+    async def weight_checksum(self, request: web.Request) -> web.Response:
+        """An embedded-server extension (vLLM has no such route): the digest of every served parameter
+        (`asyncgrpo.sync.checksum`), taken between engine steps so that no update is half applied."""
+
+        def digests() -> tuple[str, dict[str, str]]:
+            params = self.served.model.named_parameters(remove_duplicate=False)
+            return self.engine.weight_version, weights_checksum(params)
+
+        version, tensors = await self.engine.call(digests)
+        return _json({"weight_version": version, "algorithm": "sha256", "tensors": tensors})
 
     async def init_transfer(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -39,6 +39,9 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 }
 """dtypes the protocol can carry (the NCCL-typed set of unpacked mode); names are torch attributes."""
 
+DEFAULT_BUFFER_SIZE_BYTES = 1 << 30
+"""`packed_buffer_size_bytes` unless set: vLLM's default chunk size (1 GiB)."""
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `"bfloat16"` (the wire's `dtype_names`)."""
@@ -194,7 +197,9 @@ def iter_packed_chunks(
                 ) from None
             check_tensor(meta, name, tensor)
             parts.append(tensor.to(device))
-        yield pack(parts)
+        buffer = pack(parts)
+        del parts  # the chunk's tensors go while it is broadcast (with sharded weights: gathered copies)
+        yield buffer
     leftover = next(it, None)
     if leftover is not None:
         raise ValueError(
@@ -224,7 +229,7 @@ class TransferInit:
     world_size: int
     rank_offset: int = 1
     packed: bool = True
-    buffer_size_bytes: int = 1 << 30
+    buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
     num_buffers: int = 2
     nccl_unique_id: bytes | None = None
     master_address: str | None = None

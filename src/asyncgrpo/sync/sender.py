@@ -27,6 +27,7 @@ import torch
 from asyncgrpo.generation.client import GenerationClient, ServerRequestError
 from asyncgrpo.sync import Communicator
 from asyncgrpo.sync.packed import (
+    DEFAULT_BUFFER_SIZE_BYTES,
     TensorMeta,
     TransferInit,
     check_tensor,
@@ -57,7 +58,7 @@ class WeightSender:
         backend: str,
         device: torch.device,
         packed: bool = True,
-        buffer_size_bytes: int = 1 << 30,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
         timeout_s: float = 1800.0,
         master_address: str = "127.0.0.1",
     ) -> None:

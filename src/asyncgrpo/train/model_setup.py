@@ -1,8 +1,9 @@
 """The policy model: loading, its parts the loss needs, and the weights the server receives.
 
-The loss never asks the model for logits: `decoder_and_head` returns the transformer body (hidden
-states for the packed row) and the LM head's weight, and `asyncgrpo.train.logprobs` computes
-log-probs only at trained positions, chunk by chunk.
+The loss never asks the model for logits: `hidden_states_and_head` returns the transformer body's
+hidden states for the packed row and the LM head, and `asyncgrpo.train.logprobs` computes log-probs
+only at trained positions, chunk by chunk. `weights_for_server` yields what a weight sync sends (full
+tensors, merged adapters), gathering sharded parameters one by one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncgrpo.models import resolve_model_path
+from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -77,25 +79,88 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return body, head
 
 
+def hidden_states_and_head(
+    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.nn.Linear]:
+    """The body's last hidden states [T, H] for one packed row (`input_ids`, `position_ids`: [T]) and
+    the LM head, whose weight the caller multiplies in at the trained positions only.
+
+    The forward runs through `model` itself (the module the Trainer wrapped), not the body alone: DDP
+    synchronises gradients only of a forward it ran, and FSDP2 gathers the parameters outside the
+    decoder layers (embeddings, final norm, LM head) in the forward hooks of the root or of their own
+    unit. The root computes logits for one position only (`logits_to_keep=1`); the body's output is
+    taken with a forward hook. FSDP2 keeps the root and the LM head's unit gathered after forward
+    (they are needed again at once in backward), so the head's weight is the full tensor here.
+    """
+    body, head = decoder_and_head(model)
+    captured: list[torch.Tensor] = []
+
+    def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = body.register_forward_hook(keep)
+    try:
+        model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+    assert len(captured) == 1, f"the decoder body ran {len(captured)} times in one forward"
+    return captured[0][0], head
+
+
+def _server_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter) of every weight the server holds, in `named_parameters` order (tied
+    weights once). PEFT: adapter factors are skipped (they are merged into the base weights) and
+    wrapper names are mapped back to the checkpoint's."""
+    base = unwrap(model)
+    is_peft = base is not model and hasattr(model, "merge_adapter")
+    for name, param in base.named_parameters():
+        if is_peft:
+            if "lora_" in name or ".original_module." in name:
+                continue  # adapter factors are merged; the trained copy replaces the original
+            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        yield name, param
+
+
+def server_weight_metas(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
+    """Name, serving dtype and full (unsharded) shape of every tensor `weights_for_server` yields, in
+    its order, without gathering anything (a sharded parameter reports its global shape)."""
+    return [TensorMeta(name, dtype, tuple(param.shape)) for name, param in _server_parameters(model)]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are DTensors (FSDP2): gathering them takes every rank."""
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
 def weights_for_server(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor in the serving dtype) for every weight the server must hold.
+    """(checkpoint name, full tensor in the serving dtype) for every weight the server must hold.
 
     Names are Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`). A PEFT model
     is sent merged: LoRA deltas are folded into the base weights for the copy only, the trained
-    model keeps its adapter.
+    model keeps its adapter. A sharded (FSDP2) parameter is cast to `dtype` on its shard, then
+    gathered (`full_tensor()`, one all-gather): with a sharded model, every rank must iterate this
+    to the end, in step (`asyncgrpo.train.sharded_weights`).
     """
     base = unwrap(model)
     is_peft = base is not model and hasattr(model, "merge_adapter")
     if is_peft:
         model.merge_adapter()
     try:
-        with torch.no_grad():
-            for name, param in base.named_parameters():
-                if is_peft:
-                    if "lora_" in name or ".original_module." in name:
-                        continue  # adapter factors are merged; the trained copy replaces the original
-                    name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-                yield name, param.detach().to(dtype).contiguous()
+        for name, param in _server_parameters(model):
+            tensor = param.detach().to(dtype)
+            if _is_dtensor(tensor):
+                tensor = tensor.full_tensor()
+            elif is_peft and tensor.data_ptr() == param.data_ptr():
+                tensor = tensor.clone()  # a view of a merged weight would read unmerged values once unmerged
+            yield name, tensor.contiguous()
     finally:
         if is_peft:
             model.unmerge_adapter()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

@@ -16,12 +16,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import torch
 
 from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +68,17 @@ class ServerLink:
         named_tensors: Callable[[], Any],
         *,
         version: str,
+        metas: Sequence[TensorMeta] | None = None,
     ) -> dict[str, float]:
-        """Pause (keep), push, resume. Returns the time split for `perf/weight_sync_*`."""
+        """Pause (keep), push, resume. With `metas` (every tensor's name, dtype and full shape, in
+        order) the tensors are pulled lazily, one chunk at a time (see `WeightSender.push`). Returns
+        the time split for `perf/weight_sync_*` and the transfer's size (`bytes`, `num_chunks`)."""
         assert self._sender is not None, "init_weight_transfer() must run before sync_weights()"
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=True))
         t_paused = time.perf_counter()
         try:
-            self._run(self._sender.push(named_tensors(), version=version))
+            pushed = self._run(self._sender.push(named_tensors(), version=version, metas=metas))
         except BaseException:
             self._resume_after_failure()
             raise
@@ -84,7 +88,10 @@ class ServerLink:
         return {
             "pause_s": t_paused - t0,
             "transfer_s": t_pushed - t_paused,
+            "resume_s": t_done - t_pushed,
             "total_s": t_done - t0,
+            "bytes": pushed["bytes"],
+            "num_chunks": pushed["num_chunks"],
         }
 
     def _resume_after_failure(self) -> None:

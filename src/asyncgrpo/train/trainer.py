@@ -14,6 +14,12 @@ process waits only when it is `max_staleness` steps ahead (`rollout/backpressure
 has a timeout and checks the other side's health, so a failure surfaces as an error, never a hang.
 This module wires; the math lives in `asyncgrpo.train.logprobs` and `asyncgrpo.train.loss`, the
 packing in `asyncgrpo.packing`.
+
+Several processes (torchrun / accelerate launch): rank 0 owns the server link and the rollout process,
+tells the other ranks the packing budget and serving dtype, and sends each rank one row per
+micro-batch; the loss is normalised by the trained tokens of all rows. A DDP replica syncs from rank 0
+alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every rank taking part
+(`asyncgrpo.train.sharded_weights`).
 """
 
 from __future__ import annotations
@@ -43,18 +49,24 @@ from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
+from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
+from asyncgrpo.train.distributed import broadcast_from_rank0
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
-    decoder_and_head,
     eos_token_ids,
+    hidden_states_and_head,
+    is_sharded,
     load_policy,
     load_tokenizer,
+    server_weight_metas,
+    unwrap,
     weights_for_server,
 )
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.sharded_weights import push_sharded_weights
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +191,17 @@ class AsyncGRPOTrainer(Trainer):
         self._completions_table: list[dict] = []
         self._loss_stats: LossStats | None = None
         self._num_tokens_forwarded = 0
+        self._serving_dtype = torch.float32
+        if self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False):
+            raise ValueError(
+                "FSDP version 1 is not supported: weight sync gathers FSDP2's DTensor parameters; set "
+                "fsdp_config={'fsdp_version': 2} (or `accelerate launch --fsdp_version 2`)"
+            )
+        if args.fsdp and not self.is_fsdp_enabled:
+            logger.warning(
+                "fsdp=%r has no effect on %s: accelerate shards only on accelerators, so every process holds "
+                "the whole model (data parallel)", args.fsdp, args.device,
+            )
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
@@ -186,14 +209,16 @@ class AsyncGRPOTrainer(Trainer):
         self._check_picklable()
         args = self.args
         start_position, self.model_version = self._rollout_state(resume_from_checkpoint)
-        if self.is_world_process_zero():
-            self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout)
         user_max_steps = args.max_steps
         try:
-            info = self._server.connect() if self._server else None
+            # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
+            info = broadcast_from_rank0(self._connect, "connecting to the inference server")
             self._token_budget = self._resolve_token_budget(info)
-            self._warn_dtype(info)
+            self._serving_dtype = _DTYPE_NAMES.get(str(info.dtype).replace("torch.", ""), torch.float32)
             total_positions = self._total_positions(start_position)
+            if self._server is not None:
+                self._server.init_weight_transfer(args.device)
+            self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
             if self._server is not None:
                 self._start_rollout(info, start_position)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
@@ -206,6 +231,13 @@ class AsyncGRPOTrainer(Trainer):
         finally:
             args.max_steps = user_max_steps
             self._shutdown()
+
+    def _connect(self) -> Any:
+        """Rank 0: open the server link, wait for the server and read what it serves."""
+        self._server = ServerLink(self.args.vllm_server_base_url, timeout_s=self.args.vllm_server_timeout)
+        info = self._server.connect()
+        self._warn_dtype(info)
+        return info
 
     def _check_picklable(self) -> None:
         """Before anything starts: everything the spawned rollout process receives must pickle."""
@@ -234,12 +266,12 @@ class AsyncGRPOTrainer(Trainer):
     def _resolve_token_budget(self, info: Any) -> int:
         if self.args.token_budget is not None:
             return int(self.args.token_budget)
-        if info is None or info.max_model_len is None:
+        if info.max_model_len is None:
             raise ValueError("token_budget is None and the server did not report max_model_len: set `token_budget`")
         return int(info.max_model_len)
 
     def _warn_dtype(self, info: Any) -> None:
-        if info is None or not getattr(info, "dtype", None):
+        if not getattr(info, "dtype", None):
             return
         trainer_dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
         server_dtype = str(info.dtype).replace("torch.", "")
@@ -267,8 +299,6 @@ class AsyncGRPOTrainer(Trainer):
         if args.log_completions:
             self._channel.extra["completions"] = ctx.Queue()
         self._channel.model_version.value = self.model_version
-        self._server.init_weight_transfer(self.args.device)
-        self._sync_weights()  # the server serves exactly the weights being trained
         loop_kwargs = dict(
             config=args,
             model_name=info.model_name,
@@ -341,9 +371,8 @@ class AsyncGRPOTrainer(Trainer):
         device = args.device
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
-        body, head = decoder_and_head(model)
         with self.compute_loss_context_manager(), tree_attention_context(TreeMask.from_row(row, device)):
-            hidden = body(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state[0]
+            hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
             logps = token_logprobs(
                 hidden,
                 head.weight,
@@ -351,7 +380,7 @@ class AsyncGRPOTrainer(Trainer):
                 row.target_ids,
                 temperature=args.temperature,
                 lm_head_bias=getattr(head, "bias", None),
-                logit_softcapping=getattr(model.config, "final_logit_softcapping", None),
+                logit_softcapping=getattr(unwrap(model).config, "final_logit_softcapping", None),
                 topk_ids=row.topk_ids if args.score_centering else None,
                 candidate_ids=row.candidate_ids,
                 candidate_offsets=row.candidate_offsets,
@@ -458,12 +487,20 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens_forwarded += step_totals.forwarded_tokens * args.world_size
 
     def _sync_weights(self) -> dict[str, float]:
+        version, dtype = f"step-{self.state.global_step}", self._serving_dtype
+        if is_sharded(self.model):  # FSDP2: every rank gathers, rank 0 sends
+            return push_sharded_weights(
+                self.model, dtype, link=self._server, version=version, bucket_bytes=DEFAULT_BUFFER_SIZE_BYTES
+            )
         if self._server is None:
-            return {}
-        dtype = _DTYPE_NAMES.get(str(self._server.info.dtype).replace("torch.", ""), torch.float32)
-        return self._server.sync_weights(
-            lambda: weights_for_server(self.model, dtype), version=f"step-{self.state.global_step}"
-        )
+            return {}  # a replica (DDP): rank 0 holds the same weights and sends them alone
+        tensors = weights_for_server(self.model, dtype)
+        try:
+            return self._server.sync_weights(
+                lambda: tensors, version=version, metas=server_weight_metas(self.model, dtype)
+            )
+        finally:
+            tensors.close()  # after a failed push: runs its end (PEFT adapters are unmerged)
 
 
 class _PipelineCallback(TrainerCallback):
