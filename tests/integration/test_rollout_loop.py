@@ -23,7 +23,7 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop  # the
 from asyncgrpo import metrics as M
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.models import load_tokenizer, resolve_model_path
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.tasks import arithmetic, counter
 
@@ -121,6 +121,7 @@ class Trainer:
         self.markers: list[GroupFinished] = []
         self.records: list[tuple] = []
         self.order: list[object] = []  # samples and markers in queue order
+        self.idle: list[RolloutIdle] = []  # the rollout process waiting on the trainer
 
     def take(self, num_markers: int, *, consume: bool = True, timeout_s: float = 120.0) -> None:
         """Take items until `num_markers` more markers arrived; consume the samples if asked."""
@@ -132,6 +133,9 @@ class Trainer:
             try:
                 item = self.channel.samples.get(timeout=0.2)
             except queue.Empty:
+                continue
+            if isinstance(item, RolloutIdle):
+                self.idle.append(item)
                 continue
             self.order.append(item)
             if isinstance(item, GroupFinished):
@@ -248,9 +252,12 @@ def test_token_allowance_holds_generation_back_until_the_trainer_consumes(tmp_pa
     )
     try:
         trainer.take(1, consume=False)
-        # the queued group holds more than the allowance of 1 token: nothing new may start
+        # the queued group holds more than the allowance of 1 token: nothing new may start, and the
+        # rollout process says it waits on the trainer
         time.sleep(3.0)
         trainer.drain_metrics()
+        idle = trainer.channel.samples.get(timeout=1.0)
+        assert idle == RolloutIdle("staleness", trainer.channel.trainer_view())
         assert trainer.channel.samples.empty()
         assert trainer.values(M.ROLLOUT_BACKPRESSURE_S) == []
         trainer.consume(trainer.samples)

@@ -17,7 +17,7 @@ import pytest
 
 from asyncgrpo import metrics as M
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
 from asyncgrpo.rollout.loop import AsyncRolloutLoop, group_samples, reward_records
 from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
@@ -122,6 +122,7 @@ class InProcess:
             processing_class=None, eos_token_ids=[0], channel=self.channel,
         )
         self.error: BaseException | None = None
+        self.idle: list[RolloutIdle] = []  # RolloutIdle items seen by `take`, in order
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -132,6 +133,7 @@ class InProcess:
             self.error = exc
 
     def take(self, num_markers, *, consume=True, timeout_s=20.0):
+        """Samples and markers until `num_markers` markers arrived; RolloutIdle items go to `self.idle`."""
         items, markers = [], 0
         deadline = time.monotonic() + timeout_s
         while markers < num_markers:
@@ -141,12 +143,26 @@ class InProcess:
                 item = self.channel.samples.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if isinstance(item, RolloutIdle):
+                self.idle.append(item)
+                continue
             items.append(item)
             markers += isinstance(item, GroupFinished)
             if consume and isinstance(item, QueuedSample):
                 with self.channel.consumed_tokens.get_lock():
                     self.channel.consumed_tokens.value += len(item.sample.token_ids)
         return items
+
+    def next_item(self, timeout_s=10.0):
+        """The next item of the sample queue (None if nothing came within `timeout_s`)."""
+        try:
+            return self.channel.samples.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def consume(self, num_tokens):
+        with self.channel.consumed_tokens.get_lock():
+            self.channel.consumed_tokens.value += num_tokens
 
     def stop(self):
         self.channel.stop_event.set()
@@ -186,9 +202,9 @@ def test_first_group_runs_alone_then_allowance_bounds_what_is_held():
     tokens = sum(len(it.sample.token_ids) for it in items if isinstance(it, QueuedSample))
     assert tokens >= 12  # one group: 3 samples of >= 4 tokens, over the allowance
     time.sleep(0.5)
-    assert run.channel.samples.empty()  # held back: nothing new started
-    with run.channel.consumed_tokens.get_lock():
-        run.channel.consumed_tokens.value += tokens
+    # held back: nothing new started, and the loop said it waits on the trainer
+    assert isinstance(run.next_item(timeout_s=0.1), RolloutIdle) and run.channel.samples.empty()
+    run.consume(tokens)
     run.take(1)
     run.stop()
     waits = [r[1] for r in run.records() if r[0] == M.ROLLOUT_BACKPRESSURE_S]
@@ -250,3 +266,50 @@ def test_a_failing_setup_stops_the_loop_and_close_still_runs():
     assert isinstance(run.error, RuntimeError) and "judge service is down" in str(run.error)
     assert run.loop.closed
     assert run.channel.samples.empty()
+
+
+# -- telling the trainer that nothing more is coming ----------------------------------------------
+
+
+def test_a_blocked_loop_with_nothing_in_flight_says_so_once_per_trainer_view():
+    run = InProcess(ScriptedLoop, [index_reward], allowance=10)
+    items = run.take(1, consume=False)  # the first group (over the allowance), then its marker
+    assert run.idle == [] and isinstance(items[-1], GroupFinished)  # nothing said while it was in flight
+    idle = run.next_item()
+    assert idle == RolloutIdle("staleness", run.channel.trainer_view())
+    assert run.next_item(timeout_s=0.5) is None  # the trainer did nothing: no repeat
+    run.consume(1)  # not enough to start a group: still blocked, against new values
+    again = run.next_item()
+    assert again == RolloutIdle("staleness", run.channel.trainer_view())
+    assert again.blocked_at.consumed_tokens == idle.blocked_at.consumed_tokens + 1
+    run.stop()
+
+
+def test_on_policy_loop_is_idle_after_one_step_until_the_version_moves():
+    run = InProcess(ScriptedLoop, [index_reward], allowance=20, max_staleness=0)
+    deadline = time.monotonic() + 20
+    while True:  # play a trainer that takes every sample at once but never syncs the weights
+        assert time.monotonic() < deadline
+        item = run.next_item()
+        if isinstance(item, QueuedSample):
+            assert item.sample.model_version == 0
+            run.consume(len(item.sample.token_ids))
+        elif isinstance(item, RolloutIdle) and item.blocked_at == run.channel.trainer_view():
+            break
+    # nothing is held, so only the step's worth generated under version 0 blocks it
+    assert item.reason == "on-policy" and not item.final
+    assert run.next_item(timeout_s=0.5) is None
+    run.channel.model_version.value = 1  # the weight sync
+    new = run.take(1)
+    assert new and all(it.sample.model_version == 1 for it in new if isinstance(it, QueuedSample))
+    run.stop()
+
+
+def test_a_run_out_of_prompts_sends_a_final_idle_after_its_last_marker():
+    run = InProcess(ScriptedLoop, [index_reward], rows=4, max_steps=-1, num_train_epochs=1)
+    items = run.take(4)
+    last = run.next_item()
+    assert last == RolloutIdle("out of prompts", None) and last.final
+    assert sum(isinstance(it, GroupFinished) for it in items) == 4
+    assert run.next_item(timeout_s=0.5) is None
+    run.stop()

@@ -9,10 +9,12 @@
     heartbeat (Value, float)      <---- written by --  every second, wall clock (time.time())
     failed_event + errors (Queue) <---- written by --  a worker exception: type, message, traceback
     metrics (Queue)               <---- written by --  (name, value) records, see asyncgrpo.metrics
-    samples (Queue)               <---- written by --  QueuedSample and GroupFinished items
+    samples (Queue)               <---- written by --  QueuedSample, GroupFinished and RolloutIdle items
 
 Everything here is created by the trainer with a spawn context and handed to the child; values are
-plain multiprocessing primitives so no manager process is needed.
+plain multiprocessing primitives so no manager process is needed. The three values the trainer writes
+that decide whether the rollout process may start a group (model version, token allowance, consumed
+tokens) are read together as a `TrainerView`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,47 @@ class GroupFinished:
 
 
 @dataclass(frozen=True)
+class TrainerView:
+    """The trainer's published values that decide whether the rollout process may start a group.
+
+    Only the trainer (rank 0) writes them. The version and the consumed tokens only grow, and the
+    allowance changes only at an optimizer step, after micro-batches were consumed: two equal views
+    mean the trainer did nothing in between that could let a group start.
+    """
+
+    model_version: int
+    token_allowance: int
+    consumed_tokens: int
+
+
+IDLE_STALENESS = "staleness"  # queued + in-flight tokens reached the token allowance
+IDLE_ON_POLICY = "on-policy"  # max_staleness=0: this version's step is generated, the next waits for the sync
+IDLE_OUT_OF_PROMPTS = "out of prompts"  # every prompt of the run was dispatched and finished
+
+
+@dataclass(frozen=True)
+class RolloutIdle:
+    """The rollout process has nothing more coming until the trainer acts (or ever, when out of prompts).
+
+    Sent on `samples` when no group is in flight or being scored and the next one cannot start, so
+    every sample produced so far is ahead of it in the queue. `reason` is one of `IDLE_STALENESS`,
+    `IDLE_ON_POLICY`, `IDLE_OUT_OF_PROMPTS`. `blocked_at` is the `TrainerView` the rollout process
+    was blocked against (None when out of prompts): if the trainer's current view still equals it, no
+    group can have started since and the trainer closes its partial micro-batch at once; otherwise
+    the item is outdated, and the rollout process sends a new one if it is still blocked after seeing
+    the new values.
+    """
+
+    reason: str
+    blocked_at: TrainerView | None
+
+    @property
+    def final(self) -> bool:
+        """Nothing more will ever come: the rollout process ran out of prompts."""
+        return self.blocked_at is None
+
+
+@dataclass(frozen=True)
 class WorkerError:
     """An exception raised in the rollout process, with its formatted traceback."""
 
@@ -78,6 +121,13 @@ class RolloutChannel:
     stop_event: Any
     failed_event: Any
     extra: dict = field(default_factory=dict)
+
+    def trainer_view(self) -> TrainerView:
+        return TrainerView(
+            model_version=int(self.model_version.value),
+            token_allowance=int(self.token_allowance.value),
+            consumed_tokens=int(self.consumed_tokens.value),
+        )
 
     def close(self) -> None:
         """Release the queues without waiting for unread items: a process that put items nobody

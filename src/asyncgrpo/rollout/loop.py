@@ -18,9 +18,15 @@
 | group task  | the inference server; a full score queue        | the scorer                          |
 | scorer      | the score queue                                 | group tasks                         |
 
-Every wait polls with a short timeout so a stop request, a failed task or a value written by the
-trainer is seen within a fraction of a second. Any exception in any task stops the loop: `run()`
-cancels the others, runs `close()` and re-raises (the process shell reports it to the trainer).
+When the dispatcher is blocked with no group in flight or being scored, only the trainer can unblock
+it: it puts a `RolloutIdle` on channel.samples (once per trainer view it is blocked against, and once
+at the end of the prompts) so the trainer closes its partial micro-batch at once instead of waiting.
+
+The dispatcher wakes when a rollout or group of this process finishes and polls the values the trainer
+writes (shared memory, no notification) every POLL_S; every other wait polls with a short timeout too,
+so a stop request or a failed task is seen within a fraction of a second. Any exception in any task
+stops the loop: `run()` cancels the others, runs `close()` and re-raises (the process shell reports it
+to the trainer).
 """
 
 from __future__ import annotations
@@ -43,7 +49,15 @@ from asyncgrpo.data.prompts import PromptItem, iter_prompts
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.packing.tree import Sample
 from asyncgrpo.rollout import advantages as adv
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
+from asyncgrpo.rollout.channel import (
+    IDLE_ON_POLICY,
+    IDLE_OUT_OF_PROMPTS,
+    IDLE_STALENESS,
+    GroupFinished,
+    QueuedSample,
+    RolloutIdle,
+    TrainerView,
+)
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
@@ -148,6 +162,9 @@ class AsyncRolloutLoop:
         self._tokens_per_rollout: float | None = None  # running estimate, known once a group finished
         self._num_groups_generating = 0
         self._groups_generated = 0
+        self._groups_open = 0  # groups dispatched whose GroupFinished is not on channel.samples yet
+        self._idle_sent: RolloutIdle | None = None  # the RolloutIdle sent since the last group started
+        self._progressed: asyncio.Event | None = None  # set when a rollout or group finishes (dispatcher wakes)
         # max_staleness=0 (strictly on-policy): tokens started under the current weight version
         self._policy_version: int | None = None
         # epoch-based runs (max_steps <= 0) end after num_train_epochs passes over the dataset
@@ -225,6 +242,7 @@ class AsyncRolloutLoop:
         self._failure = loop.create_future()
         self._server_lock = asyncio.Lock()
         self._score_queue = asyncio.Queue(maxsize=self.score_queue_maxsize)
+        self._progressed = asyncio.Event()
         self._executor = ThreadPoolExecutor(self.max_concurrent_rollouts, thread_name_prefix="asyncgrpo-tool")
         self._rate_mark = time.perf_counter()
         self._spawn(self._heartbeat(), "heartbeat")
@@ -371,44 +389,76 @@ class AsyncRolloutLoop:
 
     # -- admission and dispatch -------------------------------------------------------------------
 
-    def _queued_and_in_flight_tokens(self) -> float:
-        queued = self._produced_tokens - int(self.channel.consumed_tokens.value)
+    def _queued_and_in_flight_tokens(self, view: TrainerView) -> float:
+        queued = self._produced_tokens - view.consumed_tokens
         estimate = self._tokens_per_rollout or 0.0
         return max(queued, 0) + self._pending_tokens + self._in_flight * estimate
 
-    def _blocker(self, num_rollouts: int) -> str | None:
-        """What keeps a group of `num_rollouts` from starting now (None: it may start)."""
+    def _blocker(self, num_rollouts: int, view: TrainerView) -> str | None:
+        """What keeps a group of `num_rollouts` from starting now (None: it may start), given the
+        trainer's values `view`. With no group open only IDLE_STALENESS or IDLE_ON_POLICY can block."""
         if self._in_flight > 0 and self._in_flight + num_rollouts > self._concurrency_cap():
             return "concurrency"
         if not may_start_group(
-            held_tokens=math.ceil(self._queued_and_in_flight_tokens()),
-            allowance=int(self.channel.token_allowance.value),
+            held_tokens=math.ceil(self._queued_and_in_flight_tokens(view)),
+            allowance=view.token_allowance,
             groups_finished=self._groups_generated,
             groups_in_flight=self._num_groups_generating,
         ):
-            return "staleness" if self._groups_generated else "first group"
-        if self.config.max_staleness == 0 and self._on_policy_step_full():
-            return "staleness"
+            return IDLE_STALENESS if self._groups_generated else "first group"
+        if self.config.max_staleness == 0 and self._on_policy_step_full(view):
+            return IDLE_ON_POLICY
         return None
 
-    def _on_policy_step_full(self) -> bool:
+    def _on_policy_step_full(self, view: TrainerView) -> bool:
         """With max_staleness=0, one step's worth of tokens is generated per weight version; the next
         groups wait for the trainer's sync instead of producing samples that would be dropped stale."""
-        version = int(self.channel.model_version.value)
-        if version != self._policy_version:
-            self._policy_version, self._tokens_started_at_version = version, 0.0
-        return self._groups_generated > 0 and self._tokens_started_at_version >= int(self.channel.token_allowance.value)
+        if view.model_version != self._policy_version:
+            self._policy_version, self._tokens_started_at_version = view.model_version, 0.0
+        return self._groups_generated > 0 and self._tokens_started_at_version >= view.token_allowance
 
     async def _admit(self, num_rollouts: int) -> None:
-        """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`."""
+        """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`.
+
+        Blocked with no group open, the loop has nothing more coming until the trainer moves: it says
+        so with a `RolloutIdle` carrying the trainer values it is blocked against (again whenever they
+        change and it is still blocked).
+        """
         backpressure_s = 0.0
-        while (blocker := self._blocker(num_rollouts)) is not None:
+        while True:
+            view = self.channel.trainer_view()  # one consistent read: the idle item names what it saw
+            blocker = self._blocker(num_rollouts, view)
+            if blocker is None:
+                break
+            if self._groups_open == 0:
+                assert blocker in (IDLE_STALENESS, IDLE_ON_POLICY), f"blocked on {blocker!r} with no group open"
+                self._announce_idle(RolloutIdle(blocker, view))
             start = time.perf_counter()
-            await asyncio.sleep(POLL_S)
-            if blocker == "staleness":
+            await self._wait_for_progress(POLL_S)
+            if blocker in (IDLE_STALENESS, IDLE_ON_POLICY):
                 backpressure_s += time.perf_counter() - start
+        self._idle_sent = None
         if backpressure_s > 0:
             self._record(M.ROLLOUT_BACKPRESSURE_S, backpressure_s)
+
+    def _announce_idle(self, item: RolloutIdle) -> None:
+        if item != self._idle_sent:
+            self._put_sample_item(item)
+            self._idle_sent = item
+
+    async def _wait_for_progress(self, timeout_s: float | None) -> None:
+        """Until a rollout or group of this process finishes, or `timeout_s` passed (None: no limit)."""
+        try:
+            await asyncio.wait_for(self._progressed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        self._progressed.clear()
+
+    async def _end_of_prompts(self) -> None:
+        """After the last dispatch: once every open group is on the queue, tell the trainer nothing more comes."""
+        while self._groups_open:
+            await self._wait_for_progress(None)
+        self._put_sample_item(RolloutIdle(IDLE_OUT_OF_PROMPTS, None))
 
     def _prompt_stream(self) -> Iterator[PromptItem]:
         """The prompt stream; without a dataset, an endless stream of empty rows for reset() to fill."""
@@ -433,6 +483,7 @@ class AsyncRolloutLoop:
             for item in stream:
                 if self._last_position is not None and item.position >= self._last_position:
                     logger.info("all %d prompts of the run were dispatched: no new rollouts will start", self._last_position)
+                    await self._end_of_prompts()
                     return
                 if item.accepted:
                     break
@@ -440,11 +491,13 @@ class AsyncRolloutLoop:
                 await asyncio.sleep(0)  # a long run of rejected prompts must not starve the heartbeat
             else:
                 logger.info("the prompt stream ended: no new rollouts will start")
+                await self._end_of_prompts()
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
             self._tokens_started_at_version += self.num_generations * (self._tokens_per_rollout or 0.0)
             self._in_flight += self.num_generations
             self._num_groups_generating += 1
+            self._groups_open += 1
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
             self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
@@ -510,6 +563,7 @@ class AsyncRolloutLoop:
             return self._checked(rollout), env_reward, env_prompt
         finally:
             self._in_flight -= 1
+            self._progressed.set()
             if self._kv_cap is not None:
                 self._kv_cap.on_rollout_finished()
             self._record(M.ROLLOUT_DURATION_S, time.perf_counter() - start)
@@ -547,6 +601,8 @@ class AsyncRolloutLoop:
                 ) from None
             finally:
                 self._pending_tokens -= pending.num_tokens
+            self._groups_open -= 1  # its GroupFinished is on the queue
+            self._progressed.set()
             self._record(M.ROLLOUT_SCORE_S, time.perf_counter() - start)
 
     async def _score_group(self, pending: _Pending) -> None:
@@ -687,7 +743,7 @@ def _last_position(config: Any, dataset: Any) -> int | None:
         n = len(dataset)
     except TypeError:
         return None
-    return int(math.ceil(float(config.num_train_epochs) * n))
+    return math.ceil(float(config.num_train_epochs) * n)
 
 
 def _nan(value: float | None) -> float:

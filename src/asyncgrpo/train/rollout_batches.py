@@ -8,9 +8,17 @@
 
 Rank 0 owns the queue; with several processes it sends each rank its row (one object collective per
 micro-batch), so the batcher's cross-row balancing is the only place that decides who trains what.
-A partially filled micro-batch is closed when the queue stays empty for `flush_after_s` (the rollout
-process may be held back by the staleness limit, which counts these very samples) or when the last
-prompt of the run is accounted for.
+
+A partially filled micro-batch is closed when more samples cannot come before the trainer acts:
+- a `RolloutIdle` arrives whose trainer view still equals the current one: the rollout process has no
+  group in flight and waits on the staleness limit (which counts these very samples) or, with
+  `max_staleness=0`, on the next weight version. An outdated one (the trainer consumed or stepped
+  since) is ignored: the rollout process sends a fresh one if it is still blocked.
+- the rollout process ran out of prompts (a final `RolloutIdle`), or the last prompt of the run is
+  accounted for: what is left is trained and the iteration ends.
+There is no flush on a timer: the rollout process is either producing (rollouts in flight, each bounded
+by the server timeout; closing early would only shrink the step), idle (and says so), or failed, which
+`check_health` turns into an error at the next poll.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncgrpo import metrics as M
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.staleness import is_stale
 
@@ -57,7 +65,6 @@ class RolloutBatches:
         max_staleness: int,
         token_budget: int,
         total_positions: int | None,
-        flush_after_s: float = 2.0,
         poll_s: float = 0.5,
     ) -> None:
         self.channel = channel
@@ -70,8 +77,7 @@ class RolloutBatches:
         self.token_budget = token_budget
         self._warned_oversize = False
         self.total_positions = total_positions
-        self.flush_after_s = flush_after_s
-        self.poll_s = poll_s
+        self.poll_s = poll_s  # how often an empty queue wait checks the rollout process's health
         self.wait_s = 0.0  # time the trainer waited on an empty queue since the last `pop_wait_s`
         self._ready: list[Any] = []  # closed micro-batches not yet handed out
         self._meta: dict[int, QueuedSample] = {}  # id(sample) -> its queue item, while in the batcher
@@ -80,6 +86,7 @@ class RolloutBatches:
         self._start_position = progress.trained_position
         self._empty_markers = 0
         self.notice_after_s = 30.0
+        self._out_of_prompts = False  # the rollout process sent its final RolloutIdle
         self._finished = False
 
     # -- rank 0: the queue side -------------------------------------------------------------------
@@ -89,6 +96,9 @@ class RolloutBatches:
         return wait
 
     def _take(self, item: Any) -> None:
+        if isinstance(item, RolloutIdle):
+            self._on_idle(item)
+            return
         if isinstance(item, GroupFinished):
             self._markers_seen += 1
             self._empty_markers += item.num_samples == 0
@@ -127,6 +137,14 @@ class RolloutBatches:
         self._meta[id(item.sample)] = item
         self._ready.extend(self.batcher.add(item.sample))
 
+    def _on_idle(self, item: RolloutIdle) -> None:
+        """Close the partial micro-batch when the rollout process waits on the trainer (see the module docstring)."""
+        if item.final:
+            self._out_of_prompts = True
+        elif item.blocked_at != self.channel.trainer_view():
+            return  # outdated: the trainer consumed or stepped after the rollout process looked
+        self._ready.extend(self.batcher.flush())
+
     def _consume(self, items: list[QueuedSample]) -> None:
         """Samples leave the pipeline (trained or dropped): free their tokens and count their prompts."""
         tokens = sum(len(it.sample.token_ids) for it in items)
@@ -136,14 +154,16 @@ class RolloutBatches:
             self.progress.on_sample_consumed(it.position)
 
     def _run_finished(self) -> bool:
-        """Every prompt of the run (positions below `total_positions`) has sent its marker."""
+        """Every prompt of the run (positions below `total_positions`) has sent its marker, or the
+        rollout process ran out of prompts."""
+        if self._out_of_prompts:
+            return True
         if self.total_positions is None:
             return False
         return self._markers_in_run >= self.total_positions - self._start_position
 
     def _next_micro_batch(self) -> Any | None:
         """Block until a micro-batch is closed; None when the run has nothing more to train."""
-        empty_since = None
         waiting_since = time.monotonic()
         next_notice = waiting_since + self.notice_after_s
         while not self._ready:
@@ -156,7 +176,6 @@ class RolloutBatches:
                 t0 = time.perf_counter()
                 item = self.channel.samples.get(timeout=self.poll_s)
                 self.wait_s += time.perf_counter() - t0
-                empty_since = None
                 self._take(item)
                 # drain what is already there without waiting, so a burst fills rows in one go
                 while not self._ready:
@@ -175,10 +194,6 @@ class RolloutBatches:
                         now - waiting_since, self._markers_seen, self._empty_markers,
                     )
                     next_notice = now + self.notice_after_s
-                empty_since = empty_since or now
-                if now - empty_since >= self.flush_after_s:
-                    self._ready.extend(self.batcher.flush())
-                    empty_since = None
         return self._ready.pop(0)
 
     # -- every rank -------------------------------------------------------------------------------
