@@ -47,6 +47,14 @@ SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
 }
 
 
+def step_flops(config, n_body, tokens, trained, pairs):
+    """FLOPs of forward + backward that a layout must do (module docstring): body, LM head at the trained
+    tokens, attention over the attended pairs."""
+    head = 6 * config.vocab_size * config.hidden_size
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    return 6 * n_body * tokens + head * trained + attention * pairs
+
+
 def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab):
     from asyncgrpo.packing import Sample
 
@@ -167,8 +175,6 @@ def bench_model(shape, args, device):
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
-    head_flops = 6 * config.vocab_size * config.hidden_size
-    attn_flops = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
 
     rng = np.random.default_rng(args.seed)
     samples = make_samples(rng, args.groups, args.num_generations, args.prompt_len, args.min_completion,
@@ -201,7 +207,7 @@ def bench_model(shape, args, device):
         tokens = sum(b["tokens"] for b in timed)
         trained = sum(b["trained"] for b in timed)
         pairs = sum(b["pairs"] for b in timed)
-        flops = 6 * n_body * tokens + head_flops * trained + attn_flops * pairs
+        flops = step_flops(config, n_body, tokens, trained, pairs)
         entry = {
             "trained_tokens_per_s": trained / elapsed,
             "fwd_bwd_s_per_row": elapsed / len(timed),

@@ -13,33 +13,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from test_trainer import MODEL, _config, _dataset, server  # noqa: F401  (server: the module-scoped fixture)
-
-from asyncgrpo.launch import free_port
+from torchrun_job import run_torchrun
 
 NUM_STEPS = 2
 
 
 def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, server):  # noqa: F811
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), __file__, server.url, str(tmp_path),
-    ]
-    # a session of its own: on a timeout, its ranks and their rollout process go with it
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    assert proc.returncode == 0, f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    proc = run_torchrun([__file__, server.url, str(tmp_path)], nproc=2, env=env, timeout_s=240)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     assert [r["global_step"] for r in ranks] == [NUM_STEPS, NUM_STEPS]
