@@ -89,14 +89,15 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def sortable_keys(values: torch.Tensor) -> torch.Tensor:
     """Unique int64 keys whose descending order is (value descending, token id ascending).
 
-    values: [B, V] float32. The float's bits are mapped to an int32 that orders like the float, then
-    shifted left by 32 bits, and the low bits hold `2^32 - 1 - id`.
+    values: [B, V] float32. The float's bits are mapped to an int32 that orders like the float (the
+    magnitude bits of negative values flipped), then shifted left by 32 bits, and the low bits hold
+    `2^32 - 1 - id`.
     """
     assert values.dtype == torch.float32, values.dtype
     bits = values.contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
     ids = torch.arange(values.shape[-1], device=values.device, dtype=torch.int64)
-    return ordered * (1 << 32) + (_M32 - ids)
+    return (ordered << 32) | (_M32 - ids)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -130,32 +131,64 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-    """Process logits ([B, V], any float dtype) and draw one token per row; see the module docstring."""
-    b, v = logits.shape
-    device = logits.device
+    """Process logits ([B, V], any float dtype) and draw one token per row; see the module docstring.
+
+    When every row's candidates lie in its `num_sorted` best tokens (every row has top_k > 0, or the
+    batch is fully sorted), all work after the partial sort runs on those columns only; otherwise
+    (some rows keep the whole vocabulary) on the full rows.
+    """
+    v = logits.shape[1]
     greedy = batch.temperature <= 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     scaled = logits.float() / temperature[:, None]
+    keys = sortable_keys(scaled)
+    ncol = min(batch.num_sorted, v)
+    if ncol >= v or (ncol > 0 and batch.all_top_k):
+        return _sample_sorted_columns(scaled, keys, ncol, greedy, batch)
+    return _sample_vocabulary(scaled, keys, ncol, greedy, batch)
+
+
+def _sample_sorted_columns(
+    scaled: torch.Tensor, keys: torch.Tensor, ncol: int, greedy: torch.Tensor, batch: SamplingBatch
+) -> SampleResult:
+    """Every candidate set is a prefix of the row's `ncol` best tokens: work on those columns."""
+    v = scaled.shape[1]
+    ids = keys.sort(dim=-1, descending=True).indices if ncol >= v else keys.topk(ncol, dim=-1).indices
+    vals = scaled.gather(1, ids)  # [B, C], descending
+    keep = sorted_candidates(vals, batch.top_k, batch.top_p, batch.min_p)
+    masked = vals.masked_fill(~keep, _NEG_INF)
+    lp = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+    pick = _draw(ids, lp, greedy, batch)
+    token_lp = lp.gather(1, pick)
+    k, w = batch.num_top_logprobs, batch.mask_width
+    return SampleResult(
+        token_ids=ids.gather(1, pick).squeeze(1),
+        logprobs=token_lp.squeeze(1),
+        ranks=(lp >= token_lp).sum(dim=-1),
+        top_ids=ids[:, :k],
+        top_logprobs=lp[:, :k],
+        mask_ids=_candidate_ids(ids[:, :w], keep[:, :w], v),
+        num_candidates=keep.sum(dim=-1),
+    )
+
+
+def _sample_vocabulary(
+    scaled: torch.Tensor, keys: torch.Tensor, ncol: int, greedy: torch.Tensor, batch: SamplingBatch
+) -> SampleResult:
+    """Some rows keep candidates outside the sorted columns: masks and log-probs over the vocabulary.
+
+    Rows restricted by top_k/top_p find their last candidate in the `ncol` sorted columns and keep
+    every token whose key is at least its key.
+    """
+    b, v = scaled.shape
+    device = scaled.device
     keep = scaled > _NEG_INF
     top = scaled.max(dim=-1, keepdim=True).values
     keep &= scaled >= top + torch.log(batch.min_p)[:, None]
-    keys = sortable_keys(scaled)
-
-    ncol = min(batch.num_sorted, v)
-    order = sorted_keys = None
+    order = None
     if ncol > 0:
-        if ncol >= v:
-            sorted_keys, order = keys.sort(dim=-1, descending=True)
-        else:
-            sorted_keys, order = keys.topk(ncol, dim=-1)
-        prefix = keep.gather(1, order)
-        cols = torch.arange(ncol, device=device)
-        k_eff = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, ncol))
-        prefix &= cols[None, :] < k_eff[:, None]
-        vals = scaled.gather(1, order).masked_fill(~prefix, _NEG_INF)
-        probs = torch.softmax(vals, dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        prefix &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
+        sorted_keys, order = keys.topk(ncol, dim=-1)
+        prefix = sorted_candidates(scaled.gather(1, order), batch.top_k, batch.top_p, batch.min_p)
         count = prefix.sum(dim=-1, keepdim=True)
         threshold = sorted_keys.gather(1, (count - 1).clamp(min=0))
         restricted = (batch.top_k > 0) | (batch.top_p < 1.0)
@@ -163,48 +196,57 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
 
     masked = scaled.masked_fill(~keep, _NEG_INF)
     lp = masked - torch.logsumexp(masked, dim=-1, keepdim=True)
-
-    if order is not None and batch.all_top_k and ncol < v:
-        cand_ids = order
-        cand_lp = lp.gather(1, order)
-    else:
-        cand_ids = torch.arange(v, device=device)
-        cand_lp = lp
-    u = hash_uniform(batch.seeds, batch.positions, cand_ids)
-    race = cand_lp - torch.log(-torch.log(u))
-    score = torch.where(greedy[:, None], cand_lp, race)
-    pick = score.argmax(dim=-1, keepdim=True)
-    if cand_ids.dim() == 2:
-        token_ids = cand_ids.gather(1, pick)
-    else:
-        token_ids = pick
+    token_ids = _draw(torch.arange(v, device=device), lp, greedy, batch)
     token_lp = lp.gather(1, token_ids)
-    ranks = (lp >= token_lp).sum(dim=-1)
 
-    k = batch.num_top_logprobs
+    k, w = batch.num_top_logprobs, batch.mask_width
     if k > 0:
         top_ids = order[:, :k] if order is not None and order.shape[1] >= k else keys.topk(k, dim=-1).indices
-        top_lp = lp.gather(1, top_ids)
     else:
         top_ids = torch.empty(b, 0, dtype=torch.int64, device=device)
-        top_lp = torch.empty(b, 0, dtype=torch.float32, device=device)
-
-    w = batch.mask_width
     if w > 0:
         assert order is not None and order.shape[1] >= w, "mask rows need top_k > 0 (see plan_columns)"
-        ids = order[:, :w]
-        ids = torch.where(keep.gather(1, ids), ids, torch.full_like(ids, v)).sort(dim=-1).values
-        mask_ids = torch.where(ids == v, torch.full_like(ids, -1), ids)
+        mask_ids = _candidate_ids(order[:, :w], keep.gather(1, order[:, :w]), v)
     else:
         mask_ids = torch.empty(b, 0, dtype=torch.int64, device=device)
-
     return SampleResult(
         token_ids=token_ids.squeeze(1),
         logprobs=token_lp.squeeze(1),
-        ranks=ranks,
+        ranks=(lp >= token_lp).sum(dim=-1),
         top_ids=top_ids,
-        top_logprobs=top_lp,
+        top_logprobs=lp.gather(1, top_ids),
         mask_ids=mask_ids,
         num_candidates=keep.sum(dim=-1),
     )
 
+
+def sorted_candidates(
+    vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Candidate mask [B, C] over values sorted descending per row ([B, C] float32, the row's best
+    first): finite, min_p, then top_k (0 = off) and top_p. Always a prefix of each row."""
+    ncol = vals.shape[1]
+    keep = vals > _NEG_INF
+    keep &= vals >= vals[:, :1] + torch.log(min_p)[:, None]
+    cols = torch.arange(ncol, device=vals.device)
+    k_eff = torch.where(top_k > 0, top_k, torch.full_like(top_k, ncol))
+    keep &= cols[None, :] < k_eff[:, None]
+    probs = torch.softmax(vals.masked_fill(~keep, _NEG_INF), dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    keep &= (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    return keep
+
+
+def _draw(cand_ids: torch.Tensor, cand_lp: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Column [B, 1] of the drawn token among the candidates (cand_ids [B, C] or [C], log-probs [B, C]):
+    the seeded exponential race, or the first best column for greedy rows."""
+    u = hash_uniform(batch.seeds, batch.positions, cand_ids)
+    race = cand_lp - torch.log(-torch.log(u))
+    score = torch.where(greedy[:, None], cand_lp, race)
+    return score.argmax(dim=-1, keepdim=True)
+
+
+def _candidate_ids(ids: torch.Tensor, keep: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Kept ids of each row ([B, W] ids and mask) ascending, padded with -1."""
+    ids = torch.where(keep, ids, torch.full_like(ids, vocab_size)).sort(dim=-1).values
+    return torch.where(ids == vocab_size, torch.full_like(ids, -1), ids)
