@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
-    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": 40 if gpu else 8,
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": (24 if gpu else 4) * world + 4,
                 "prompt_len": 512 if gpu else 32, "min_completion": 256 if gpu else 16,
                 "max_completion": 2048 if gpu else 64, "token_budget": 32768 if gpu else 384,
                 "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}
@@ -238,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
         results = [bench_model(shape, args, device) for shape in args.models]
         if dist.get_rank() == 0:
             print_table(results)
-            world = dist.get_world_size()
             name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
             out = Path(args.out or Path(__file__).parent / "results" / f"fsdp_step_{device.type}_{world}.json")
             out.parent.mkdir(parents=True, exist_ok=True)
