@@ -192,7 +192,8 @@ class AsyncGRPOTrainer(Trainer):
         self._loss_stats: LossStats | None = None
         self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
-        if self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False):
+        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise ValueError(
                 "FSDP version 1 is not supported: weight sync gathers FSDP2's DTensor parameters; set "
                 "fsdp_config={'fsdp_version': 2} (or `accelerate launch --fsdp_version 2`)"
