@@ -136,8 +136,9 @@ def _decode_attention(
     group = h // kvh
     tables = meta.block_tables
     length = tables.shape[1] * cache.block_size
-    keys = cache.k[layer][tables].view(bd, length, kvh, d).transpose(1, 2)
-    values = cache.v[layer][tables].view(bd, length, kvh, d).transpose(1, 2)
+    flat_tables = tables.reshape(-1)  # index_select: one gather of whole blocks (cheaper than [tables])
+    keys = cache.k[layer].index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
+    values = cache.v[layer].index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
     # the query heads sharing a kv head act as `group` queries of that head: no repeat needed
     query = q.transpose(0, 1).reshape(bd, kvh, group, d)
     valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
