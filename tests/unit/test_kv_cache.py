@@ -11,6 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, build_metadata, register_attention
+from asyncgrpo.server.runner import decode_inputs
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +89,12 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
         for n in "abc":
             grow(n)
         names = ["a", "b", "c"]
-        tables = np.zeros((3, 8), dtype=np.int64)
+        table = np.zeros((8, 8), dtype=np.int64)
         for i, n in enumerate(names):
-            tables[i, : len(seqs[n][1])] = seqs[n][1]
-        lens = [len(seqs[n][0]) for n in names]
-        slots = [seqs[n][1][(p - 1) // 4] * 4 + (p - 1) % 4 for n, p in zip(names, lens)]
-        got = graphs.run([seqs[n][0][-1] for n in names], [p - 1 for p in lens], slots, tables, lens)
+            table[i, : len(seqs[n][1])] = seqs[n][1]
+        inputs = decode_inputs(np.array([seqs[n][0][-1] for n in names]), np.array([len(seqs[n][0]) for n in names]),
+                               np.arange(3), table, 4)
+        got = graphs.run(inputs)
         torch.testing.assert_close(got, expected(names), atol=1e-5, rtol=1e-5)
     grow("a"), grow("c")
     got = _step(paged, cache, seqs, ["a", "c"], [])  # the padded row wrote only the scratch block

@@ -51,13 +51,9 @@ def _run(model, static: bool) -> list[Sequence]:
         if pending and steps % 3 == 0:  # one new request every third step: mixed and decode-only steps
             sched.add(pending.pop(0))
         plan = sched.schedule()
-        outs = runner.step(plan.decode, plan.prefill)
-        for s, o in zip(plan.decode + plan.prefill, outs):
-            s.num_cached = s.num_tokens
-            s.logprobs.append(o.logprob)
-            s.top.append(o.top)
-            s.masks.append(o.mask)
-            s.append(o.token, "v")
+        scheduled = plan.decode + plan.prefill
+        runner.step(plan.decode, plan.prefill).record(scheduled, "v")
+        for s in scheduled:
             if s.finished:
                 sched.remove(s)
         steps += 1
@@ -73,3 +69,29 @@ def test_static_decode_path_matches_eager_path():
         assert a.output == b.output and len(a.output) == a.params.max_tokens
         assert a.masks == b.masks
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_rows_taken_over_by_new_sequences_sample_with_their_own_parameters():
+    """A row freed by a finished sequence and re-admitted with other parameters (top_k, log-prob
+    count, masks, min_tokens) samples with the new ones."""
+    model = _model()
+    sched, runner = _engine(model, static=True)
+    first = [Sequence(i, f"a{i}", 0, [1, 2, 3 + i], _params(i, 2), MAX_LEN) for i in range(8)]
+    narrow = SeqParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=5, max_tokens=6, min_tokens=4,
+                       stop_token_ids=frozenset(range(50)), eos_token_id=None, extra_eos_ids=frozenset(),
+                       logprobs=1, want_mask=False)
+    second = [Sequence(10 + i, f"b{i}", 0, [4, 5, 6 + i], narrow, MAX_LEN) for i in range(8)]
+    for s in first + second:
+        sched.add(s)
+    while sched.has_work():
+        plan = sched.schedule()
+        scheduled = plan.decode + plan.prefill
+        runner.step(plan.decode, plan.prefill).record(scheduled, "v")
+        for s in scheduled:
+            if s.finished:
+                sched.remove(s)
+    for s in second:
+        # min_tokens keeps the stop ids (half the vocabulary) out of the first 3 tokens
+        assert all(t >= 50 for t in s.output[:3]) and 4 <= len(s.output) <= 6
+        assert all(r <= 2 for r in s.ranks) and len(s.top_ids) == len(s.output) and s.masks == []
+    assert all(len(s.top_ids) == 3 * len(s.output) and len(s.masks) == len(s.output) for s in first)

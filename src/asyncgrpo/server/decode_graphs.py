@@ -11,11 +11,15 @@ runs eagerly, which is how the CPU tests check it.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
+
+if TYPE_CHECKING:
+    from asyncgrpo.server.runner import DecodeInputs
 
 logger = logging.getLogger(__name__)
 
@@ -60,23 +64,19 @@ class DecodeGraphs:
         self._pool = None
         self._scratch_slot = cache.scratch_block * cache.block_size
 
-    def run(
-        self, ids: list[int], positions: list[int], slots: list[int], tables: np.ndarray, context_lens: list[int]
-    ) -> torch.Tensor:
-        """One decode step; tables: [B, >= max blocks used] host array. Returns logits [B, V]."""
-        b = len(ids)
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """One decode step of B sequences. Returns logits [B, V]."""
+        b, nb = inputs.block_tables.shape
         bp = batch_bucket(b)
-        nbp = block_bucket(-(-max(context_lens) // self.cache.block_size), self.max_blocks)
-        host = torch.empty(4, bp, dtype=torch.int64)
-        host[0].zero_()
-        host[1].zero_()
-        host[2].fill_(self._scratch_slot)
-        host[3].fill_(1)
-        host[:, :b] = torch.tensor([ids, positions, slots, context_lens], dtype=torch.int64)
-        table = torch.full((bp, nbp), self.cache.scratch_block, dtype=torch.int64)
-        table[:b] = torch.from_numpy(tables[:, :nbp])
-        self._vec[:, :bp].copy_(host, non_blocking=True)
-        self._tables[:bp, :nbp].copy_(table, non_blocking=True)
+        nbp = block_bucket(nb, self.max_blocks)
+        # padded rows: token 0 at position 0, written to and read from the scratch block
+        host = np.empty((4, bp), dtype=np.int64)
+        host[:, b:] = np.array([[0], [0], [self._scratch_slot], [1]])
+        host[:, :b] = (inputs.token_ids, inputs.positions, inputs.slots, inputs.context_lens)
+        table = np.full((bp, nbp), self.cache.scratch_block, dtype=np.int64)
+        table[:b, :nb] = inputs.block_tables
+        self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
+        self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
         key = (bp, nbp)
         if not self.use_graphs:
             return self._forward(bp, nbp)[:b]

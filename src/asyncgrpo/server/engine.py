@@ -5,7 +5,7 @@
     submit(seqs, sink) ----- command queue ----->   waiting queue
     pause/resume/abort/call -------------------->   applied between two steps
                                                     schedule -> forward -> sample -> stop rules
-    sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (all sequences)
+    sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (streamed tokens, finished sequences)
 
 Only the engine thread touches sequences' mutable state while they run; a sink receives
 (sequence, first_new_index, end_index, finished) tuples after the lists were extended, so the loop
@@ -23,7 +23,7 @@ import queue
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
@@ -31,6 +31,14 @@ from asyncgrpo.server.scheduler import Scheduler, Sequence
 logger = logging.getLogger(__name__)
 
 Event = tuple[Sequence, int, int, bool]
+
+
+class Sink(Protocol):
+    """Loop-side receiver of a request's events (called in the asyncio loop, one call per step)."""
+
+    stream: bool  # every step's new tokens; False: only the final event of each sequence
+
+    def __call__(self, events: list[Event]) -> None: ...
 
 
 class EngineStats:
@@ -77,7 +85,7 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
 
-    def submit(self, seqs: list[Sequence], sink: Callable[[list[Event]], None]) -> None:
+    def submit(self, seqs: list[Sequence], sink: Sink) -> None:
         for s in seqs:
             s.sink = sink
         self._commands.put(("add", seqs))
@@ -128,14 +136,10 @@ class Engine:
     def _deliver(self, events: list[Event]) -> None:
         if not events:
             return
-        by_sink: dict[int, tuple[Callable, list[Event]]] = {}
+        by_sink: dict[int, tuple[Sink, list[Event]]] = {}
         for ev in events:
             sink = ev[0].sink
-            if not ev[3] and not getattr(sink, "stream", True):
-                continue  # a non-streaming request only needs its final event
             by_sink.setdefault(id(sink), (sink, []))[1].append(ev)
-        if not by_sink:
-            return
 
         def dispatch() -> None:
             for sink, evs in by_sink.values():
@@ -244,7 +248,7 @@ class Engine:
             return
         seqs = plan.decode + plan.prefill
         try:
-            outs = self.runner.step(plan.decode, plan.prefill)
+            out = self.runner.step(plan.decode, plan.prefill)
         except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
             msg = traceback.format_exc()
             logger.error("forward pass failed; failing %d sequences:\n%s", len(seqs), msg)
@@ -259,21 +263,15 @@ class Engine:
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(seqs))
         self.stats.prompt_tokens += sum(len(s.prompt) for s in plan.prefill if not s.output)
         self.stats.generation_tokens += len(seqs)
-        version = self.weight_version
+        out.record(seqs, self.weight_version)
         events = []
-        for seq, out in zip(seqs, outs):
-            start = len(seq.output)
-            seq.num_cached = seq.num_tokens
-            seq.logprobs.append(out.logprob)
-            seq.ranks.append(out.rank)
-            if out.top is not None:
-                seq.top.append(out.top)
-            if out.mask is not None:
-                seq.masks.append(out.mask)
-            seq.append(out.token, version)
-            if seq.finished:
+        for seq in seqs:
+            finished = seq.finished
+            if finished:
                 self.scheduler.remove(seq)
-            events.append((seq, start, start + 1, seq.finished))
+            if finished or seq.sink.stream:  # a non-streaming request only needs its final event
+                end = len(seq.output)
+                events.append((seq, end - 1, end, finished))
         self._deliver(events)
         self._notify()
 
@@ -291,8 +289,6 @@ def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> N
     try:
         while not seq.finished:
             plan = scheduler.schedule()
-            outs = runner.step(plan.decode, plan.prefill)
-            seq.num_cached = seq.num_tokens
-            seq.append(outs[0].token, "warm-up")
+            runner.step(plan.decode, plan.prefill).record([seq], "warm-up")
     finally:
         scheduler.remove(seq)

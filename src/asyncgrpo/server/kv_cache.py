@@ -18,6 +18,7 @@ attention module exposing `layer_idx`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,18 +93,18 @@ class AttentionMetadata:
 
 def build_metadata(
     cache: PagedKVCache,
-    slot_mapping: list[int],
+    slot_mapping: Sequence[int],
     decode_tables: torch.Tensor | None,
-    decode_lens: list[int],
+    decode_lens: Sequence[int],
     prefill_lens: list[int],
     device: torch.device,
 ) -> AttentionMetadata:
-    """Host data -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb] (entries past a sequence's
-    blocks are ignored through decode_lens)."""
+    """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
+    (entries past a sequence's blocks are ignored through decode_lens)."""
     block_tables = context_lens = pad_index = unpad_index = None
-    if decode_lens:
+    if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
-        context_lens = torch.tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
+        context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
     if len(prefill_lens) > 1:
         lmax = max(prefill_lens)
         pad, unpad, start = [], [], 0
@@ -116,7 +117,7 @@ def build_metadata(
         unpad_index = torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True)
     return AttentionMetadata(
         cache=cache,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+        slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
         num_decode=len(decode_lens),
         block_tables=block_tables,
         context_lens=context_lens,

@@ -235,13 +235,13 @@ def token_logprobs(seq: Sequence, start: int, end: int) -> str:
     """Generate-route `logprobs.content` as JSON text: per token the sampled entry, then the top-k
     deduplicated by id. Rendered with string formatting (floats as repr, like json) because this is
     the hot path of large responses."""
-    out, lps, ranks, top = seq.output, seq.logprobs, seq.ranks, seq.top
+    out, lps, ranks = seq.output, seq.logprobs, seq.ranks
     entry = '{"token_id":%d,"logprob":%r,"rank":%d'
     parts = []
     for i in range(start, end):
         tok = out[i]
         head = entry % (tok, clamp_logprob(lps[i]), ranks[i])
-        ids, tlps = top[i]
+        ids, tlps = seq.top(i)
         rest = "".join(
             "," + entry % (t, clamp_logprob(lp), r) + "}" for r, (t, lp) in enumerate(zip(ids, tlps), 1) if t != tok
         )
@@ -334,7 +334,7 @@ def completion_logprobs(
         offsets.append(offset)
         offset += len(text)
         entry = {text: clamp_logprob(seq.logprobs[i])}
-        ids, lps = seq.top[i]
+        ids, lps = seq.top(i)
         for tid, tlp in zip(ids, lps):
             entry.setdefault(name(tid), clamp_logprob(tlp))
         top.append(entry)

@@ -4,6 +4,11 @@ Builds the flat step (decode tokens first, then whole prompts to prefill), runs 
 model with the paged attention (`kv_cache.py`), keeps only the last position of each sequence for
 the LM head, applies the per-request logits processors and `sampling.sample`, and brings the
 results to the host in ONE transfer per step.
+
+Host work per step is a few array operations over the step's rows rather than a loop over the
+sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
+enters a scheduler row (it is then in the step's prefill list, the only way into a row), and each
+step gathers them by row.
 """
 
 from __future__ import annotations
@@ -15,19 +20,85 @@ import torch
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
-from asyncgrpo.server.sampling import SamplingBatch, apply_repetition_penalty, plan_columns, sample
+from asyncgrpo.server.sampling import (
+    SampleResult,
+    SamplingBatch,
+    apply_repetition_penalty,
+    plan_columns,
+    sample,
+)
 from asyncgrpo.server.scheduler import Sequence
 
 
 @dataclass
-class TokenOut:
-    """Host-side result for one sequence of a step."""
+class DecodeInputs:
+    """Host inputs of the decode part of a step, one entry per decode sequence (int64 arrays)."""
 
-    token: int
-    logprob: float
-    rank: int
-    top: tuple[list[int], list[float]] | None
-    mask: list[int] | None
+    token_ids: np.ndarray  # [Bd] last token of each sequence
+    positions: np.ndarray  # [Bd] its position
+    slots: np.ndarray  # [Bd] flat cache row its keys/values go to
+    context_lens: np.ndarray  # [Bd] cached tokens incl. the new one
+    block_tables: np.ndarray  # [Bd, nb] blocks; nb covers the longest sequence
+
+
+def decode_inputs(
+    last_tokens: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, block_table: np.ndarray, block_size: int
+) -> DecodeInputs:
+    """Inputs of decode sequences from their last token, length (incl. that token) and block-table row."""
+    positions = num_tokens - 1
+    num_blocks = -(-int(num_tokens.max()) // block_size)
+    tables = block_table[rows, :num_blocks]
+    blocks = tables[np.arange(len(rows)), positions // block_size]
+    return DecodeInputs(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables)
+
+
+@dataclass
+class StepOutput:
+    """Host copy of what one step sampled; entry i belongs to the step's i-th sequence."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] | None  # [B][K], K = the largest `logprobs` of the step
+    top_logprobs: list[list[float]] | None
+    candidate_ids: list[list[int]] | None  # [B][W] candidate ids ascending, padded with -1
+
+    def record(self, seqs: list[Sequence], version: str) -> None:
+        """Append entry i to seqs[i] (token, log-prob, rank, top list, candidate set); the stop rules
+        of `Sequence.append` apply."""
+        for i, seq in enumerate(seqs):
+            seq.append(self.token_ids[i], self.logprobs[i], self.ranks[i], version)
+            k = seq.params.logprobs
+            if k:
+                seq.top_ids.extend(self.top_ids[i][:k])
+                seq.top_logprobs.extend(self.top_logprobs[i][:k])
+            if seq.params.want_mask:
+                seq.masks.append([t for t in self.candidate_ids[i] if t >= 0])
+
+
+class RowParams:
+    """Per-row sampling parameters of the running sequences (host arrays indexed by scheduler row)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.temperature = np.zeros(num_rows, dtype=np.float32)
+        self.top_p = np.ones(num_rows, dtype=np.float32)
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)
+        self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.prompt_len = np.zeros(num_rows, dtype=np.int64)
+        self.min_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.num_top_logprobs = np.zeros(num_rows, dtype=np.int64)  # 0 when none are asked for
+        self.mask_width = np.zeros(num_rows, dtype=np.int64)  # top_k of rows that return masks, else 0
+        self.penalised = np.zeros(num_rows, dtype=bool)  # repetition_penalty != 1
+
+    def admit(self, seq: Sequence) -> None:
+        r, p = seq.row, seq.params
+        self.temperature[r], self.top_p[r], self.min_p[r] = p.temperature, p.top_p, p.min_p
+        self.top_k[r], self.seed[r] = p.top_k, p.seed
+        self.prompt_len[r], self.min_tokens[r] = len(seq.prompt), p.min_tokens
+        self.num_top_logprobs[r] = p.logprobs or 0
+        self.mask_width[r] = p.top_k if p.want_mask else 0
+        self.penalised[r] = p.repetition_penalty != 1.0
 
 
 class ModelRunner:
@@ -48,106 +119,96 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
+        self.params = RowParams(block_table.shape[0])
 
     @torch.inference_mode()
-    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> list[TokenOut]:
+    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
         """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
+        for s in prefill:
+            self.params.admit(s)
         seqs = decode + prefill
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        dec = None
+        if decode:
+            nd = len(decode)
+            last = np.fromiter((s.output[-1] for s in decode), dtype=np.int64, count=nd)
+            dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
         if prefill or self.graphs is None:
-            logits = self._forward(decode, prefill)
+            logits = self._forward(dec, prefill)
         else:
-            logits = self._decode_static(decode)
-        logits = self._process(logits.float(), seqs)
-        batch = self._sampling_batch(seqs)
-        res = sample(logits, batch)
-        return self._to_host(res, seqs, batch)
+            logits = self.graphs.run(dec)
+        positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
+        logits = self._process(logits.float(), seqs, rows, positions)
+        batch = self._sampling_batch(rows, positions)
+        return self._to_host(sample(logits, batch), batch)
 
-    def _decode_inputs(self, decode: list[Sequence]):
-        bs = self.cache.block_size
-        ids, pos, slots, lens = [], [], [], []
-        for s in decode:
-            p = s.num_tokens - 1
-            ids.append(s.last_token())
-            pos.append(p)
-            slots.append(s.blocks[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-        return ids, pos, slots, lens, self.block_table[[s.row for s in decode]]
-
-    def _decode_static(self, decode: list[Sequence]) -> torch.Tensor:
-        ids, pos, slots, lens, tables = self._decode_inputs(decode)
-        return self.graphs.run(ids=ids, positions=pos, slots=slots, tables=tables, context_lens=lens)
-
-    def _forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
+    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
         """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
         bs = self.cache.block_size
-        ids, pos, slots, lens, tables = self._decode_inputs(decode) if decode else ([], [], [], [], None)
-        last = list(range(len(ids)))
+        ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
         prefill_lens = []
         for s in prefill:
-            toks = s.all_tokens()
-            n = len(toks)
-            ids.extend(toks)
-            pos.extend(range(n))
-            blocks = s.blocks
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
-            last.append(len(ids) - 1)
+            n = s.num_tokens
+            p = np.arange(n)
+            ids.append(np.asarray(s.all_tokens(), dtype=np.int64))
+            pos.append(p)
+            slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
             prefill_lens.append(n)
-        decode_tables = None
-        if decode:
-            nb = -(-max(lens) // bs)
-            decode_tables = torch.from_numpy(tables[:, :nb])
-        meta = build_metadata(self.cache, slots, decode_tables, lens, prefill_lens, self.device)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)[None]
-        position_ids = torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True)[None]
-        keep = torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True)
+        flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)])).to(self.device)
+        num_decode = 0 if dec is None else len(dec.token_ids)
+        last = np.concatenate([np.arange(num_decode), num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1])
+        meta = build_metadata(
+            self.cache,
+            np.concatenate(slots),
+            None if dec is None else torch.from_numpy(dec.block_tables),
+            [] if dec is None else dec.context_lens,
+            prefill_lens,
+            self.device,
+        )
         out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
+            input_ids=flat[0][None],
+            position_ids=flat[1][None],
             use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=torch.from_numpy(last).to(self.device),
             kv_meta=meta,
         )
         return out.logits[0]
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _process(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: np.ndarray, positions: np.ndarray
+    ) -> torch.Tensor:
         """Logits processors before temperature: repetition penalty and the min_tokens ban."""
-        pen_rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        pen_rows = np.flatnonzero(self.params.penalised[rows]).tolist()
         if pen_rows:
-            rows, cols = [], []
+            rows_idx, cols = [], []
             for i in pen_rows:
                 toks = set(seqs[i].all_tokens())
-                rows.extend([i] * len(toks))
+                rows_idx.extend([i] * len(toks))
                 cols.extend(toks)
             seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = True
+            seen[torch.tensor(rows_idx, device=self.device), torch.tensor(cols, device=self.device)] = True
             penalty = torch.tensor([s.params.repetition_penalty for s in seqs], device=self.device)
             logits = apply_repetition_penalty(logits, seen, penalty)
-        rows, cols = [], []
-        for i, s in enumerate(seqs):
-            if len(s.output) < s.params.min_tokens:
-                banned = [t for t in s.params.stop_ids if t < self.vocab_size]
-                rows.extend([i] * len(banned))
-                cols.extend(banned)
-        if rows:
+        rows_idx, cols = [], []
+        for i in np.flatnonzero(positions < self.params.min_tokens[rows]).tolist():
+            banned = [t for t in seqs[i].params.stop_ids if t < self.vocab_size]
+            rows_idx.extend([i] * len(banned))
+            cols.extend(banned)
+        if rows_idx:
             logits = logits.index_put(
-                (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)),
+                (torch.tensor(rows_idx, device=self.device), torch.tensor(cols, device=self.device)),
                 torch.tensor(float("-inf"), device=self.device),
             )
         return logits
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        ps = [s.params for s in seqs]
-        top_ks = [p.top_k for p in ps]
-        top_ps = [p.top_p for p in ps]
-        num_top = max((p.logprobs or 0) for p in ps)
-        mask_width = max((p.top_k for p in ps if p.want_mask), default=0)
-        floats = torch.tensor(
-            [[p.temperature for p in ps], top_ps, [p.min_p for p in ps]], dtype=torch.float32
-        ).to(self.device, non_blocking=True)
-        ints = torch.tensor(
-            [top_ks, [p.seed for p in ps], [len(s.output) for s in seqs]], dtype=torch.int64
-        ).to(self.device, non_blocking=True)
+    def _sampling_batch(self, rows: np.ndarray, positions: np.ndarray) -> SamplingBatch:
+        p = self.params
+        top_k, top_p = p.top_k[rows], p.top_p[rows]
+        num_top = int(p.num_top_logprobs[rows].max())
+        mask_width = int(p.mask_width[rows].max())
+        floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]])).to(self.device)
+        ints = torch.from_numpy(np.stack([top_k, p.seed[rows], positions])).to(self.device)
         return SamplingBatch(
             temperature=floats[0],
             top_k=ints[0],
@@ -155,13 +216,13 @@ class ModelRunner:
             min_p=floats[2],
             seeds=ints[1],
             positions=ints[2],
-            num_sorted=plan_columns(top_ks, top_ps, num_top, mask_width, self.vocab_size),
+            num_sorted=plan_columns(top_k, top_p, num_top, mask_width, self.vocab_size),
             num_top_logprobs=num_top,
             mask_width=mask_width,
-            all_top_k=all(k > 0 for k in top_ks),
+            all_top_k=bool((top_k > 0).all()),
         )
 
-    def _to_host(self, res, seqs: list[Sequence], batch: SamplingBatch) -> list[TokenOut]:
+    def _to_host(self, res: SampleResult, batch: SamplingBatch) -> StepOutput:
         """One device->host transfer of everything the step produced."""
         k, w = batch.num_top_logprobs, batch.mask_width
         packed = torch.cat(
@@ -176,21 +237,11 @@ class ModelRunner:
             dim=1,
         )
         arr = packed.cpu().numpy()
-        tokens = arr[:, 0].astype(np.int64).tolist()
-        logprobs = arr[:, 1].tolist()
-        ranks = arr[:, 2].astype(np.int64).tolist()
-        top_ids = arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None
-        top_lps = arr[:, 3 + k : 3 + 2 * k].tolist() if k else None
-        masks = arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None
-        outs = []
-        for i, s in enumerate(seqs):
-            p = s.params
-            top = None
-            if p.logprobs is not None:
-                n = p.logprobs
-                top = (top_ids[i][:n], top_lps[i][:n]) if n else ([], [])
-            mask = None
-            if p.want_mask:
-                mask = [x for x in masks[i] if x >= 0]
-            outs.append(TokenOut(tokens[i], logprobs[i], ranks[i], top, mask))
-        return outs
+        return StepOutput(
+            token_ids=arr[:, 0].astype(np.int64).tolist(),
+            logprobs=arr[:, 1].tolist(),
+            ranks=arr[:, 2].astype(np.int64).tolist(),
+            top_ids=arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None,
+            top_logprobs=arr[:, 3 + k : 3 + 2 * k].tolist() if k else None,
+            candidate_ids=arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None,
+        )

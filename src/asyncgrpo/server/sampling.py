@@ -25,8 +25,10 @@ columns are needed) travel in `SamplingBatch` as Python ints so the functions ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -63,19 +65,20 @@ class SampleResult:
 
 
 def plan_columns(
-    top_ks: list[int], top_ps: list[float], num_top_logprobs: int, mask_width: int, vocab_size: int
+    top_ks: Sequence[int], top_ps: Sequence[float], num_top_logprobs: int, mask_width: int, vocab_size: int
 ) -> int:
-    """How many sorted columns a batch needs (host-side, from the request parameters).
+    """How many sorted columns a batch needs (host-side, from the request parameters; lists or arrays).
 
     A full sort is needed only when some row restricts by top_p without top_k; otherwise the top
     `max(top_k, K, mask_width)` columns are enough. Rows without top_k and top_p need no sort.
     """
-    if any(k <= 0 and p < 1.0 for k, p in zip(top_ks, top_ps)):
+    top_ks, top_ps = np.asarray(top_ks), np.asarray(top_ps)
+    if np.any((top_ks <= 0) & (top_ps < 1.0)):
         return vocab_size
-    sorted_rows = [k for k in top_ks if k > 0]
-    if not sorted_rows:
+    sorted_rows = top_ks[top_ks > 0]
+    if sorted_rows.size == 0:
         return 0
-    return min(vocab_size, max(max(sorted_rows), num_top_logprobs, mask_width))
+    return min(vocab_size, max(int(sorted_rows.max()), num_top_logprobs, mask_width))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

@@ -60,14 +60,15 @@ class Sequence:
     params: SeqParams
     max_model_len: int
     output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each output token
     ranks: list[int] = field(default_factory=list)
-    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    masks: list[list[int]] = field(default_factory=list)
+    # top-K lists, flat: K = params.logprobs entries per output token, best first
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
     blocks: list[int] = field(default_factory=list)
     row: int = -1  # row of the scheduler's block table while running
-    num_cached: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -88,10 +89,18 @@ class Sequence:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    def append(self, token: int, version: str) -> None:
-        """Record a sampled token and apply vLLM's stop rules (EOS, stop ids, lengths)."""
+    def top(self, i: int) -> tuple[list[int], list[float]]:
+        """Top-K ids and log-probs of output token i (K = params.logprobs)."""
+        k = self.params.logprobs or 0
+        return self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k]
+
+    def append(self, token: int, logprob: float, rank: int, version: str) -> None:
+        """Record a sampled token (its log-prob and rank) and apply vLLM's stop rules (EOS, stop ids,
+        lengths)."""
         n = len(self.output)
         self.output.append(token)
+        self.logprobs.append(logprob)
+        self.ranks.append(rank)
         self.num_tokens += 1
         if self.spans and self.spans[-1][0] == version:
             self.spans[-1][2] = n + 1
@@ -158,7 +167,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.blocks)
         seq.blocks = []
-        seq.num_cached = 0
         if seq.row >= 0:
             self._free_rows.append(seq.row)
             seq.row = -1
@@ -191,21 +199,19 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
-        # 1. decode: one more slot for every running sequence, preempting the youngest when short
-        while True:
-            need = sum(
-                1 for s in self.running if self._blocks_for(s.num_tokens) > len(s.blocks)
-            )
-            if need <= self.allocator.num_free or not self.running:
-                break
+        # 1. decode: one more slot for every running sequence (a new block for those whose last one
+        # is full), preempting the youngest while the pool is short
+        bs = self.block_size
+        growing = [s for s in self.running if s.num_tokens > len(s.blocks) * bs]
+        while len(growing) > self.allocator.num_free:
             victim = self.running[-1]
             self.preempt(victim)
             preempted.append(victim)
+            if growing and growing[-1] is victim:  # both lists keep admission order
+                growing.pop()
+        for s in growing:
+            self._grow(s, self._blocks_for(s.num_tokens) - len(s.blocks))
         decode = list(self.running)
-        for s in decode:
-            missing = self._blocks_for(s.num_tokens) - len(s.blocks)
-            if missing > 0:
-                self._grow(s, missing)
         # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
         prefill: list[Sequence] = []
         budget = self.max_num_batched_tokens - len(decode)
