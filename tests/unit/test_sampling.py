@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,9 @@ from asyncgrpo.server.sampling import (
     hash_uniform,
     plan_columns,
     sample,
+    seed_hash,
     sortable_keys,
+    token_hash,
 )
 
 
@@ -27,12 +30,13 @@ def _batch(rows: list[dict], vocab: int, positions: list[int] | None = None, top
         top_k=torch.tensor(top_ks, dtype=torch.int64),
         top_p=torch.tensor(top_ps, dtype=torch.float32),
         min_p=torch.tensor([r.get("min_p", 0.0) for r in rows], dtype=torch.float32),
-        seeds=torch.tensor([r.get("seed", 0) for r in rows], dtype=torch.int64),
+        seed_hashes=seed_hash(torch.tensor([r.get("seed", 0) for r in rows], dtype=torch.int64)),
         positions=torch.tensor(positions or [0] * len(rows), dtype=torch.int64),
         num_sorted=plan_columns(top_ks, top_ps, top_logprobs, mask_width, vocab),
         num_top_logprobs=top_logprobs,
         mask_width=mask_width,
         all_top_k=all(k > 0 for k in top_ks),
+        token_hashes=token_hash(torch.arange(vocab)),
     )
 
 
@@ -193,3 +197,12 @@ def test_plan_columns():
     assert plan_columns([20, 4], [1.0, 0.9], 30, 20, 100) == 30
     assert plan_columns([20, 0], [1.0, 0.9], 5, 20, 100) == 100
     assert plan_columns([500], [1.0], 0, 0, 100) == 100
+
+
+def test_seed_hash_is_the_same_on_numpy_and_torch():
+    """The server hashes seeds on the host (numpy) when a sequence is admitted and draws on the device."""
+    seeds = [0, 1, -5, 2**40 + 3, -(2**63), 2**63 - 1]
+    host = seed_hash(np.array(seeds, dtype=np.int64))
+    device = seed_hash(torch.tensor(seeds, dtype=torch.int64))
+    assert host.tolist() == device.tolist()
+    assert token_hash(np.arange(50)).tolist() == token_hash(torch.arange(50)).tolist()

@@ -26,6 +26,8 @@ from asyncgrpo.server.sampling import (
     apply_repetition_penalty,
     plan_columns,
     sample,
+    seed_hash,
+    token_hash,
 )
 from asyncgrpo.server.scheduler import Sequence
 
@@ -84,21 +86,27 @@ class RowParams:
         self.top_p = np.ones(num_rows, dtype=np.float32)
         self.min_p = np.zeros(num_rows, dtype=np.float32)
         self.top_k = np.zeros(num_rows, dtype=np.int64)
-        self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.seed_hash = np.zeros(num_rows, dtype=np.int64)  # sampling.seed_hash of the seed
         self.prompt_len = np.zeros(num_rows, dtype=np.int64)
         self.min_tokens = np.zeros(num_rows, dtype=np.int64)
         self.num_top_logprobs = np.zeros(num_rows, dtype=np.int64)  # 0 when none are asked for
         self.mask_width = np.zeros(num_rows, dtype=np.int64)  # top_k of rows that return masks, else 0
         self.penalised = np.zeros(num_rows, dtype=bool)  # repetition_penalty != 1
 
-    def admit(self, seq: Sequence) -> None:
-        r, p = seq.row, seq.params
-        self.temperature[r], self.top_p[r], self.min_p[r] = p.temperature, p.top_p, p.min_p
-        self.top_k[r], self.seed[r] = p.top_k, p.seed
-        self.prompt_len[r], self.min_tokens[r] = len(seq.prompt), p.min_tokens
-        self.num_top_logprobs[r] = p.logprobs or 0
-        self.mask_width[r] = p.top_k if p.want_mask else 0
-        self.penalised[r] = p.repetition_penalty != 1.0
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Write the parameters of sequences that just entered their rows."""
+        rows = [s.row for s in seqs]
+        ps = [s.params for s in seqs]
+        self.temperature[rows] = [p.temperature for p in ps]
+        self.top_p[rows] = [p.top_p for p in ps]
+        self.min_p[rows] = [p.min_p for p in ps]
+        self.top_k[rows] = [p.top_k for p in ps]
+        self.seed_hash[rows] = seed_hash(np.array([p.seed for p in ps], dtype=np.int64))
+        self.prompt_len[rows] = [len(s.prompt) for s in seqs]
+        self.min_tokens[rows] = [p.min_tokens for p in ps]
+        self.num_top_logprobs[rows] = [p.logprobs or 0 for p in ps]
+        self.mask_width[rows] = [p.top_k if p.want_mask else 0 for p in ps]
+        self.penalised[rows] = [p.repetition_penalty != 1.0 for p in ps]
 
 
 class ModelRunner:
@@ -120,12 +128,13 @@ class ModelRunner:
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
         self.params = RowParams(block_table.shape[0])
+        self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
         """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
-        for s in prefill:
-            self.params.admit(s)
+        if prefill:
+            self.params.admit(prefill)
         seqs = decode + prefill
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
@@ -208,18 +217,19 @@ class ModelRunner:
         num_top = int(p.num_top_logprobs[rows].max())
         mask_width = int(p.mask_width[rows].max())
         floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]])).to(self.device)
-        ints = torch.from_numpy(np.stack([top_k, p.seed[rows], positions])).to(self.device)
+        ints = torch.from_numpy(np.stack([top_k, p.seed_hash[rows], positions])).to(self.device)
         return SamplingBatch(
             temperature=floats[0],
             top_k=ints[0],
             top_p=floats[1],
             min_p=floats[2],
-            seeds=ints[1],
+            seed_hashes=ints[1],
             positions=ints[2],
             num_sorted=plan_columns(top_k, top_p, num_top, mask_width, self.vocab_size),
             num_top_logprobs=num_top,
             mask_width=mask_width,
             all_top_k=bool((top_k > 0).all()),
+            token_hashes=self.token_hashes,
         )
 
     def _to_host(self, res: SampleResult, batch: SamplingBatch) -> StepOutput:

@@ -43,12 +43,13 @@ class SamplingBatch:
     top_k: torch.Tensor  # int64; 0 = off
     top_p: torch.Tensor  # float32 in (0, 1]
     min_p: torch.Tensor  # float32 in [0, 1]
-    seeds: torch.Tensor  # int64
+    seed_hashes: torch.Tensor  # int64: `seed_hash` of each row's seed
     positions: torch.Tensor  # int64: index of the token being drawn in the output
     num_sorted: int  # columns of the sorted candidate list; 0 = no sort, >= vocab = full sort
     num_top_logprobs: int  # K of the top-K log-prob list (max over rows)
     mask_width: int  # columns of the candidate-id output (max top_k over rows that want masks)
     all_top_k: bool  # every row has top_k > 0, so all candidates lie in the sorted columns
+    token_hashes: torch.Tensor  # [V] int64: `token_hash` of every token id (the same for every step)
 
 
 @dataclass(frozen=True)
@@ -103,18 +104,37 @@ def sortable_keys(values: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (_M32 - ids)
 
 
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """(h * c) mod 2^32 for 0 <= h < 2^32 without int64 overflow (16-bit halves)."""
+def _mul32(h, c: int):
+    """(h * c) mod 2^32 for 0 <= h < 2^32 without int64 overflow (16-bit halves); torch or numpy int64."""
     return ((h & 0xFFFF) * c + ((((h >> 16) * c) & 0xFFFF) << 16)) & _M32
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser on int64 values in [0, 2^32) (torch or numpy)."""
     h = h ^ (h >> 16)
     h = _mul32(h, 0x85EBCA6B)
     h = h ^ (h >> 13)
     h = _mul32(h, 0xC2B2AE35)
     return h ^ (h >> 16)
+
+
+def seed_hash(seeds):
+    """Per-seed part of the hash: int64 seeds (torch or numpy, any shape) -> values in [0, 2^32)."""
+    return _fmix32(_fmix32((seeds & _M32) ^ 0x243F6A88) ^ ((seeds >> 32) & _M32))
+
+
+def token_hash(token_ids):
+    """Per-token part of the hash: int64 ids (torch or numpy, any shape) -> values in [0, 2^32)."""
+    return _fmix32(_mul32(token_ids & _M32, 0x9E3779B1) ^ 0x03707344)
+
+
+def hashed_uniform(seed_hashes: torch.Tensor, positions: torch.Tensor, token_hashes: torch.Tensor) -> torch.Tensor:
+    """`hash_uniform` from precomputed `seed_hash` [B] and `token_hash` ([B, N] or [N]) values."""
+    row = _fmix32(seed_hashes ^ (positions & _M32) ^ 0x13198A2E)
+    if token_hashes.dim() == 1:
+        token_hashes = token_hashes[None, :]
+    h = _fmix32(row[:, None] ^ token_hashes)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -123,14 +143,7 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     seeds, positions: [B] int64; token_ids: [B, N] or [N] int64. Returns [B, N] float32 with 24
     random bits each.
     """
-    row = _fmix32((seeds & _M32) ^ 0x243F6A88)
-    row = _fmix32(row ^ ((seeds >> 32) & _M32))
-    row = _fmix32(row ^ (positions & _M32) ^ 0x13198A2E)
-    tok = _fmix32(_mul32(token_ids & _M32, 0x9E3779B1) ^ 0x03707344)
-    if tok.dim() == 1:
-        tok = tok[None, :]
-    h = _fmix32(row[:, None] ^ tok)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return hashed_uniform(seed_hash(seeds), positions, token_hash(token_ids))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
@@ -243,7 +256,7 @@ def sorted_candidates(
 def _draw(cand_ids: torch.Tensor, cand_lp: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Column [B, 1] of the drawn token among the candidates (cand_ids [B, C] or [C], log-probs [B, C]):
     the seeded exponential race, or the first best column for greedy rows."""
-    u = hash_uniform(batch.seeds, batch.positions, cand_ids)
+    u = hashed_uniform(batch.seed_hashes, batch.positions, batch.token_hashes[cand_ids])
     race = cand_lp - torch.log(-torch.log(u))
     score = torch.where(greedy[:, None], cand_lp, race)
     return score.argmax(dim=-1, keepdim=True)
