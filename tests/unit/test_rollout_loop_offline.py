@@ -305,6 +305,20 @@ def test_on_policy_loop_is_idle_after_one_step_until_the_version_moves():
     run.stop()
 
 
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def test_on_policy_groups_that_give_the_trainer_nothing_do_not_fill_the_step():
+    # every group is dropped (equal rewards): waiting for a sync would wait forever, since the trainer
+    # has nothing to step on; the loop keeps generating under the same version instead
+    run = InProcess(ScriptedLoop, [constant_reward], allowance=20, max_staleness=0, rows=12)
+    markers = run.take(12, consume=False)
+    assert [m.num_samples for m in markers] == [0] * 12
+    assert run.idle == []
+    run.stop()
+
+
 def test_a_run_out_of_prompts_sends_a_final_idle_after_its_last_marker():
     run = InProcess(ScriptedLoop, [index_reward], rows=4, max_steps=-1, num_train_epochs=1)
     items = run.take(4)

@@ -93,6 +93,14 @@ _CURRENT_ROLLOUT: contextvars.ContextVar[_RolloutContext | None] = contextvars.C
 )
 
 
+@dataclass(frozen=True)
+class _Started:
+    """What a group counted toward the on-policy step's worth when it was dispatched."""
+
+    policy_version: int | None
+    tokens: float
+
+
 @dataclass
 class _Pending:
     """A generated group waiting in the score queue."""
@@ -101,6 +109,7 @@ class _Pending:
     rollouts: list[Rollout]
     position: int
     num_tokens: int
+    started: _Started
 
 
 class AsyncRolloutLoop:
@@ -494,17 +503,20 @@ class AsyncRolloutLoop:
                 await self._end_of_prompts()
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
-            self._tokens_started_at_version += self.num_generations * (self._tokens_per_rollout or 0.0)
+            started = _Started(self._policy_version, self.num_generations * (self._tokens_per_rollout or 0.0))
+            self._tokens_started_at_version += started.tokens
             self._in_flight += self.num_generations
             self._num_groups_generating += 1
             self._groups_open += 1
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
-            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id), f"group-{group_id}")
+            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started), f"group-{group_id}")
 
     # -- one group --------------------------------------------------------------------------------
 
-    async def _run_group(self, position: int, row_index: int, row: dict[str, Any], group_id: int) -> None:
+    async def _run_group(
+        self, position: int, row_index: int, row: dict[str, Any], group_id: int, started: _Started
+    ) -> None:
         model_version = int(self.channel.model_version.value)
         prompt = list(row.get("prompt") or [])
         reward_kwargs = {k: [v] * self.num_generations for k, v in row.items() if k != "prompt"}
@@ -537,7 +549,7 @@ class AsyncRolloutLoop:
         self._pending_tokens += num_tokens
         start = time.perf_counter()
         group.queued_at = time.monotonic()
-        await self._score_queue.put(_Pending(group, rollouts, position, num_tokens))
+        await self._score_queue.put(_Pending(group, rollouts, position, num_tokens, started))
         self._record(M.ROLLOUT_SCORE_BLOCK_S, time.perf_counter() - start)
         self._record(M.ROLLOUT_SCORE_QUEUE_SIZE, self._score_queue.qsize())
 
@@ -620,6 +632,10 @@ class AsyncRolloutLoop:
         num_samples = 0
         if not dropped:
             num_samples = self._queue_samples(pending, advantages)
+        if num_samples == 0 and pending.started.policy_version == self._policy_version:
+            # the trainer gets nothing from this group: with max_staleness=0 it is not part of the step's
+            # worth, or a version whose groups are all dropped would wait for a sync that never comes
+            self._tokens_started_at_version = max(self._tokens_started_at_version - pending.started.tokens, 0.0)
         self._put_sample_item(GroupFinished(pending.position, group.row_index, num_samples))
         if getattr(self.config, "log_completions", False):
             self._log_completion(pending, advantages)
