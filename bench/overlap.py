@@ -5,6 +5,11 @@ the embedded server. `max_staleness=4` lets generation run ahead of training; `m
 makes every rollout wait for the weights of the previous step (generation and training alternate).
 The ratio of wall-clock per step is the overlap speedup.
 
+The two settings run `--repeats` times, interleaved (async, on-policy, async, ...), against one server,
+and the medians are compared: on a shared machine the load drifts, and interleaving spreads it over
+both. Per-step times compare equal work only as far as the steps train as many tokens, so the trained
+tokens per step and per second are reported too.
+
     python bench/overlap.py                        # CPU, bundled tiny model
     python bench/overlap.py --device cuda --model asyncgrpo/tiny-chat
 
@@ -77,8 +82,17 @@ def run_once(args: argparse.Namespace, url: str, max_staleness: int, out_dir: Pa
         "weight_sync_s_mean": mean("perf/weight_sync_s"),
         "staleness_mean": mean("sample/staleness_mean"),
         "samples_per_step": mean("batch/samples_per_step"),
+        "trained_tokens_per_step": mean("batch/trained_tokens_per_step"),
+        "trained_tokens_per_s": mean("perf/wall_clock_trained_tokens_per_s"),
         "reward_mean": mean("reward"),
     }
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per-key median over repeated runs of one setting."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("max_staleness", "repeat")]
+    return {"max_staleness": runs[0]["max_staleness"], "repeats": len(runs),
+            **{k: statistics.median(r[k] for r in runs) for k in keys}}
 
 
 def main() -> None:
@@ -92,6 +106,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved pairs of runs; medians are compared.")
     parser.add_argument("--server-url", default=None, help="A running server instead of starting one.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -104,18 +119,29 @@ def main() -> None:
     server = None if args.server_url else EmbeddedServer(
         args.model, device=args.device, log_path=work / "server.log").start()
     url = args.server_url or server.url
+    load_before = os.getloadavg()
+    runs = []
     try:
-        runs = [run_once(args, url, staleness, work) for staleness in (4, 0)]
+        for repeat in range(args.repeats):
+            for staleness in (4, 0):
+                runs.append({"repeat": repeat, **run_once(args, url, staleness, work / f"repeat{repeat}")})
     finally:
         if server is not None:
             server.stop()
-    asynchronous, on_policy = runs
+    asynchronous = medians([r for r in runs if r["max_staleness"] == 4])
+    on_policy = medians([r for r in runs if r["max_staleness"] == 0])
     speedup = on_policy["step_s_mean"] / asynchronous["step_s_mean"]
-    print(f"{'':16}{'step_s':>10}{'rollout_wait_s':>16}{'backpressure_s':>16}{'fwd_bwd_s':>11}{'sync_s':>9}")
-    for name, r in (("async (4)", asynchronous), ("on-policy (0)", on_policy)):
-        print(f"{name:16}{r['step_s_mean']:>10.3f}{r['rollout_wait_s_mean']:>16.3f}{r['backpressure_s_mean']:>16.3f}"
-              f"{r['fwd_bwd_s_mean']:>11.3f}{r['weight_sync_s_mean']:>9.3f}")
-    print(f"overlap speedup (on-policy step time / async step time): {speedup:.2f}x")
+    throughput_ratio = asynchronous["trained_tokens_per_s"] / on_policy["trained_tokens_per_s"]
+    print(f"{'':22}{'step_s':>8}{'rollout_wait_s':>16}{'backpressure_s':>16}{'fwd_bwd_s':>11}{'sync_s':>8}"
+          f"{'trained_tok/step':>18}{'trained_tok/s':>15}")
+    rows = [(f"#{r['repeat']} staleness {r['max_staleness']}", r) for r in runs]
+    rows += [("median async (4)", asynchronous), ("median on-policy (0)", on_policy)]
+    for name, r in rows:
+        print(f"{name:22}{r['step_s_mean']:>8.3f}{r['rollout_wait_s_mean']:>16.3f}{r['backpressure_s_mean']:>16.3f}"
+              f"{r['fwd_bwd_s_mean']:>11.3f}{r['weight_sync_s_mean']:>8.3f}{r['trained_tokens_per_step']:>18.0f}"
+              f"{r['trained_tokens_per_s']:>15.0f}")
+    print(f"overlap speedup (median on-policy step time / median async step time): {speedup:.2f}x; "
+          f"trained tokens per second, async / on-policy: {throughput_ratio:.2f}x")
     result = {
         "benchmark": "overlap",
         "command": "python bench/overlap.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
@@ -123,8 +149,11 @@ def main() -> None:
         "device": args.device,
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
         "runs": runs,
+        "median": {"async": asynchronous, "on_policy": on_policy},
         "speedup": speedup,
+        "trained_tokens_per_s_ratio": throughput_ratio,
     }
     path = out_dir / f"overlap_{args.device}.json"
     path.write_text(json.dumps(result, indent=2))
