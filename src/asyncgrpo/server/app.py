@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -49,28 +50,34 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
 
 
+def _random_id() -> str:
+    """16 hex digits for a request that names none (os.urandom: no UUID object per request)."""
+    return os.urandom(8).hex()
+
+
 def _sse(data: Any) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
 
 
 class _Sink:
-    """Loop-side receiver of one request's engine events."""
+    """Loop-side receiver of one request's engine events (`engine.Sink`): `done` resolves when all
+    its sequences finished; a streaming request also reads every event from `queue`."""
 
     def __init__(self, num_seqs: int, stream: bool) -> None:
         self.stream = stream
         self.remaining = num_seqs
-        self.done = asyncio.Event()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = asyncio.get_running_loop().create_future()
+        self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
 
     def __call__(self, events) -> None:
         for ev in events:
-            if self.stream:
+            if self.queue is not None:
                 self.queue.put_nowait(ev)
             if ev[3]:
                 self.remaining -= 1
-        if self.remaining <= 0:
-            self.done.set()
+        if self.remaining <= 0 and not self.done.done():
+            self.done.set_result(None)
 
 
 class Server(ControlRoutes):
@@ -196,7 +203,7 @@ class Server(ControlRoutes):
         sink = _Sink(len(seqs), stream=False)
         self.engine.submit(seqs, sink)
         try:
-            await sink.done.wait()
+            await sink.done
         except asyncio.CancelledError:
             self.engine.abort_nowait([key])
             raise
@@ -260,7 +267,7 @@ class Server(ControlRoutes):
         params = P.parse_sampling(
             body.get("sampling_params") or {}, self.spec, len(prompt), route="generate", draw_seed=self._draw_seed
         )
-        rid = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex[:16]
+        rid = request.headers.get("X-Request-Id") or body.get("request_id") or _random_id()
         key = f"generate-tokens-{rid}"
         seqs = self._sequences(key, prompt, params)
         return_ids = bool(body.get("return_token_ids", False))
@@ -317,7 +324,7 @@ class Server(ControlRoutes):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
         prompts = self._prompts(body.get("prompt"))
-        rid = body.get("request_id") or request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+        rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
         all_seqs = []
         for i, prompt in enumerate(prompts):
             params = P.parse_sampling(body, self.spec, len(prompt), route="completions", draw_seed=self._draw_seed)

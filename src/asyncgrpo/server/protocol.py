@@ -7,9 +7,10 @@ in `vllm-fixtures/protocol-0.33.0.json` (every key present, null where vLLM send
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -231,21 +232,31 @@ def weight_versions(seq: Sequence, end: int | None = None) -> list[dict[str, Any
     return out
 
 
+def clamped_logprobs(values: list[float]) -> list[float]:
+    """`clamp_logprob` of every value."""
+    return [x if -math.inf < x < math.inf else NEG_INF_SENTINEL for x in values]
+
+
+_ENTRY = '{"token_id":%d,"logprob":%r,"rank":%d}'
+
+
 def token_logprobs(seq: Sequence, start: int, end: int) -> str:
-    """Generate-route `logprobs.content` as JSON text: per token the sampled entry, then the top-k
-    deduplicated by id. Rendered with string formatting (floats as repr, like json) because this is
-    the hot path of large responses."""
-    out, lps, ranks = seq.output, seq.logprobs, seq.ranks
-    entry = '{"token_id":%d,"logprob":%r,"rank":%d'
+    """Generate-route `logprobs.content` of output tokens [start, end) as JSON text: per token the
+    sampled entry, then the top-k deduplicated by id. Rendered with string formatting (floats as
+    repr, like json), every entry of the range in one pass, because this is the hot path of large
+    responses."""
+    k = seq.params.logprobs or 0
+    tokens = seq.output[start:end]
+    sampled = list(map(_ENTRY.__mod__, zip(tokens, clamped_logprobs(seq.logprobs[start:end]), seq.ranks[start:end])))
+    top_ids = seq.top_ids[start * k : end * k]
+    top_ranks = itertools.cycle(range(1, k + 1))
+    top = list(map(_ENTRY.__mod__, zip(top_ids, clamped_logprobs(seq.top_logprobs[start * k : end * k]), top_ranks)))
     parts = []
-    for i in range(start, end):
-        tok = out[i]
-        head = entry % (tok, clamp_logprob(lps[i]), ranks[i])
-        ids, tlps = seq.top(i)
-        rest = "".join(
-            "," + entry % (t, clamp_logprob(lp), r) + "}" for r, (t, lp) in enumerate(zip(ids, tlps), 1) if t != tok
-        )
-        parts.append(f'{head},"top_logprobs":[{head}}}{rest}]}}')
+    for j, (tok, entry) in enumerate(zip(tokens, sampled)):
+        row, ids = top[j * k : (j + 1) * k], top_ids[j * k : (j + 1) * k]
+        if tok in ids:
+            del row[ids.index(tok)]  # listed first already
+        parts.append(f'{entry[:-1]},"top_logprobs":[{",".join([entry, *row])}]}}')
     return "[" + ",".join(parts) + "]"
 
 
@@ -254,7 +265,7 @@ class Rendered:
 
     def __init__(self) -> None:
         self._raw: list[str] = []
-        self._tag = uuid.uuid4().hex  # placeholders no request field can spell by chance
+        self._tag = os.urandom(16).hex()  # placeholders no request field can spell by chance
 
     def add(self, text: str) -> str:
         self._raw.append(text)
