@@ -46,6 +46,14 @@ def test_reward_records_of_a_kept_group_against_a_hand_computation():
     assert fmt_std.value == pytest.approx(np.std([0.0, 2.0, 2.0]))
 
 
+def test_a_source_that_applies_to_none_of_a_kept_group_records_no_std():
+    # e.g. accuracy_reward (None: no gold answer) on a group of another environment's task
+    per_source = {"acc": np.array([np.nan, np.nan]), "env": np.array([1.0, 0.0])}
+    records = _by_name(reward_records(np.array([1.0, 0.0]), per_source, [1, 1], dropped=False))
+    assert "rewards/acc/group_std" not in records and "rewards/acc/mean" not in records
+    assert [r.value for r in records["rewards/env/group_std"]] == [0.5]
+
+
 def test_reward_records_of_dropped_groups():
     records = _by_name(reward_records(np.array([1.0, 1.0]), {"acc": np.array([1.0, 1.0])}, [1, 1], dropped=True))
     assert [r.value for r in records["reward_dropped"]] == [1.0, 1.0]

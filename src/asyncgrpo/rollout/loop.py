@@ -704,7 +704,8 @@ def reward_records(
     `reward` covers every scored rollout; `reward_kept` / `reward_dropped` split it by the group's
     fate; `frac_reward_zero_std` is one 0/1 item per group. For a kept group, `reward_group_std` and
     `rewards/{source}/group_std` are weighted by the group's trained samples and
-    `rewards/{source}/mean` by each rollout's samples ("over trained samples").
+    `rewards/{source}/mean` by each rollout's samples ("over trained samples"); a source that scored no
+    rollout of the group (None: not applicable, e.g. another environment's task) records neither.
     """
     scored = rewards[~np.isnan(rewards)]
     records = [M.metric(M.FRAC_REWARD_ZERO_STD, float(dropped))]
@@ -719,7 +720,8 @@ def reward_records(
         for value, count in zip(values, samples_per_rollout, strict=True):
             if count and not math.isnan(value):
                 records.append(M.metric(M.reward_mean(name), value, weight=count))
-        records.append(M.metric(M.reward_group_std(name), adv.scored_std(values), weight=num_samples))
+        if not np.isnan(values).all():  # a source that applies to none of the group's rollouts has no std
+            records.append(M.metric(M.reward_group_std(name), adv.scored_std(values), weight=num_samples))
     return records
 
 
