@@ -43,6 +43,8 @@ class Reader:
                     return
                 finally:
                     self._arrived.release()
+        except _TestOver:
+            return
         except BaseException as exc:  # noqa: BLE001 -- checked by the test
             self.error = exc
             self._arrived.release()
@@ -57,13 +59,30 @@ class Reader:
         return ok
 
 
-def _pipeline(max_staleness: int = 1):
+class _TestOver(Exception):
+    """Raised by check_health after the test, so a reader blocked in `next()` exits."""
+
+
+@pytest.fixture
+def pipeline():
+    """Factory of (channel, RolloutBatches); readers still blocked at teardown are released."""
+    over = threading.Event()
+
+    def check_health() -> None:
+        if over.is_set():
+            raise _TestOver
+
+    yield lambda max_staleness=1: _pipeline(check_health, max_staleness)
+    over.set()
+
+
+def _pipeline(check_health, max_staleness: int):
     channel = RolloutChannel.create(mp.get_context("spawn"), initial_allowance=1_000)
     batches = RolloutBatches(
         channel=channel,
         batcher=TokenBudgetBatcher(token_budget=BUDGET, num_processes=1),
         progress=TrainedPrompts(0),
-        check_health=lambda: None,
+        check_health=check_health,
         current_version=lambda: int(channel.model_version.value),
         record=lambda name, value: None,
         max_staleness=max_staleness,
@@ -83,8 +102,8 @@ def _put_group(channel: RolloutChannel, position: int, num_samples: int = 2, len
     channel.samples.put(GroupFinished(position, position, num_samples))
 
 
-def test_a_partial_micro_batch_waits_while_rollouts_are_in_flight():
-    channel, batches = _pipeline()
+def test_a_partial_micro_batch_waits_while_rollouts_are_in_flight(pipeline):
+    channel, batches = pipeline()
     reader = Reader(batches)
     _put_group(channel, 0)  # 16 of 64 tokens; more is being generated
     reader.request()
@@ -95,8 +114,8 @@ def test_a_partial_micro_batch_waits_while_rollouts_are_in_flight():
     assert len(reader.got[0].samples) == 8
 
 
-def test_the_partial_micro_batch_closes_right_after_the_rollout_process_is_idle():
-    channel, batches = _pipeline(max_staleness=0)
+def test_the_partial_micro_batch_closes_right_after_the_rollout_process_is_idle(pipeline):
+    channel, batches = pipeline(max_staleness=0)
     reader = Reader(batches)
     _put_group(channel, 0)
     reader.request()
@@ -110,8 +129,8 @@ def test_the_partial_micro_batch_closes_right_after_the_rollout_process_is_idle(
     assert channel.consumed_tokens.value == 16
 
 
-def test_an_outdated_idle_item_does_not_close_the_micro_batch():
-    channel, batches = _pipeline()
+def test_an_outdated_idle_item_does_not_close_the_micro_batch(pipeline):
+    channel, batches = pipeline()
     reader = Reader(batches)
     _put_group(channel, 0)
     view = channel.trainer_view()
@@ -125,8 +144,8 @@ def test_an_outdated_idle_item_does_not_close_the_micro_batch():
     assert len(reader.got[0].samples) == 2
 
 
-def test_out_of_prompts_trains_what_is_left_then_ends_the_iteration():
-    channel, batches = _pipeline()
+def test_out_of_prompts_trains_what_is_left_then_ends_the_iteration(pipeline):
+    channel, batches = pipeline()
     reader = Reader(batches)
     _put_group(channel, 0)
     _put_group(channel, 1)
@@ -140,8 +159,8 @@ def test_out_of_prompts_trains_what_is_left_then_ends_the_iteration():
 
 
 @pytest.mark.parametrize("reason", ["staleness", "on-policy"])
-def test_an_idle_item_with_an_empty_batcher_changes_nothing(reason):
-    channel, batches = _pipeline()
+def test_an_idle_item_with_an_empty_batcher_changes_nothing(pipeline, reason):
+    channel, batches = pipeline()
     reader = Reader(batches)
     channel.samples.put(RolloutIdle(reason, channel.trainer_view()))
     reader.request()
@@ -150,3 +169,16 @@ def test_an_idle_item_with_an_empty_batcher_changes_nothing(reason):
     channel.samples.put(RolloutIdle(reason, channel.trainer_view()))
     assert reader.arrived(timeout_s=5.0)
     assert len(reader.got[0].samples) == 2
+
+
+def test_waiting_while_every_finished_prompt_was_dropped_is_a_warning(pipeline, caplog):
+    channel, batches = pipeline()
+    batches.notice_after_s = 0.2
+    reader = Reader(batches)
+    for position in range(3):
+        channel.samples.put(GroupFinished(position, position, 0))  # zero reward std: nothing queued
+    with caplog.at_level("INFO", logger="asyncgrpo.train.rollout_batches"):
+        reader.request()
+        assert not reader.arrived(timeout_s=1.0)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings and "all 3 prompts finished so far were dropped" in warnings[0].getMessage()

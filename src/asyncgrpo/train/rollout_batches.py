@@ -188,13 +188,25 @@ class RolloutBatches:
                 self.check_health()
                 now = time.monotonic()
                 if now >= next_notice:
-                    logger.info(
-                        "waited %.0fs for rollout samples (%d prompts finished so far, %d of them dropped: zero "
-                        "reward std or filtered); if this persists, check the reward function and frac_reward_zero_std",
-                        now - waiting_since, self._markers_seen, self._empty_markers,
-                    )
+                    self._notice_waiting(now - waiting_since)
                     next_notice = now + self.notice_after_s
         return self._ready.pop(0)
+
+    def _notice_waiting(self, waited_s: float) -> None:
+        if self._markers_seen and self._empty_markers == self._markers_seen:
+            # nothing to learn from so far: say it loudly, a run like this never takes a step
+            logger.warning(
+                "waited %.0fs for rollout samples: all %d prompts finished so far were dropped (equal rewards "
+                "within every group, or rejected by filter_prompt), so there is nothing to train on; check that "
+                "the model can do the task at all and what the reward functions return (see frac_reward_zero_std)",
+                waited_s, self._markers_seen,
+            )
+            return
+        logger.info(
+            "waited %.0fs for rollout samples (%d prompts finished so far, %d of them dropped: zero "
+            "reward std or filtered); if this persists, check the reward function and frac_reward_zero_std",
+            waited_s, self._markers_seen, self._empty_markers,
+        )
 
     # -- every rank -------------------------------------------------------------------------------
 
