@@ -152,30 +152,33 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while True:
-                idle = self._frozen() or not self.scheduler.has_work()
-                commands = []
-                try:
-                    commands.append(self._commands.get(block=idle, timeout=0.5 if idle else None))
-                    while True:
-                        commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    pass
-                for cmd in commands:
-                    self._handle(cmd)
-                if self._stopping:
-                    break
+            while not self._stopping:
                 if self.pause_mode == "wait" and not self.scheduler.has_work():
                     for fut in self._wait_futures:
                         self._resolve(fut)
                     self._wait_futures.clear()
-                if not self._frozen() and self.scheduler.has_work():
+                # with nothing to run, sleep until a command arrives (no polling)
+                idle = self._frozen() or not self.scheduler.has_work()
+                for cmd in self._next_commands(block=idle):
+                    self._handle(cmd)
+                if not self._stopping and not self._frozen() and self.scheduler.has_work():
                     self._step()
         except BaseException:
             self.dead = traceback.format_exc()
             logger.error("engine thread died:\n%s", self.dead)
             self._fail_all("engine thread died; see the server log")
             raise
+
+    def _next_commands(self, block: bool) -> list[tuple]:
+        """Every queued command; when block, wait for the first one."""
+        commands = []
+        try:
+            commands.append(self._commands.get(block=block))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
