@@ -42,6 +42,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "temperature > 0 and top_k > 0).",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="Shut down when this process, the server's parent, exits (set by asyncgrpo.launch.EmbeddedServer).",
+    )
     p.set_defaults(func=_run_serve)
 
 

@@ -12,6 +12,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +27,8 @@ def free_port() -> int:
 
 
 class EmbeddedServer:
-    """`asyncgrpo serve MODEL` as a child process, stopped by pid on exit.
+    """`asyncgrpo serve MODEL` as a child process, stopped by pid on exit; it also stops by itself
+    when this process dies without stopping it (killed, crashed).
 
     >>> with EmbeddedServer("asyncgrpo/tiny-chat") as server:
     ...     print(server.url)
@@ -54,13 +59,14 @@ class EmbeddedServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> EmbeddedServer:
+    def start(self) -> Self:
+        # --parent-pid: the server shuts itself down if this process dies without stopping it
         cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", self.model, "--port", str(self.port),
-               "--device", self.device, *self.extra_args]
+               "--device", self.device, "--parent-pid", str(os.getpid()), *self.extra_args]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **(self.env or {})}
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "w")
+            self._log_file = open(self.log_path, "w")  # noqa: SIM115 -- the child writes to it; closed in stop()
         out = self._log_file or subprocess.DEVNULL
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._wait_ready()
@@ -99,7 +105,7 @@ class EmbeddedServer:
             self._log_file.close()
             self._log_file = None
 
-    def __enter__(self) -> EmbeddedServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

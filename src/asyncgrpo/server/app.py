@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 import uuid
 from typing import Any
@@ -375,11 +376,33 @@ async def _serve(args: argparse.Namespace, server: Server) -> None:
     await runner.cleanup()
 
 
+def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 30.0) -> threading.Thread:
+    """Watch the process that started this one: once it is gone (this process was re-parented, which
+    is how POSIX reports a dead parent, killed or not), send ourselves SIGTERM -- a clean shutdown
+    once serving, an immediate exit while still loading -- and exit hard if that has not finished
+    after grace_s. Returns the (daemon) watcher thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        logger.warning("the launching process %d is gone; shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        logger.error("shutdown did not finish within %.0f s of the launcher's exit; exiting", grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli`)."""
     logging.basicConfig(
         level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
     device = resolve_device(args.device)
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
