@@ -164,7 +164,9 @@ class ModelRunner:
             pos.append(p)
             slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
             prefill_lens.append(n)
-        flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)])).to(self.device)
+        # non_blocking: a plain host->device copy would wait for all queued device work first
+        flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
+        flat = flat.to(self.device, non_blocking=True)
         num_decode = 0 if dec is None else len(dec.token_ids)
         last = np.concatenate([np.arange(num_decode), num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1])
         meta = build_metadata(
@@ -179,7 +181,7 @@ class ModelRunner:
             input_ids=flat[0][None],
             position_ids=flat[1][None],
             use_cache=False,
-            logits_to_keep=torch.from_numpy(last).to(self.device),
+            logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
             kv_meta=meta,
         )
         return out.logits[0]
@@ -216,8 +218,10 @@ class ModelRunner:
         top_k, top_p = p.top_k[rows], p.top_p[rows]
         num_top = int(p.num_top_logprobs[rows].max())
         mask_width = int(p.mask_width[rows].max())
-        floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]])).to(self.device)
-        ints = torch.from_numpy(np.stack([top_k, p.seed_hash[rows], positions])).to(self.device)
+        # non_blocking: the decode graph may still be running; a plain copy would wait for it
+        floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]]))
+        ints = torch.from_numpy(np.stack([top_k, p.seed_hash[rows], positions]))
+        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         return SamplingBatch(
             temperature=floats[0],
             top_k=ints[0],
