@@ -27,10 +27,12 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import AsyncGRPOConfig
-    from asyncgrpo.rollout.loop import AsyncRolloutLoop
-    from asyncgrpo.train.trainer import AsyncGRPOTrainer
-    from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+    from asyncgrpo.config import AsyncGRPOConfig as AsyncGRPOConfig
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop as AsyncRolloutLoop
+    from asyncgrpo.train.trainer import AsyncGRPOTrainer as AsyncGRPOTrainer
+    from asyncgrpo.types import Rollout as Rollout
+    from asyncgrpo.types import RolloutGroup as RolloutGroup
+    from asyncgrpo.types import TurnRecord as TurnRecord
 
 
 def __getattr__(name: str) -> Any:

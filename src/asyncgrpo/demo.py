@@ -136,7 +136,7 @@ class DemoProgress(TrainerCallback):
     def __init__(self, path: Path, evaluator: HeldOutAccuracy, eval_every: int, max_steps: int, before: float) -> None:
         from tqdm.auto import tqdm
 
-        self.file = open(path, "w")
+        self.file = open(path, "w")  # noqa: SIM115 -- open for the whole run, closed in close()
         self.evaluator = evaluator
         self.eval_every = eval_every
         self.bar = tqdm(total=max_steps, desc="training", unit="step")

@@ -28,21 +28,21 @@ def server(tmp_path_factory):
 
 
 def _config(tmp_path, server, cls=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        vllm_server_base_url=server.url,
-        num_generations=4,
-        max_completion_length=32,
-        learning_rate=1e-4,
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=0,
-    )
+    kwargs = {
+        "output_dir": str(tmp_path / "out"),
+        "vllm_server_base_url": server.url,
+        "num_generations": 4,
+        "max_completion_length": 32,
+        "learning_rate": 1e-4,
+        "bf16": False,
+        "use_cpu": True,
+        "gradient_checkpointing": False,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "seed": 0,
+    }
     kwargs.update(overrides)
     return cls(**kwargs)
 

@@ -126,7 +126,7 @@ class GenerationClient:
         if session is not None:
             await session.close()
 
-    async def __aenter__(self) -> GenerationClient:
+    async def __aenter__(self) -> GenerationClient:  # noqa: PYI034 -- typing.Self needs Python 3.11
         await self.start()
         return self
 

@@ -97,7 +97,7 @@ class ServerLink:
     def _resume_after_failure(self) -> None:
         try:
             self._run(self.client.resume(), timeout_s=30)
-        except Exception as exc:  # the push error is the one to report; say the resume failed too
+        except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
 
     def close(self) -> None:

@@ -290,7 +290,7 @@ class AsyncGRPOTrainer(Trainer):
             n = len(self.prompt_dataset)
         except TypeError:
             return None  # a stream: it ends when the rollout process runs out of prompts
-        return int(math.ceil(self.args.num_train_epochs * n))
+        return math.ceil(self.args.num_train_epochs * n)
 
     def _start_rollout(self, info: Any, start_position: int) -> None:
         args = self.args
@@ -300,17 +300,17 @@ class AsyncGRPOTrainer(Trainer):
         if args.log_completions:
             self._channel.extra["completions"] = ctx.Queue()
         self._channel.model_version.value = self.model_version
-        loop_kwargs = dict(
-            config=args,
-            model_name=info.model_name,
-            dataset=self.prompt_dataset,
-            reward_funcs=self.reward_funcs,
-            processing_class=self.processing_class,
-            eos_token_ids=eos_token_ids(self.model, self.processing_class),
-            tools=self.tools,
-            environment_factory=self.environment_factory,
-            dataset_start_index=start_position,
-        )
+        loop_kwargs = {
+            "config": args,
+            "model_name": info.model_name,
+            "dataset": self.prompt_dataset,
+            "reward_funcs": self.reward_funcs,
+            "processing_class": self.processing_class,
+            "eos_token_ids": eos_token_ids(self.model, self.processing_class),
+            "tools": self.tools,
+            "environment_factory": self.environment_factory,
+            "dataset_start_index": start_position,
+        }
         self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
         self._worker.start()
 
