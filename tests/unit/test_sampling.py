@@ -13,6 +13,7 @@ from asyncgrpo.server.sampling import (
     apply_repetition_penalty,
     hash_uniform,
     plan_columns,
+    row_hash,
     sample,
     seed_hash,
     sortable_keys,
@@ -30,8 +31,8 @@ def _batch(rows: list[dict], vocab: int, positions: list[int] | None = None, top
         top_k=torch.tensor(top_ks, dtype=torch.int64),
         top_p=torch.tensor(top_ps, dtype=torch.float32),
         min_p=torch.tensor([r.get("min_p", 0.0) for r in rows], dtype=torch.float32),
-        seed_hashes=seed_hash(torch.tensor([r.get("seed", 0) for r in rows], dtype=torch.int64)),
-        positions=torch.tensor(positions or [0] * len(rows), dtype=torch.int64),
+        row_hashes=row_hash(seed_hash(torch.tensor([r.get("seed", 0) for r in rows], dtype=torch.int64)),
+                            torch.tensor(positions or [0] * len(rows), dtype=torch.int64)),
         num_sorted=plan_columns(top_ks, top_ps, top_logprobs, mask_width, vocab),
         num_top_logprobs=top_logprobs,
         mask_width=mask_width,
@@ -199,10 +200,13 @@ def test_plan_columns():
     assert plan_columns([500], [1.0], 0, 0, 100) == 100
 
 
-def test_seed_hash_is_the_same_on_numpy_and_torch():
-    """The server hashes seeds on the host (numpy) when a sequence is admitted and draws on the device."""
+def test_seed_and_row_hashes_are_the_same_on_numpy_and_torch():
+    """The server hashes seeds and positions on the host (numpy) and draws on the device."""
     seeds = [0, 1, -5, 2**40 + 3, -(2**63), 2**63 - 1]
     host = seed_hash(np.array(seeds, dtype=np.int64))
     device = seed_hash(torch.tensor(seeds, dtype=torch.int64))
     assert host.tolist() == device.tolist()
     assert token_hash(np.arange(50)).tolist() == token_hash(torch.arange(50)).tolist()
+    positions = [0, 3, 7, 2**33, 5, 1]
+    assert (row_hash(host, np.array(positions)).tolist()
+            == row_hash(device, torch.tensor(positions)).tolist())

@@ -25,6 +25,7 @@ from asyncgrpo.server.sampling import (
     SamplingBatch,
     apply_repetition_penalty,
     plan_columns,
+    row_hash,
     sample,
     seed_hash,
     token_hash,
@@ -220,15 +221,14 @@ class ModelRunner:
         mask_width = int(p.mask_width[rows].max())
         # non_blocking: the decode graph may still be running; a plain copy would wait for it
         floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]]))
-        ints = torch.from_numpy(np.stack([top_k, p.seed_hash[rows], positions]))
+        ints = torch.from_numpy(np.stack([top_k, row_hash(p.seed_hash[rows], positions)]))
         floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
         return SamplingBatch(
             temperature=floats[0],
             top_k=ints[0],
             top_p=floats[1],
             min_p=floats[2],
-            seed_hashes=ints[1],
-            positions=ints[2],
+            row_hashes=ints[1],
             num_sorted=plan_columns(top_k, top_p, num_top, mask_width, self.vocab_size),
             num_top_logprobs=num_top,
             mask_width=mask_width,

@@ -43,8 +43,7 @@ class SamplingBatch:
     top_k: torch.Tensor  # int64; 0 = off
     top_p: torch.Tensor  # float32 in (0, 1]
     min_p: torch.Tensor  # float32 in [0, 1]
-    seed_hashes: torch.Tensor  # int64: `seed_hash` of each row's seed
-    positions: torch.Tensor  # int64: index of the token being drawn in the output
+    row_hashes: torch.Tensor  # int64: `row_hash` of each row's seed and the output index being drawn
     num_sorted: int  # columns of the sorted candidate list; 0 = no sort, >= vocab = full sort
     num_top_logprobs: int  # K of the top-K log-prob list (max over rows)
     mask_width: int  # columns of the candidate-id output (max top_k over rows that want masks)
@@ -128,12 +127,16 @@ def token_hash(token_ids):
     return _fmix32(_mul32(token_ids & _M32, 0x9E3779B1) ^ 0x03707344)
 
 
-def hashed_uniform(seed_hashes: torch.Tensor, positions: torch.Tensor, token_hashes: torch.Tensor) -> torch.Tensor:
-    """`hash_uniform` from precomputed `seed_hash` [B] and `token_hash` ([B, N] or [N]) values."""
-    row = _fmix32(seed_hashes ^ (positions & _M32) ^ 0x13198A2E)
+def row_hash(seed_hashes, positions):
+    """Per-draw part of the hash: `seed_hash` values and output positions (torch or numpy int64, [B])."""
+    return _fmix32(seed_hashes ^ (positions & _M32) ^ 0x13198A2E)
+
+
+def hashed_uniform(row_hashes: torch.Tensor, token_hashes: torch.Tensor) -> torch.Tensor:
+    """`hash_uniform` from precomputed `row_hash` [B] and `token_hash` ([B, N] or [N]) values."""
     if token_hashes.dim() == 1:
         token_hashes = token_hashes[None, :]
-    h = _fmix32(row[:, None] ^ token_hashes)
+    h = _fmix32(row_hashes[:, None] ^ token_hashes)
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
@@ -143,7 +146,7 @@ def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.
     seeds, positions: [B] int64; token_ids: [B, N] or [N] int64. Returns [B, N] float32 with 24
     random bits each.
     """
-    return hashed_uniform(seed_hash(seeds), positions, token_hash(token_ids))
+    return hashed_uniform(row_hash(seed_hash(seeds), positions), token_hash(token_ids))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
@@ -256,7 +259,7 @@ def sorted_candidates(
 def _draw(cand_ids: torch.Tensor, cand_lp: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Column [B, 1] of the drawn token among the candidates (cand_ids [B, C] or [C], log-probs [B, C]):
     the seeded exponential race, or the first best column for greedy rows."""
-    u = hashed_uniform(batch.seed_hashes, batch.positions, batch.token_hashes[cand_ids])
+    u = hashed_uniform(batch.row_hashes, batch.token_hashes[cand_ids])
     race = cand_lp - torch.log(-torch.log(u))
     score = torch.where(greedy[:, None], cand_lp, race)
     return score.argmax(dim=-1, keepdim=True)
