@@ -40,7 +40,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 import numpy as np
 import torch
 import torch.distributed as dist
-from packing import SHAPES, make_rows, make_samples, step_flops
+from packing import SHAPES, add_workload_arguments, make_rows, make_samples, step_flops
 
 
 def row_loss(model, samples, num_trained_global: int, device: torch.device) -> tuple[torch.Tensor, dict]:
@@ -202,16 +202,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", nargs="+", default=None, help=f"from {sorted(SHAPES)}")
-    parser.add_argument("--groups", type=int, default=None)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--min-completion", type=int, default=None)
-    parser.add_argument("--max-completion", type=int, default=None)
-    parser.add_argument("--token-budget", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
+    add_workload_arguments(parser)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="No activation checkpointing (default: on, as in training).")
     parser.add_argument("--peak-tflops", type=float, default=791.0)

@@ -248,8 +248,8 @@ def print_table(results):
               f"{r['logprob_max_abs_diff']:.3g}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model shapes and the synthetic workload (shared with bench/fsdp_step.py); None = device default."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=None, help=f"from {sorted(SHAPES)}")
     parser.add_argument("--groups", type=int, default=None)
@@ -260,6 +260,11 @@ def main(argv=None):
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_arguments(parser)
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--diff-samples", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=791.0)

@@ -1,4 +1,4 @@
-"""`asyncgrpo demo`: watch RL improve the bundled tiny model on a laptop, in minutes.
+"""`asyncgrpo demo`: RL on the bundled tiny model on a laptop, held-out accuracy before and after.
 
     embedded server (subprocess, CPU) <-- weights every step -- AsyncGRPOTrainer (this process)
            ^  rollouts                                              |

@@ -41,6 +41,16 @@ def _params(seed: int, max_tokens: int) -> SeqParams:
                      want_mask=True)
 
 
+def _step(sched, runner) -> None:
+    """One engine step: schedule, run, record the outputs, release finished sequences."""
+    plan = sched.schedule()
+    scheduled = plan.decode + plan.prefill
+    runner.step(plan.decode, plan.prefill).record(scheduled, "v")
+    for s in scheduled:
+        if s.finished:
+            sched.remove(s)
+
+
 def _run(model, static: bool) -> list[Sequence]:
     sched, runner = _engine(model, static)
     seqs = [Sequence(i, f"r{i}", 0, list(range(3 + i, 10 + 2 * i)), _params(i, 12 + 3 * i), MAX_LEN)
@@ -50,12 +60,7 @@ def _run(model, static: bool) -> list[Sequence]:
     while any(not s.finished for s in seqs):
         if pending and steps % 3 == 0:  # one new request every third step: mixed and decode-only steps
             sched.add(pending.pop(0))
-        plan = sched.schedule()
-        scheduled = plan.decode + plan.prefill
-        runner.step(plan.decode, plan.prefill).record(scheduled, "v")
-        for s in scheduled:
-            if s.finished:
-                sched.remove(s)
+        _step(sched, runner)
         steps += 1
     assert sched.allocator.num_free == sched.allocator.num_blocks
     return seqs
@@ -84,12 +89,7 @@ def test_rows_taken_over_by_new_sequences_sample_with_their_own_parameters():
     for s in first + second:
         sched.add(s)
     while sched.has_work():
-        plan = sched.schedule()
-        scheduled = plan.decode + plan.prefill
-        runner.step(plan.decode, plan.prefill).record(scheduled, "v")
-        for s in scheduled:
-            if s.finished:
-                sched.remove(s)
+        _step(sched, runner)
     for s in second:
         # min_tokens keeps the stop ids (half the vocabulary) out of the first 3 tokens
         assert all(t >= 50 for t in s.output[:3]) and 4 <= len(s.output) <= 6

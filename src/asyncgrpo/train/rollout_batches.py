@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from asyncgrpo import metrics as M
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutIdle
+from asyncgrpo.train.distributed import rank_and_world_size
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.staleness import is_stale
 
@@ -211,8 +212,7 @@ class RolloutBatches:
     # -- every rank -------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[MicroBatchInput]:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank, world = rank_and_world_size()
         while not self._finished:
             payload: list[Any] = [None] * world
             if rank == 0:

@@ -50,7 +50,7 @@ from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
-from asyncgrpo.train.distributed import broadcast_from_rank0
+from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
@@ -587,7 +587,7 @@ def _all_reduce_stats(stats: LossStats) -> LossStats:
     """Loss statistics summed (and min/max-ed) over all processes."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world_size()[1] == 1:
         return stats
     for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN), (stats.maxs, dist.ReduceOp.MAX)):
         for value in values.values():
