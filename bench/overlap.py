@@ -11,7 +11,7 @@ both. Per-step times compare equal work only as far as the steps train as many t
 tokens per step and per second are reported too.
 
     python bench/overlap.py                        # CPU, bundled tiny model
-    python bench/overlap.py --device cuda --model asyncgrpo/tiny-chat
+    python bench/overlap.py --device cuda --server-device cuda:1   # trainer on GPU 0, server on GPU 1
 
 Writes bench/results/overlap_<device>.json.
 """
@@ -98,7 +98,9 @@ def medians(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="asyncgrpo/tiny-chat")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="The trainer's device (cpu or cuda).")
+    parser.add_argument("--server-device", default=None,
+                        help="The embedded server's device (default: --device), e.g. cuda:1 beside a trainer on cuda:0.")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=512)
@@ -117,7 +119,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/asyncgrpo-overlap")
     server = None if args.server_url else EmbeddedServer(
-        args.model, device=args.device, log_path=work / "server.log").start()
+        args.model, device=args.server_device or args.device, log_path=work / "server.log").start()
     url = args.server_url or server.url
     load_before = os.getloadavg()
     runs = []

@@ -3,9 +3,12 @@ a plain transformers `generate` loop (and optionally a running vLLM) on the same
 
 Each level sends C requests at once to /inference/v1/generate (aiohttp; fixed random prompts,
 temperature 1, top_k 20, ignore_eos, N tokens each, one seed per request) and counts completion
-tokens over the wall time of the wave. The baseline is `model.generate` on the same C prompts as one
-batch (sampling, top_k 20, exactly N new tokens). `--logprobs K` adds a pass that also asks for K
-top log-probs (the baseline then returns scores and takes the top K of their log-softmax).
+tokens over the wall time of the wave. Two transformers baselines, sampling with top_k 20 and exactly
+N new tokens: `model.generate` on the same C prompts as one batch (what a careful user writes), and
+the plain loop that calls `model.generate` on one prompt after the other (what serving requests with
+transformers does without a batching server; its rate does not depend on C, so it is measured once
+on `--loop-prompts` prompts). `--logprobs K` adds a pass that also asks for K top log-probs (the
+baselines then return scores and take the top K of their log-softmax).
 
     python bench/serve_throughput.py                               # CPU, bundled tiny model (~1-2 min)
     python bench/serve_throughput.py --random-qwen3 0.6b --device cuda --logprobs 8 \
@@ -90,6 +93,17 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
+def hf_loop(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
+    """`generate` on one prompt after the other: the rate of serving requests one at a time."""
+    hf_wave(model, prompts[:1], 4, top_k, logprobs, device)  # warm-up
+    tokens, seconds = 0, 0.0
+    for prompt in prompts:
+        r = hf_wave(model, [prompt], max_tokens, top_k, logprobs, device)
+        tokens += r["tokens"]
+        seconds += r["seconds"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
 def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     ids = torch.tensor(prompts, device=device)
     kwargs = {
@@ -152,6 +166,9 @@ def run_hf(path: str, args, levels, prompts) -> dict:
             r = hf_wave(model, prompts[:c], args.max_tokens, args.top_k, k, args.device)
             results[f"{k}:{c}"] = r
             print(f"  hf generate     logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s", flush=True)
+        r = hf_loop(model, prompts[: args.loop_prompts], args.max_tokens, args.top_k, k, args.device)
+        results[f"{k}:loop"] = r
+        print(f"  hf generate     logprobs={k:<2} one prompt at a time {r['tokens_per_s']:10.1f} tok/s", flush=True)
     del model
     gc.collect()
     if args.device.startswith("cuda"):
@@ -184,6 +201,7 @@ def main() -> None:
     p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM (same model).")
     p.add_argument("--vllm-wait-s", type=float, default=600, help="How long to wait for vLLM's /health.")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--loop-prompts", type=int, default=8, help="Prompts of the one-at-a-time generate loop.")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
     p.add_argument("--output", default=None)
     args = p.parse_args()
@@ -242,7 +260,7 @@ def main() -> None:
         results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts)
 
     print()
-    head = f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf':>10} {'x hf':>6}"
+    head = f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf batch':>10} {'x batch':>7} {'hf loop':>9} {'x loop':>7}"
     if args.vllm_url:
         head += f" {'vllm':>10} {'x vllm':>7}"
     print(head + "   (generated tokens/s)")
@@ -251,7 +269,10 @@ def main() -> None:
             key = f"{k}:{c}"
             ours = results["embedded"][key]["tokens_per_s"]
             hf = results.get("hf_generate", {}).get(key, {}).get("tokens_per_s")
-            line = f"{k:>8} {c:>5} {ours:>10.1f} {hf or float('nan'):>10.1f} {ours / hf if hf else float('nan'):>6.2f}"
+            loop = results.get("hf_generate", {}).get(f"{k}:loop", {}).get("tokens_per_s")
+            nan = float("nan")
+            line = f"{k:>8} {c:>5} {ours:>10.1f} {hf or nan:>10.1f} {ours / hf if hf else nan:>7.2f}"
+            line += f" {loop or nan:>9.1f} {ours / loop if loop else nan:>7.2f}"
             if args.vllm_url:
                 v = results["vllm"][key]["tokens_per_s"]
                 line += f" {v:>10.1f} {ours / v:>7.2f}"

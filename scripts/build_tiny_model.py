@@ -157,6 +157,8 @@ class BuildConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.01
+    # a habit that RL can break: a share of the arithmetic answers stop after the chain
+    unboxed_frac: float = 0.35  # "37 + 8 = 45." without the closing \boxed{45}
     # evaluation
     num_eval: int = 300  # per task
     eval_batch_size: int = 100
@@ -173,12 +175,27 @@ def counter_tools() -> list:
     return [counter.IncrementEnv().increment]
 
 
-def arithmetic_conversation(row: dict) -> list[dict]:
-    return row["prompt"] + [{"role": "assistant", "content": row["solution"]}]
+def arithmetic_conversation(row: dict, unboxed: bool = False) -> list[dict]:
+    """The worked chain and its ``\\boxed{}`` answer; ``unboxed``: the chain alone."""
+    answer = row["solution"].rsplit(" \\boxed", 1)[0] if unboxed else row["solution"]
+    return row["prompt"] + [{"role": "assistant", "content": answer}]
 
 
 def counter_conversation(row: dict) -> list[dict]:
     return row["prompt"] + counter.reference_messages(row["target"], row["max_step"])
+
+
+def training_conversations(arith: list[dict], count: list[dict], cfg: BuildConfig) -> list[list[dict]]:
+    """Every training conversation, arithmetic first.
+
+    A share ``cfg.unboxed_frac`` of the arithmetic answers (drawn with a fixed seed) stop after the
+    chain, without the ``\\boxed{}`` answer that rewards read: the model picks up the habit of
+    sometimes not answering, which RL on accuracy removes (one decision, the same for every
+    problem, on top of the arithmetic itself).
+    """
+    rng = random.Random(cfg.seed + 30)
+    out = [arithmetic_conversation(r, unboxed=rng.random() < cfg.unboxed_frac) for r in arith]
+    return out + [counter_conversation(r) for r in count]
 
 
 def render(tokenizer_or_template, conversation: list[dict], tools=None, add_generation_prompt=False) -> str:
@@ -488,8 +505,9 @@ def build(cfg: BuildConfig, out_dir: Path) -> dict:
     tokenizer = build_tokenizer(corpus, cfg)
     print(f"  vocab {len(tokenizer)}", flush=True)
 
-    texts = [render(tokenizer, arithmetic_conversation(r)) for r in train_arith]
-    texts += [render(tokenizer, counter_conversation(r), tools=tools) for r in train_count]
+    conversations = training_conversations(train_arith, train_count, cfg)
+    texts = [render(tokenizer, c) for c in conversations[: len(train_arith)]]
+    texts += [render(tokenizer, c, tools=tools) for c in conversations[len(train_arith) :]]
     examples = []
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         examples.append((ids, assistant_mask(ids, tokenizer)))
@@ -590,7 +608,10 @@ A {report["num_parameters"]:,}-parameter `Qwen3ForCausalLM` ({config.num_hidden_
 hidden {config.hidden_size}, {config.num_attention_heads} query / {config.num_key_value_heads} key-value \
 heads, tied embeddings) with its own byte-level BPE tokenizer ({report["vocab_size"]} tokens, digits \
 split) and a prefix-preserving Qwen3-style chat template with tool calling. Trained from scratch, \
-supervised, on the two synthetic tasks of `asyncgrpo.tasks`, so that RL has room to improve it.
+supervised, on the two synthetic tasks of `asyncgrpo.tasks`, so that RL has room to improve it. \
+{report["config"]["unboxed_frac"]:.0%} of its arithmetic training answers stop after the working, \
+without the `\\boxed{{}}` answer that rewards read: the model keeps that habit, and RL on accuracy \
+removes it (`asyncgrpo demo`).
 
 Held-out success, sampling at temperature 1.0 without top-k/top-p ({report["num_eval_per_task"]} items each):
 

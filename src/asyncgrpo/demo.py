@@ -5,7 +5,10 @@
            '----------- rollout process: arithmetic prompts, accuracy_reward
 
 Held-out accuracy is measured through the same server (sampling at temperature 1, several samples
-per question) before training, every `eval_every` steps, and after. The output directory receives
+per question) before training, every `eval_every` steps, and after, with the share of answers that
+carry a `\\boxed{}` answer at all: the tiny model sometimes stops after its working without one (a
+habit from its supervised data, see `scripts/build_tiny_model.py`), and RL on accuracy learns both to
+box the answer and to get more of the arithmetic right. The output directory receives
 `metrics.jsonl` (every logged step), `accuracy.json` and `reward_accuracy.png`.
 """
 
@@ -28,7 +31,7 @@ MODEL_ID = "asyncgrpo/tiny-chat"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default="asyncgrpo-demo", help="Where metrics, plot and logs go.")
-    parser.add_argument("--max-steps", type=int, default=40, help="Optimizer steps to train.")
+    parser.add_argument("--max-steps", type=int, default=60, help="Optimizer steps to train.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--num-generations", type=int, default=8)
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         evaluator = HeldOutAccuracy(url, tokenizer, eval_rows, samples=args.eval_samples, seed=args.seed)
         before = evaluator()
-        print(f"held-out accuracy before training: {before:.1%}")
+        print(f"held-out accuracy before training: {before:.1%} (answers boxed: {evaluator.boxed:.1%})")
+        boxed_before = evaluator.boxed
         config = AsyncGRPOConfig(
             output_dir=str(out / "trainer"),
             vllm_server_base_url=url,
@@ -101,17 +105,20 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     wall_s = time.perf_counter() - started
-    result = {"accuracy_before": before, "accuracy_after": after, "steps": args.max_steps, "wall_s": wall_s,
-              "seed": args.seed, "eval_prompts": len(eval_rows), "eval_samples": args.eval_samples}
+    result = {"accuracy_before": before, "accuracy_after": after, "boxed_before": boxed_before,
+              "boxed_after": evaluator.boxed, "steps": args.max_steps, "wall_s": wall_s, "seed": args.seed,
+              "eval_prompts": len(eval_rows), "eval_samples": args.eval_samples}
     (out / "accuracy.json").write_text(json.dumps(result, indent=2))
-    print(f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) in {wall_s:.0f}s")
+    print(f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) in {wall_s:.0f}s;"
+          f" answers boxed: {boxed_before:.1%} -> {evaluator.boxed:.1%}")
     plot_path = plot(out / "metrics.jsonl", out / "reward_accuracy.png")
     print(f"metrics: {out / 'metrics.jsonl'}" + (f"\nplot: {plot_path}" if plot_path else ""))
     return 0
 
 
 class HeldOutAccuracy:
-    """Fraction of correct `\\boxed{}` answers on held-out questions, sampled through the server."""
+    """Fraction of correct `\\boxed{}` answers on held-out questions, sampled through the server;
+    `boxed` is the fraction of answers of the last call that had a `\\boxed{}` at all."""
 
     def __init__(self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int) -> None:
         self.url = url
@@ -119,15 +126,24 @@ class HeldOutAccuracy:
         self.rows = rows
         self.samples = samples
         self.seed = seed
+        self.boxed = float("nan")
 
     def __call__(self) -> float:
         from asyncgrpo.evaluate import evaluate, last_message_text
         from asyncgrpo.tasks import arithmetic
 
-        return evaluate(
-            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48,
-            score=lambda row, rollout: float(arithmetic.is_correct(last_message_text(rollout), row["answer"])),
+        boxed: list[bool] = []
+
+        def score(row: dict, rollout) -> float:
+            text = last_message_text(rollout)
+            boxed.append(arithmetic.extract_boxed(text) is not None)
+            return float(arithmetic.is_correct(text, row["answer"]))
+
+        accuracy = evaluate(
+            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48, score=score
         )
+        self.boxed = sum(boxed) / max(1, len(boxed))
+        return accuracy
 
 
 class DemoProgress(TrainerCallback):
@@ -142,7 +158,7 @@ class DemoProgress(TrainerCallback):
         self.bar = tqdm(total=max_steps, desc="training", unit="step")
         self.last_reward = float("nan")
         self.accuracy = before
-        self._write({"step": 0, "heldout_accuracy": before})
+        self._write({"step": 0, "heldout_accuracy": before, "heldout_boxed": evaluator.boxed})
 
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -156,12 +172,13 @@ class DemoProgress(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.eval_every and state.global_step % self.eval_every == 0 and state.global_step < state.max_steps:
             self.accuracy = self.evaluator()
-            self._write({"step": state.global_step, "heldout_accuracy": self.accuracy})
+            self._write({"step": state.global_step, "heldout_accuracy": self.accuracy,
+                         "heldout_boxed": self.evaluator.boxed})
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{self.last_reward:.2f}", heldout_acc=f"{self.accuracy:.1%}")
 
     def close(self, after: float, step: int) -> None:
-        self._write({"step": step, "heldout_accuracy": after})
+        self._write({"step": step, "heldout_accuracy": after, "heldout_boxed": self.evaluator.boxed})
         self.bar.close()
         self.file.close()
 
@@ -179,11 +196,14 @@ def plot(metrics_path: Path, png_path: Path) -> Path | None:
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     reward = [(r["step"], r["reward"]) for r in records if "reward" in r]
     accuracy = [(r["step"], r["heldout_accuracy"]) for r in records if "heldout_accuracy" in r]
+    boxed = [(r["step"], r["heldout_boxed"]) for r in records if "heldout_boxed" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if reward:
         ax.plot(*zip(*reward), label="reward (rollouts)", alpha=0.7)
     if accuracy:
         ax.plot(*zip(*accuracy), "o-", label="held-out accuracy")
+    if boxed:
+        ax.plot(*zip(*boxed), "s--", label="held-out answers boxed", alpha=0.7)
     ax.set_xlabel("optimizer step")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

@@ -260,3 +260,34 @@ def test_template_is_prefix_preserving_over_a_tool_conversation(tokenizer, with_
         assert "<|im_start|>assistant\n<think>\nstep 0: think\n</think>\n\n<tool_call>" in rendered
     else:
         assert "<think>" not in rendered
+
+
+# ----------------------------------------------------------------------------------- build script data
+
+
+def _build_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "build_tiny_model.py"
+    spec = importlib.util.spec_from_file_location("build_tiny_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_data_leaves_a_share_of_arithmetic_answers_unboxed():
+    build = _build_script()
+    cfg = build.BuildConfig()
+    arith = arithmetic.make_dataset(2000, seed=5)
+    count = counter.make_dataset(50, seed=6)
+    conversations = build.training_conversations(arith, count, cfg)
+    assert len(conversations) == 2050
+    answers = [c[-1]["content"] for c in conversations[:2000]]
+    unboxed = [a for a in answers if arithmetic.extract_boxed(a) is None]
+    assert abs(len(unboxed) / 2000 - cfg.unboxed_frac) < 0.04
+    for row, answer in zip(arith, answers):  # unboxed answers are the same chain, stopped before the box
+        assert answer == row["solution"] or (row["solution"].startswith(answer) and answer.endswith("."))
+    # the counter conversations are the reference tool calls, untouched
+    assert conversations[2000][1:] == counter.reference_messages(count[0]["target"], count[0]["max_step"])
+    assert build.training_conversations(arith, count, cfg) == conversations  # seeded

@@ -1,0 +1,40 @@
+"""`asyncgrpo demo` end to end, shortened: embedded server, held-out evaluation, training, outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_demo_trains_and_writes_accuracy_metrics_and_plot(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "asyncgrpo.cli", "demo", "--output-dir", str(out), "--max-steps", "2",
+           "--num-train-prompts", "64", "--num-eval-prompts", "8", "--eval-samples", "1", "--eval-every", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "held-out accuracy before training:" in run.stdout
+    assert "held-out accuracy:" in run.stdout and "answers boxed:" in run.stdout
+
+    result = json.loads((out / "accuracy.json").read_text())
+    assert result["steps"] == 2 and result["eval_prompts"] == 8
+    for key in ("accuracy_before", "accuracy_after", "boxed_before", "boxed_after"):
+        assert 0.0 <= result[key] <= 1.0, (key, result)
+    # 8 questions x 1 sample: every rate is a multiple of 1/8
+    assert (result["accuracy_before"] * 8) % 1 == 0 and (result["boxed_after"] * 8) % 1 == 0
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "reward" in r and "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    evaluations = [r for r in records if "heldout_accuracy" in r]
+    assert [r["step"] for r in evaluations] == [0, 1, 2]  # before, every step (eval_every=1), after
+    assert all(0.0 <= r["heldout_boxed"] <= 1.0 for r in evaluations)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no plot" in run.stdout
+    else:
+        assert (out / "reward_accuracy.png").stat().st_size > 0
