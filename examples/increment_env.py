@@ -4,7 +4,7 @@ The model brings a counter to a target by calling the environment's `increment` 
 environment scores the episode from its own state (`get_reward`). The dataset owns the task: its
 `target` and `max_step` columns reach `reset(**row)`. Runs on CPU in a few minutes:
 
-    python examples/increment_env.py --max-steps 30 --seed 0
+    python examples/increment_env.py --max-steps 60 --seed 0
 
 It prints the held-out success rate (counter exactly at the target) before and after training.
 """
@@ -54,9 +54,10 @@ class IncrementEnv:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--model", default=MODEL, help="Model id or path (default: the bundled tiny model).")
     parser.add_argument("--eval-rows", type=int, default=100)
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--output-dir", default="asyncgrpo-increment")
@@ -66,9 +67,9 @@ def main() -> None:
 
     eval_rows = counter.make_dataset(args.eval_rows, seed=10_000 + args.seed)
     train = Dataset.from_list(counter.make_dataset(2000, seed=args.seed))
-    tokenizer = load_tokenizer(MODEL, trust_remote_code=False)
+    tokenizer = load_tokenizer(args.model, trust_remote_code=False)
     started = time.perf_counter()
-    with EmbeddedServer(MODEL, log_path=os.path.join(args.output_dir, "server.log")) as server:
+    with EmbeddedServer(args.model, log_path=os.path.join(args.output_dir, "server.log")) as server:
         def success_rate() -> float:
             return evaluate(server.url, tokenizer, eval_rows, environment_factory=IncrementEnv,
                             samples=args.eval_samples, seed=args.seed, max_tokens=48)
@@ -76,7 +77,7 @@ def main() -> None:
         before = success_rate()
         print(f"held-out success before training: {before:.1%}")
         trainer = AsyncGRPOTrainer(
-            model=MODEL,
+            model=args.model,
             train_dataset=train,
             environment_factory=IncrementEnv,
             processing_class=tokenizer,

@@ -1,67 +1,69 @@
-"""Training with plain tools: sync and async functions exposed to the model.
+"""Training with a plain tool: a module-level function the model calls, scored from the completion.
 
-Tools are module-level functions with type hints and Google-style docstrings (their JSON schema is
-built from them); sync ones run in a thread pool, async ones are awaited. A malformed call, an unknown
-tool name or a raising tool becomes a tool message carrying the error (counted in tools/*), never a
-crash; `tool_error_penalty` makes such calls cost reward.
+`tools=[fn, ...]` takes plain functions with type hints and a Google-style docstring (their JSON
+schema is built from them); sync ones run in a thread pool, async ones are awaited in the rollout.
+A malformed call, an unknown tool name or a raising tool becomes a tool message carrying the error
+(counted under tools/*), never a crash. Reward functions see the whole conversation: here they read
+the tool messages.
 
-The bundled tiny model was trained with one tool only (the counter task's `increment`): it cannot use
-these tools, its calls come out malformed and its answers wrong. A group still differs in how many
-broken calls it makes, so a short run trains (the model learns to stop making them); that checks the
-wiring on CPU. With a model that calls tools (--model, a local path or hub id) accuracy can move too.
+The task is the counter of the bundled tiny model, without an environment class: `increment` is an
+async function, and the counter it raises belongs to the rollout that calls it. Every rollout runs as
+its own asyncio task and an async tool runs inside it, so a `contextvars.ContextVar` set there is
+that rollout's alone. (Anything richer than one value, or a tool that must run in threads, wants
+`environment_factory`: one object per rollout, see increment_env.py.) The tiny model only knows
+this tool's exact signature and docstring; other tools confuse it.
 
-    python examples/tools.py --max-steps 5
+    python examples/tools.py --max-steps 30
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextvars
 import os
 
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.rewards import accuracy_reward
-from asyncgrpo.tasks import arithmetic
+from asyncgrpo.tasks import counter
 
 MODEL = "asyncgrpo/tiny-chat"
 
+_counter: contextvars.ContextVar[int] = contextvars.ContextVar("counter", default=0)
 
-def multiply(a: int, b: int) -> int:
+
+async def increment(step: int) -> int:
     """
-    Multiplies two integers.
+    Increment the internal counter.
 
     Args:
-        a: The first integer.
-        b: The second integer.
+        step: Value to add to the counter.
 
     Returns:
-        The product of the two integers.
+        The updated counter value.
     """
-    return a * b
+    if step < 1:
+        raise ValueError(f"step must be at least 1, got {step}")
+    _counter.set(_counter.get() + step)
+    return _counter.get()
 
 
-async def async_add(a: int, b: int) -> int:
-    """
-    Asynchronously adds two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The sum of the two integers.
-    """
-    await asyncio.sleep(0)
-    return a + b
+def reached_target(completions: list[list[dict]], target: list[int], max_step: list[int], **kwargs) -> list[float]:
+    """1.0 when the last counter value the tool returned is the target and no step exceeded max_step."""
+    rewards = []
+    for messages, goal, limit in zip(completions, target, max_step):
+        steps = [call["function"]["arguments"].get("step") for m in messages for call in m.get("tool_calls", [])]
+        values = [m["content"] for m in messages if m["role"] == "tool" and not str(m["content"]).startswith("Error")]
+        within = all(isinstance(s, int) and s <= limit for s in steps)
+        rewards.append(float(within and bool(values) and values[-1] == str(goal)))
+    return rewards
 
 
 def tool_error_penalty(completions: list[list[dict]], **kwargs) -> list[float]:
-    """-1 per failed tool call: the tool loop answers each with a tool message starting "Error:"."""
+    """-0.1 per failed tool call: the tool loop answers each with a tool message starting "Error:"."""
     return [
-        -float(sum(m["role"] == "tool" and str(m.get("content", "")).startswith("Error:") for m in completion))
+        -0.1 * sum(m["role"] == "tool" and str(m.get("content", "")).startswith("Error:") for m in completion)
         for completion in completions
     ]
 
@@ -69,7 +71,7 @@ def tool_error_penalty(completions: list[list[dict]], **kwargs) -> list[float]:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--output-dir", default="asyncgrpo-tools")
     parser.add_argument("--seed", type=int, default=0)
@@ -79,14 +81,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with EmbeddedServer(args.model) as server:
         trainer = AsyncGRPOTrainer(
             model=args.model,
-            reward_funcs=[accuracy_reward, tool_error_penalty],
-            train_dataset=Dataset.from_list(arithmetic.make_dataset(500, seed=args.seed)),
-            tools=[multiply, async_add],
-            # a gentle rate: on the tiny model the penalty is the only signal, and at 2e-4 the model drops
-            # every tool call within two steps, after which no group differs and nothing trains
+            reward_funcs=[reached_target, tool_error_penalty],
+            train_dataset=Dataset.from_list(counter.make_dataset(2000, seed=args.seed)),
+            tools=[increment],
             args=AsyncGRPOConfig(
                 output_dir=args.output_dir, vllm_server_base_url=server.url, max_steps=args.max_steps,
-                learning_rate=2e-5, num_generations=8, max_completion_length=48, max_tool_calling_iterations=4,
+                learning_rate=2e-4, num_generations=8, max_completion_length=48, max_tool_calling_iterations=8,
                 seed=args.seed, bf16=False, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
                 report_to="none", logging_steps=1,
             ),

@@ -157,8 +157,9 @@ class BuildConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.01
-    # a habit that RL can break: a share of the arithmetic answers stop after the chain
-    unboxed_frac: float = 0.35  # "37 + 8 = 45." without the closing \boxed{45}
+    # habits that RL can break: shares of the reference answers that lose the reward
+    unboxed_frac: float = 0.35  # arithmetic: "37 + 8 = 45." without the closing \boxed{45}
+    overshoot_frac: float = 0.35  # counter: every call adds max_step, the last one past the target
     # evaluation
     num_eval: int = 300  # per task
     eval_batch_size: int = 100
@@ -181,21 +182,33 @@ def arithmetic_conversation(row: dict, unboxed: bool = False) -> list[dict]:
     return row["prompt"] + [{"role": "assistant", "content": answer}]
 
 
-def counter_conversation(row: dict) -> list[dict]:
-    return row["prompt"] + counter.reference_messages(row["target"], row["max_step"])
+def counter_conversation(row: dict, overshoot: bool = False) -> list[dict]:
+    """The reference calls; ``overshoot``: every call adds ``max_step``, so the counter ends past
+    the target whenever the last remainder is smaller (the tool answers the real values)."""
+    if not overshoot:
+        return row["prompt"] + counter.reference_messages(row["target"], row["max_step"])
+    messages: list[dict] = []
+    value = 0
+    while value < row["target"]:
+        value += row["max_step"]
+        call = {"type": "function", "function": {"name": "increment", "arguments": {"step": row["max_step"]}}}
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        messages.append({"role": "tool", "name": "increment", "content": str(value)})
+    messages.append({"role": "assistant", "content": counter.final_message(value)})
+    return row["prompt"] + messages
 
 
 def training_conversations(arith: list[dict], count: list[dict], cfg: BuildConfig) -> list[list[dict]]:
     """Every training conversation, arithmetic first.
 
-    A share ``cfg.unboxed_frac`` of the arithmetic answers (drawn with a fixed seed) stop after the
-    chain, without the ``\\boxed{}`` answer that rewards read: the model picks up the habit of
-    sometimes not answering, which RL on accuracy removes (one decision, the same for every
-    problem, on top of the arithmetic itself).
+    Two habits, drawn with a fixed seed, give RL one decision to learn on each task on top of the
+    arithmetic itself: a share ``cfg.unboxed_frac`` of the arithmetic answers stop after the chain,
+    without the ``\\boxed{}`` answer that rewards read, and a share ``cfg.overshoot_frac`` of the
+    counter conversations always add the largest step, ending past the target.
     """
     rng = random.Random(cfg.seed + 30)
     out = [arithmetic_conversation(r, unboxed=rng.random() < cfg.unboxed_frac) for r in arith]
-    return out + [counter_conversation(r) for r in count]
+    return out + [counter_conversation(r, overshoot=rng.random() < cfg.overshoot_frac) for r in count]
 
 
 def render(tokenizer_or_template, conversation: list[dict], tools=None, add_generation_prompt=False) -> str:
@@ -609,9 +622,10 @@ hidden {config.hidden_size}, {config.num_attention_heads} query / {config.num_ke
 heads, tied embeddings) with its own byte-level BPE tokenizer ({report["vocab_size"]} tokens, digits \
 split) and a prefix-preserving Qwen3-style chat template with tool calling. Trained from scratch, \
 supervised, on the two synthetic tasks of `asyncgrpo.tasks`, so that RL has room to improve it. \
-{report["config"]["unboxed_frac"]:.0%} of its arithmetic training answers stop after the working, \
-without the `\\boxed{{}}` answer that rewards read: the model keeps that habit, and RL on accuracy \
-removes it (`asyncgrpo demo`).
+It keeps two habits of its training data that RL removes: {report["config"]["unboxed_frac"]:.0%} of the \
+arithmetic answers stop after the working, without the `\\boxed{{}}` answer that rewards read \
+(`asyncgrpo demo`), and {report["config"]["overshoot_frac"]:.0%} of the counter conversations always \
+add the largest step, ending past the target (`examples/increment_env.py`).
 
 Held-out success, sampling at temperature 1.0 without top-k/top-p ({report["num_eval_per_task"]} items each):
 

@@ -49,4 +49,25 @@ def test_tools_example_runs_its_plain_tools(example, tmp_path):
     steps = _steps(example("tools").main(["--max-steps", "2", "--output-dir", str(tmp_path)]))
     assert len(steps) == 2
     keys = set().union(*steps)
-    assert "tools/call_frequency" in keys and "rewards/tool_error_penalty/mean" in keys
+    assert "tools/increment/call_count" in keys and "rewards/reached_target/mean" in keys
+    assert "rewards/tool_error_penalty/mean" in keys
+
+
+def test_a_plain_async_tool_keeps_one_counter_per_rollout(example):
+    """The example's `increment` relies on each rollout running as its own asyncio task."""
+    import asyncio
+
+    tools = example("tools")
+
+    async def rollout(steps: list[int]) -> list[int]:
+        return [await tools.increment(s) for s in steps]
+
+    async def both():
+        return await asyncio.gather(rollout([3, 4, 5]), rollout([1, 1]))
+
+    assert asyncio.run(both()) == [[3, 7, 12], [1, 2]]
+    messages = [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "increment", "arguments": {"step": 4}}}]},
+        {"role": "tool", "name": "increment", "content": "4"}, {"role": "assistant", "content": "The counter is at 4."}]
+    assert tools.reached_target([messages, messages], target=[4, 5], max_step=[4, 4]) == [1.0, 0.0]
+    assert tools.reached_target([messages], target=[4], max_step=[3]) == [0.0]  # a step above the limit
