@@ -1,6 +1,7 @@
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import math
 import threading
 
@@ -224,3 +225,15 @@ def test_boxed_format_reward():
                    says(r"\boxed{3")]
     assert boxed_format_reward(completions) == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert not math.isnan(boxed_format_reward(["plain \\boxed{2}"])[0])
+
+
+def test_accuracy_reward_hides_math_verify_notice_about_disabled_timeouts(caplog):
+    pytest.importorskip("math_verify")
+    import math_verify.grader
+    import math_verify.parser
+
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = False  # the notice is shown once per process
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = False
+    with caplog.at_level(logging.WARNING):
+        assert accuracy_reward([[{"role": "assistant", "content": r"\boxed{4}"}]], answer=["4"]) == [1.0]
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]

@@ -10,16 +10,23 @@ Values: 1.0 right, 0.0 wrong (an unparseable answer is wrong), None when the gol
 which excludes the rollout from this reward (None semantics of the reward sum).
 
 math-verify guards parsing with SIGALRM-based timeouts, which only work in a process's main thread;
-reward functions run in worker threads, so timeouts are disabled here. Keep completions bounded
-(`max_completion_length`) to bound parsing time.
+reward functions run in worker threads, so timeouts are disabled here (and math-verify's one-time
+warning about it is filtered out). Keep completions bounded (`max_completion_length`) to bound
+parsing time.
 """
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from typing import Any
 
 from asyncgrpo.rewards.format import last_assistant_text
+
+
+def _drop_disabled_timeout_notice(record: logging.LogRecord) -> bool:
+    """Logging filter: math-verify's notice that timeouts are off (they are off on purpose, see above)."""
+    return not record.getMessage().startswith("Timeout is disabled")
 
 
 @lru_cache(maxsize=1)
@@ -32,6 +39,8 @@ def _math_verify() -> tuple[Any, Any, list[Any], list[Any]]:
         raise ImportError(
             "accuracy_reward needs math-verify: pip install 'asyncgrpo[math]' (or pip install math-verify)"
         ) from exc
+    for name in ("math_verify.grader", "math_verify.parser"):
+        logging.getLogger(name).addFilter(_drop_disabled_timeout_notice)
     gold_config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     answer_config = [
         LatexExtractionConfig(
