@@ -31,13 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def run_once(args: argparse.Namespace, url: str, max_staleness: int, out_dir: Path) -> dict:
     import torch
-    from datasets import Dataset
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from asyncgrpo.rewards import accuracy_reward
     from asyncgrpo.tasks import arithmetic
 
-    dataset = Dataset.from_list(arithmetic.make_dataset(args.prompts, seed=args.seed))
+    dataset = arithmetic.make_dataset(args.prompts, seed=args.seed)  # a list of rows works as a dataset
     config = AsyncGRPOConfig(
         output_dir=str(out_dir / f"staleness{max_staleness}"),
         vllm_server_base_url=url,
