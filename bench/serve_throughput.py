@@ -94,8 +94,8 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
 
 
 def hf_loop(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
-    """`generate` on one prompt after the other: the rate of serving requests one at a time."""
-    hf_wave(model, prompts[:1], 4, top_k, logprobs, device)  # warm-up
+    """`generate` on one prompt after the other: the rate of serving requests one at a time (each
+    `hf_wave` warms up on its own shape, outside its timing)."""
     tokens, seconds = 0, 0.0
     for prompt in prompts:
         r = hf_wave(model, [prompt], max_tokens, top_k, logprobs, device)

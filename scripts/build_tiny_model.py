@@ -184,18 +184,12 @@ def arithmetic_conversation(row: dict, unboxed: bool = False) -> list[dict]:
 
 def counter_conversation(row: dict, overshoot: bool = False) -> list[dict]:
     """The reference calls; ``overshoot``: every call adds ``max_step``, so the counter ends past
-    the target whenever the last remainder is smaller (the tool answers the real values)."""
-    if not overshoot:
-        return row["prompt"] + counter.reference_messages(row["target"], row["max_step"])
-    messages: list[dict] = []
-    value = 0
-    while value < row["target"]:
-        value += row["max_step"]
-        call = {"type": "function", "function": {"name": "increment", "arguments": {"step": row["max_step"]}}}
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        messages.append({"role": "tool", "name": "increment", "content": str(value)})
-    messages.append({"role": "assistant", "content": counter.final_message(value)})
-    return row["prompt"] + messages
+    the target whenever the last remainder is smaller (the reference solution of the target rounded
+    up to a multiple of ``max_step``; the tool answers the real values)."""
+    target, max_step = row["target"], row["max_step"]
+    if overshoot:
+        target = math.ceil(target / max_step) * max_step
+    return row["prompt"] + counter.reference_messages(target, max_step)
 
 
 def training_conversations(arith: list[dict], count: list[dict], cfg: BuildConfig) -> list[list[dict]]:

@@ -288,6 +288,15 @@ def test_build_data_leaves_a_share_of_arithmetic_answers_unboxed():
     assert abs(len(unboxed) / 2000 - cfg.unboxed_frac) < 0.04
     for row, answer in zip(arith, answers):  # unboxed answers are the same chain, stopped before the box
         assert answer == row["solution"] or (row["solution"].startswith(answer) and answer.endswith("."))
-    # the counter conversations are the reference tool calls, untouched
-    assert conversations[2000][1:] == counter.reference_messages(count[0]["target"], count[0]["max_step"])
+    # counter conversations: the reference calls, or (overshoot) max_step every call, past the target
+    overshot = 0
+    for row, conversation in zip(count, conversations[2000:]):
+        reference = counter.reference_messages(row["target"], row["max_step"])
+        if conversation[1:] == reference:
+            continue
+        steps = [m["tool_calls"][0]["function"]["arguments"]["step"] for m in conversation if m.get("tool_calls")]
+        assert set(steps) == {row["max_step"]} and sum(steps) > row["target"], conversation
+        assert conversation[-1]["content"] == counter.final_message(sum(steps))
+        overshot += 1
+    assert 0 < overshot < len(count)
     assert build.training_conversations(arith, count, cfg) == conversations  # seeded
