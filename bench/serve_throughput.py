@@ -94,25 +94,34 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
 
 
 def hf_loop(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
-    """`generate` on one prompt after the other: the rate of serving requests one at a time (each
-    `hf_wave` warms up on its own shape, outside its timing)."""
+    """`generate` on one prompt after the other: the rate of serving requests one at a time."""
+    hf_generate(model, prompts[0], max_tokens, top_k, logprobs, device)  # warm-up, same shape
     tokens, seconds = 0, 0.0
     for prompt in prompts:
-        r = hf_wave(model, [prompt], max_tokens, top_k, logprobs, device)
+        r = hf_generate(model, prompt, max_tokens, top_k, logprobs, device)
         tokens += r["tokens"]
         seconds += r["seconds"]
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def hf_wave(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
-    ids = torch.tensor(prompts, device=device)
+    """`generate` on the prompts as one batch, timed on the second of two calls of the same shape and
+    length: the first call of a shape runs slower (recorded as `first_call_tokens_per_s`), and the
+    server is timed warm too."""
+    first = hf_generate(model, prompts, max_tokens, top_k, logprobs, device)
+    return {**hf_generate(model, prompts, max_tokens, top_k, logprobs, device),
+            "first_call_tokens_per_s": first["tokens_per_s"]}
+
+
+def hf_generate(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
+    """One timed `generate` call on a batch of prompts (or a single one)."""
+    ids = torch.tensor(prompts if isinstance(prompts[0], list) else [prompts], device=device)
     kwargs = {
         "do_sample": True, "temperature": 1.0, "top_k": top_k, "top_p": 1.0, "max_new_tokens": max_tokens,
         "min_new_tokens": max_tokens, "pad_token_id": 0, "attention_mask": torch.ones_like(ids),
     }
     if logprobs:
         kwargs.update(output_scores=True, return_dict_in_generate=True)
-    model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # same-shape warm-up
     _sync(device)
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.decode_attention import choose_splits
 from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.runner import decode_inputs
@@ -115,3 +116,11 @@ def test_block_allocator_round_trip():
 def test_buckets():
     assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 64, 65, 256)] == [1, 4, 8, 32, 64, 64, 96, 256]
     assert [block_bucket(n, 40) for n in (1, 3, 9, 33)] == [1, 4, 16, 40]
+
+
+def test_small_decode_batches_split_the_context_across_programs():
+    """(splits, tokens per split): about two programs per multiprocessor, whole tiles per split."""
+    assert choose_splits(num_programs=8, max_context=512, tile=64, num_sms=132) == (8, 64)
+    assert choose_splits(num_programs=128, max_context=512, tile=64, num_sms=132) == (3, 192)
+    assert choose_splits(num_programs=2048, max_context=512, tile=64, num_sms=132) == (1, 512)
+    assert choose_splits(num_programs=8, max_context=16, tile=64, num_sms=132) == (1, 64)

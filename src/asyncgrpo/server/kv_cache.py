@@ -9,7 +9,7 @@ of T tokens (decode tokens first, one per running sequence, then the prompts bei
 passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to the model through the
 forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
 
-    decode part   q [Bd, kv_heads, group, D] attends over the gathered cache (length mask)
+    decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
     prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal)
 
 The model's own layers compute q/k/v, norms and RoPE; nothing here is model-specific beyond the
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from asyncgrpo.server.decode_attention import decode_attention
 
 ATTENTION_NAME = "asyncgrpo_paged"
 
@@ -127,26 +129,6 @@ def build_metadata(
     )
 
 
-def _decode_attention(
-    q: torch.Tensor, meta: AttentionMetadata, layer: int, scaling: float
-) -> torch.Tensor:
-    """q [H, Bd, D] -> [Bd, H, D], attending over each sequence's cached keys."""
-    cache = meta.cache
-    h, bd, d = q.shape
-    kvh = cache.num_kv_heads
-    group = h // kvh
-    tables = meta.block_tables
-    length = tables.shape[1] * cache.block_size
-    flat_tables = tables.reshape(-1)  # index_select: one gather of whole blocks (cheaper than [tables])
-    keys = cache.k[layer].index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
-    values = cache.v[layer].index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
-    # the query heads sharing a kv head act as `group` queries of that head: no repeat needed
-    query = q.transpose(0, 1).reshape(bd, kvh, group, d)
-    valid = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scaling)
-    return out.reshape(bd, h, d)
-
-
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float
 ) -> torch.Tensor:
@@ -196,7 +178,9 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     parts = []
     if nd:
-        parts.append(_decode_attention(q[:, :nd], meta, layer, scale))
+        parts.append(decode_attention(
+            q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale
+        ))
     if meta.prefill_lens:
         parts.append(_prefill_attention(q[:, nd:], k[:, nd:], v[:, nd:], meta, scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,0 +1,251 @@
+"""Where a decode step of the embedded server's engine spends its time (no HTTP), and the paged
+decode attention side by side: the Triton kernel against the gather + SDPA path.
+
+B sequences (random prompts, temperature 1, top_k 20, N tokens each, ignore EOS) run through the
+server's own scheduler, model runner and decode graphs in this process, once with each attention
+implementation. For every decode-only step it times, on the host clock:
+
+    schedule   the scheduler's plan (block accounting)
+    step       forward + sampling + the one device->host copy (ModelRunner.step)
+    record     appending the step's tokens to the sequences (StepOutput.record)
+
+and then, with CUDA events on the final batch, the forward (graph replay) and the sampling alone,
+plus one layer's decode attention at the final context length for both implementations.
+
+    python bench/decode_step.py --random-qwen3 0.6b --device cuda [--batch 256] [--logprobs 8]
+
+Writes bench/results/decode_step_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_throughput import SHAPES, build_random_qwen3, make_prompts
+
+from asyncgrpo.server import decode_attention as attention
+from asyncgrpo.server import kv_cache
+from asyncgrpo.server.decode_graphs import DecodeGraphs
+from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
+from asyncgrpo.server.loading import load_served_model, resolve_device
+from asyncgrpo.server.runner import ModelRunner
+from asyncgrpo.server.sampling import sample
+from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+
+BLOCK_SIZE = 16
+IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
+
+
+def cuda_ms(fn, device, repeats: int = 20) -> float:
+    """Median device time of fn() in ms (CUDA events), after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def generate(scheduler: Scheduler, runner: ModelRunner, prompts, params: SeqParams, max_len: int):
+    """All prompts through the engine's loop; host times of each decode-only step."""
+    seqs = [Sequence(i, f"r{i}", 0, p, params, max_model_len=max_len) for i, p in enumerate(prompts)]
+    for s in seqs:
+        scheduler.add(s)
+    phases = {"schedule": [], "step": [], "record": []}
+    start = time.perf_counter()
+    last = None
+    while scheduler.has_work():
+        t0 = time.perf_counter()
+        plan = scheduler.schedule()
+        t1 = time.perf_counter()
+        if not plan.prefill and len(plan.decode) == len(prompts):  # the inputs of the last full step
+            last = [np.array(x) for x in zip(*((s.row, s.num_tokens, s.output[-1]) for s in plan.decode))]
+        out = runner.step(plan.decode, plan.prefill)
+        t2 = time.perf_counter()
+        stepped = plan.decode + plan.prefill
+        out.record(stepped, "v")
+        for s in stepped:
+            if s.finished:
+                scheduler.remove(s)
+        t3 = time.perf_counter()
+        if not plan.prefill:
+            phases["schedule"].append(t1 - t0)
+            phases["step"].append(t2 - t1)
+            phases["record"].append(t3 - t2)
+    wall = time.perf_counter() - start
+    return seqs, phases, last, wall
+
+
+def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
+    """Wrap the parts of ModelRunner.step with host timers: how long the host spends in each
+    (launches are asynchronous, so `to_host` also holds the wait for the device)."""
+    from asyncgrpo.server import runner as runner_module
+
+    parts: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            parts.setdefault(name, []).append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    if runner.graphs is not None:
+        runner.graphs.run = timed("forward_launch", runner.graphs.run)
+    runner._process = timed("process", runner._process)
+    runner._sampling_batch = timed("sampling_batch", runner._sampling_batch)
+    runner_module.sample = timed("sample_launch", runner_module.sample)
+    runner._to_host = timed("to_host", runner._to_host)
+    return parts
+
+
+def run_engine(served, args, prompts, impl: str) -> dict:
+    """Generate for all prompts with one attention implementation; per-phase host times."""
+    kv_cache.decode_attention = IMPLEMENTATIONS[impl]  # what the attention layer calls for decode
+    max_len = args.prompt_len + args.max_tokens + 16
+    cache = PagedKVCache(served.num_layers, len(prompts) * max_len // BLOCK_SIZE, BLOCK_SIZE,
+                         served.num_kv_heads, served.head_dim, served.dtype, served.device)
+    scheduler = Scheduler(BlockAllocator(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
+    cuda = served.device.type == "cuda"
+    graphs = DecodeGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda)
+    runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs)
+    params = SeqParams(
+        temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens, min_tokens=0,
+        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=args.logprobs or None,
+        want_mask=False,
+    )
+    seqs, phases, last, wall = generate(scheduler, runner, prompts, params, max_len)  # captures the graphs
+    parts = time_parts(runner)
+    seqs, phases, last, wall = generate(scheduler, runner, prompts, params, max_len)
+    phases.update(parts)
+    tokens = sum(len(s.output) for s in seqs)
+    result = {
+        "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "decode_steps": len(phases["step"]),
+        "host_ms": {k: 1e3 * statistics.median(v) for k, v in phases.items()},
+    }
+    if cuda and last is not None:
+        result["device_ms"] = device_breakdown(runner, last)
+    return result
+
+
+def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
+    """Forward (graph replay) and sampling alone on the last full batch's inputs, CUDA events."""
+    from asyncgrpo.server.runner import decode_inputs
+
+    rows, num_tokens, last_tokens = last_step
+    dec = decode_inputs(last_tokens, num_tokens, rows, runner.block_table, runner.cache.block_size)
+    logits = runner.graphs.run(dec).float()
+    positions = num_tokens - runner.params.prompt_len[rows]
+    batch = runner._sampling_batch(rows, positions)
+    with torch.inference_mode():
+        return {
+            "forward": cuda_ms(lambda: runner.graphs.run(dec), runner.device),
+            "sample": cuda_ms(lambda: sample(logits, batch), runner.device),
+        }
+
+
+def attention_ms(served, batch: int, context: int) -> dict:
+    """One layer's decode attention over `context` cached tokens per sequence, both implementations."""
+    g = torch.Generator(device=served.device).manual_seed(0)
+    nb = -(-context // BLOCK_SIZE)
+    shape = (batch * nb + 1, BLOCK_SIZE, served.num_kv_heads, served.head_dim)
+    k_pool = torch.randn(shape, generator=g, device=served.device).to(served.dtype)
+    v_pool = torch.randn(shape, generator=g, device=served.device).to(served.dtype)
+    heads = served.model.config.num_attention_heads
+    q = torch.randn(batch, heads, served.head_dim, generator=g, device=served.device).to(served.dtype)
+    tables = torch.randperm(batch * nb, device=served.device).view(batch, nb)
+    # the decode graphs pad the table to a power-of-two number of blocks, as here
+    padded = 1 << (nb - 1).bit_length()
+    tables = torch.cat([tables, tables[:, :1].expand(batch, padded - nb)], dim=1)
+    lens = torch.full((batch,), context, device=served.device)
+    scale = served.head_dim**-0.5
+    kv_bytes = 2 * batch * context * served.num_kv_heads * served.head_dim * k_pool.element_size()
+    out = {}
+    for name, fn in IMPLEMENTATIONS.items():
+        ms = cuda_ms(lambda fn=fn: fn(q, k_pool, v_pool, tables, lens, scale), served.device)
+        out[name] = {"ms": ms, "kv_gb_per_s": kv_bytes / ms / 1e6}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="asyncgrpo/tiny-chat")
+    p.add_argument("--random-qwen3", choices=sorted(SHAPES), default=None)
+    p.add_argument("--model-dir", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=20)
+    p.add_argument("--logprobs", type=int, default=0)
+    p.add_argument("--implementations", default="triton,gather")
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+    model = args.model
+    tmp = None
+    if args.random_qwen3:
+        if args.model_dir is None:
+            tmp = tempfile.TemporaryDirectory()
+            args.model_dir = tmp.name
+        if not (Path(args.model_dir) / "config.json").exists():
+            build_random_qwen3(args.random_qwen3, Path(args.model_dir))
+        model = args.model_dir
+    device = resolve_device(args.device)
+    served = load_served_model(model, device, "auto", None)
+    prompts = make_prompts(args.batch, args.prompt_len, served.vocab_size)
+    impls = args.implementations.split(",")
+    if "triton" in impls and not (device.type == "cuda" and attention.triton_available()):
+        print("Triton kernel needs CUDA and Triton: timing the gather path only")
+        impls = [i for i in impls if i != "triton"]
+    results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
+                                                    "device_name": torch.cuda.get_device_name(device)
+                                                    if device.type == "cuda" else "cpu"}}
+    results["engine"] = {}
+    for impl in impls:
+        r = run_engine(served, args, prompts, impl)
+        results["engine"][impl] = r
+        print(f"{impl:>7}: {r['tokens_per_s']:9.0f} tok/s over {r['decode_steps']} decode steps; host ms "
+              + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
+              + ("; device ms " + " ".join(f"{k} {v:.2f}" for k, v in r["device_ms"].items())
+                 if "device_ms" in r else ""), flush=True)
+    if len(impls) == 2:
+        ratio = results["engine"]["triton"]["tokens_per_s"] / results["engine"]["gather"]["tokens_per_s"]
+        print(f"engine tokens/s, triton / gather: {ratio:.2f}x")
+    if device.type == "cuda" and "triton" in impls:
+        context = args.prompt_len + args.max_tokens
+        a = attention_ms(served, args.batch, context)
+        results["attention_one_layer"] = {"batch": args.batch, "context": context, **a}
+        print(f"one layer's decode attention, B={args.batch}, context {context}: "
+              + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
+              + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
+    slug = results["host"]["device_name"].lower().replace("nvidia ", "").replace(" ", "-")
+    out = Path(args.output or Path(__file__).parent / "results" / f"decode_step_{slug}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Decode attention over the paged KV cache: one new query token per sequence.
+
+Two implementations of one function:
+
+- `decode_attention_gather` (any device): gathers each sequence's blocks into a dense
+  [B, L, kv_heads, D] copy and runs SDPA with a length mask. Simple, but every step copies the
+  padded cache of every layer (L is the longest context rounded up to a block bucket), which on a
+  GPU costs more memory traffic than the attention itself.
+- `decode_attention_triton` (CUDA with Triton): one program per (sequence, kv head, context split)
+  walks the block table and reads only the sequence's own cached rows once, with an online softmax
+  in float32; small batches split the context so that every multiprocessor has work, and a second
+  kernel merges the splits.
+
+`decode_attention` picks the Triton kernel for CUDA tensors when Triton imports, else the gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def decode_attention_gather(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, D]; pools [num_blocks, block_size, kv_heads, D]; block_tables [B, nb] int64 (entries
+    past a sequence's blocks may hold any valid block); context_lens [B] int64. Returns [B, H, D]."""
+    bd, h, d = q.shape
+    _, block_size, kvh, _ = k_pool.shape
+    group = h // kvh
+    length = block_tables.shape[1] * block_size
+    flat_tables = block_tables.reshape(-1)  # index_select: one gather of whole blocks (cheaper than [tables])
+    keys = k_pool.index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
+    values = v_pool.index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
+    # the query heads sharing a kv head act as `group` queries of that head: no repeat needed
+    query = q.reshape(bd, kvh, group, d)
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(bd, h, d)
+
+
+@functools.cache
+def _triton_kernels():
+    """(attention kernel, merge kernel), compiled on first use, or None when Triton is not importable."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_tb,
+        stride_ob, stride_oh,
+        scale,
+        split_len,
+        NUM_HEADS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context = tl.load(lens_ptr + seq)
+        begin = split * split_len
+        end = tl.minimum(context, begin + split_len)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, TILE)
+        heads = kv_head * GROUP + g
+        # the GROUP query heads of this kv head, padded to the dot's minimum of 16 rows
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g < GROUP)[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(begin, end, TILE):
+            pos = start + t
+            valid = pos < end
+            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+            rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        head_ok = (g < GROUP)[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok)
+        else:  # this split's unnormalised sum and its (max, sum of exp); an empty split leaves (-inf, 0)
+            part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+            tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok)
+            tl.store(stats_ptr + part * 2, m, mask=g < GROUP)
+            tl.store(stats_ptr + part * 2 + 1, l, mask=g < GROUP)
+
+    @triton.jit
+    def merge_splits_kernel(
+        part_ptr, stats_ptr, out_ptr,
+        stride_ob, stride_oh,
+        NUM_HEADS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        part = (seq * NUM_HEADS + head) * NUM_SPLITS + sp
+        ok = sp < NUM_SPLITS
+        m = tl.load(stats_ptr + part * 2, mask=ok, other=float("-inf"))
+        l = tl.load(stats_ptr + part * 2 + 1, mask=ok, other=0.0)
+        weight = tl.exp(m - tl.max(m, axis=0))  # split 0 is never empty, so the max is finite
+        acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+    return paged_decode_kernel, merge_splits_kernel
+
+
+def triton_available() -> bool:
+    return _triton_kernels() is not None
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(num_programs: int, max_context: int, tile: int, num_sms: int) -> tuple[int, int]:
+    """(number of splits, tokens per split) of each sequence's context: enough programs to give every
+    multiprocessor about two, each split a whole number of tiles (host-side: fixed for a graph)."""
+    tiles = -(-max_context // tile)
+    splits = max(1, min(tiles, -(-2 * num_sms // num_programs)))
+    split_len = -(-tiles // splits) * tile
+    return -(-max_context // split_len), split_len
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    tile: int = 64,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `decode_attention_gather`; every context length must be >= 1.
+
+    Small batches split each context across several programs (flash-decoding) whose partial
+    results a second kernel merges; `num_splits` overrides the choice (tests)."""
+    kernels = _triton_kernels()
+    if kernels is None:
+        raise RuntimeError("decode_attention_triton needs Triton (it ships with PyTorch's CUDA wheels)")
+    attend, merge = kernels
+    bd, h, d = q.shape
+    _, block_size, kvh, _ = k_pool.shape
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1, "K and V pools share one layout"
+    assert d >= 16 and d & (d - 1) == 0, f"head_dim must be a power of two >= 16, got {d}"
+    group = h // kvh
+    tile = max(tile, 16)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits, split_len = choose_splits(bd * kvh, max_context, tile, _num_sms(q.device))
+    else:
+        per_split = -(-max_context // num_splits)
+        split_len = -(-per_split // tile) * tile
+    q = q.contiguous() if q.stride(-1) != 1 else q
+    out = torch.empty(bd, h, d, dtype=q.dtype, device=q.device)
+    part = stats = out  # unused when the context is not split
+    if num_splits > 1:
+        part = torch.empty(bd, h, num_splits, d, dtype=torch.float32, device=q.device)
+        stats = torch.empty(bd, h, num_splits, 2, dtype=torch.float32, device=q.device)
+    attend[(bd, kvh, num_splits)](
+        q, k_pool, v_pool, block_tables, context_lens, out, part, stats,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale,
+        split_len,
+        NUM_HEADS=h,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, 1 << (group - 1).bit_length()),
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        IEEE=q.dtype == torch.float32,
+    )
+    if num_splits > 1:
+        merge[(bd, h)](
+            part, stats, out, out.stride(0), out.stride(1),
+            NUM_HEADS=h, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), HEAD_DIM=d,
+        )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention with the best implementation for the device (see the module docstring)."""
+    if q.is_cuda and _triton_kernels() is not None:
+        return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale)
+
