@@ -112,9 +112,9 @@ def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
 
     if runner.graphs is not None:
         runner.graphs.run = timed("forward_launch", runner.graphs.run)
-    runner._process = timed("process", runner._process)
-    runner._sampling_batch = timed("sampling_batch", runner._sampling_batch)
-    runner_module.sample = timed("sample_launch", runner_module.sample)
+        runner.graphs.sample = timed("sample_launch", runner.graphs.sample)
+    runner._plan = timed("plan", runner._plan)
+    runner_module.sample = timed("sample_launch", runner_module.sample)  # steps that sample eagerly
     runner._to_host = timed("to_host", runner._to_host)
     return parts
 
@@ -127,7 +127,8 @@ def run_engine(served, args, prompts, impl: str) -> dict:
                          served.num_kv_heads, served.head_dim, served.dtype, served.device)
     scheduler = Scheduler(BlockAllocator(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
     cuda = served.device.type == "cuda"
-    graphs = DecodeGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda)
+    graphs = DecodeGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda,
+                          served.vocab_size)
     runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs)
     params = SeqParams(
         temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens, min_tokens=0,
@@ -149,18 +150,23 @@ def run_engine(served, args, prompts, impl: str) -> dict:
 
 
 def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
-    """Forward (graph replay) and sampling alone on the last full batch's inputs, CUDA events."""
+    """Forward (graph replay) and sampling (graph replay, and eager launches) alone on the last full
+    batch's inputs, CUDA events."""
     from asyncgrpo.server.runner import decode_inputs
 
     rows, num_tokens, last_tokens = last_step
     dec = decode_inputs(last_tokens, num_tokens, rows, runner.block_table, runner.cache.block_size)
     logits = runner.graphs.run(dec).float()
     positions = num_tokens - runner.params.prompt_len[rows]
-    batch = runner._sampling_batch(rows, positions)
+    plan = runner._plan(rows, positions)
+    floats = torch.from_numpy(plan.floats).to(runner.device)
+    ints = torch.from_numpy(plan.ints).to(runner.device)
+    batch = plan.batch(floats, ints, runner.token_hashes)
     with torch.inference_mode():
         return {
             "forward": cuda_ms(lambda: runner.graphs.run(dec), runner.device),
-            "sample": cuda_ms(lambda: sample(logits, batch), runner.device),
+            "sample_graph": cuda_ms(lambda: runner.graphs.sample(logits, plan), runner.device),
+            "sample_eager": cuda_ms(lambda: sample(logits, batch), runner.device),
         }
 
 

@@ -85,7 +85,8 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     got = _step(paged, cache, seqs, ["a", "b"], ["c"])  # decode and a single prefill in one pass
     torch.testing.assert_close(got, expected(["a", "b", "c"]), atol=1e-5, rtol=1e-5)
     # fixed-shape decode path (what CUDA graphs replay): 3 rows padded to 4, tables to 4 blocks
-    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False)
+    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False,
+                          vocab_size=97)
     for _ in range(2):
         for n in "abc":
             grow(n)

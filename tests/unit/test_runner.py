@@ -29,7 +29,7 @@ def _model():
 def _engine(model, static: bool):
     cache = PagedKVCache(2, 40, 16, 2, 16, torch.float32, torch.device("cpu"))
     sched = Scheduler(BlockAllocator(40), 16, 8, 4096, MAX_LEN)
-    graphs = DecodeGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, use_graphs=False) if static else None
+    graphs = DecodeGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, False, 101) if static else None
     runner = ModelRunner(model, cache, torch.device("cpu"), 101, sched.block_table, graphs)
     warm_up(runner, sched)
     return sched, runner

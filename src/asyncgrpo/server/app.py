@@ -110,7 +110,8 @@ class Server(ControlRoutes):
         graphs = None
         if served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
-                served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True
+                served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
+                served.vocab_size,
             )
         self.runner = ModelRunner(
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs

@@ -1,11 +1,20 @@
-"""Decode-only steps with fixed shapes, replayed as CUDA graphs.
+"""Decode-only steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
 
 A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32)
 and its block tables to a power-of-two number of blocks; every input lives in a static device
 buffer, so each (batch bucket, block bucket) shape is captured once and replayed: the ~30 kernels
 per layer of the Hugging Face forward cost one launch. Padded rows read and write the cache's
-scratch block and their logits are dropped. Without CUDA (or with graphs off) the same static path
-runs eagerly, which is how the CPU tests check it.
+scratch block and their logits are dropped.
+
+Sampling (~100 small kernels, which at small batches take longer to launch than to run) is a second
+graph per (batch bucket, sampling plan): the plan is the host-side shape of `sampling.sample`
+(sorted columns, top-K count, mask width, whether every row has top_k), usually one per workload.
+It reads the logits and the per-row parameters from static buffers and writes the step's packed
+output (`sampling.pack`). Steps whose logits need processing first (repetition penalty, min_tokens
+bans) sample eagerly.
+
+Without CUDA (or with graphs off) the same static path runs eagerly, which is how the CPU tests
+check it.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
+from asyncgrpo.server.sampling import SamplingPlan, pack, sample, token_hash
 
 if TYPE_CHECKING:
     from asyncgrpo.server.runner import DecodeInputs
@@ -49,6 +59,7 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks: int,
         use_graphs: bool,
+        vocab_size: int,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -60,9 +71,14 @@ class DecodeGraphs:
         self._vec = torch.zeros(4, n, dtype=torch.int64, device=device)
         self._tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
         self._keep = torch.arange(n, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._scratch_slot = cache.scratch_block * cache.block_size
+        # sampling inputs: float32 logits, then rows (temperature, top_p, min_p) and (top_k, row hash)
+        self._logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        self._floats = torch.zeros(3, n, dtype=torch.float32, device=device)
+        self._ints = torch.zeros(2, n, dtype=torch.int64, device=device)
+        self._token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of B sequences. Returns logits [B, V]."""
@@ -77,12 +93,36 @@ class DecodeGraphs:
         table[:b, :nb] = inputs.block_tables
         self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
         self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
-        key = (bp, nbp)
+        return self._replay(("forward", bp, nbp), lambda: self._forward(bp, nbp))[:b]
+
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
+        """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`.
+        Returns the packed step output [B, columns] (`sampling.pack`)."""
+        b = logits.shape[0]
+        bp = batch_bucket(b)
+        self._logits[:b].copy_(logits)
+        # padded rows: temperature 1, no top_k / top_p / min_p; their logits are stale but finite
+        floats = np.empty((3, bp), dtype=np.float32)
+        floats[:, b:] = np.array([[1.0], [1.0], [0.0]], dtype=np.float32)
+        floats[:, :b] = plan.floats
+        ints = np.zeros((2, bp), dtype=np.int64)
+        ints[:, :b] = plan.ints
+        self._floats[:, :bp].copy_(torch.from_numpy(floats), non_blocking=True)
+        self._ints[:, :bp].copy_(torch.from_numpy(ints), non_blocking=True)
+        key = ("sample", bp, plan.num_sorted, plan.num_top_logprobs, plan.mask_width, plan.all_top_k)
+        return self._replay(key, lambda: self._sample(bp, plan))[:b]
+
+    def _sample(self, bp: int, plan: SamplingPlan) -> torch.Tensor:
+        batch = plan.batch(self._floats[:, :bp], self._ints[:, :bp], self._token_hashes)
+        return pack(sample(self._logits[:bp], batch))
+
+    def _replay(self, key: tuple, fn) -> torch.Tensor:
+        """fn() through its captured graph (captured on first use), or eagerly with graphs off."""
         if not self.use_graphs:
-            return self._forward(bp, nbp)[:b]
+            return fn()
         if key not in self._graphs:
             try:
-                self._capture(key)
+                self._capture(key, fn)
             except RuntimeError:
                 logger.exception(
                     "capturing a CUDA graph for the decode step failed; decode steps run eagerly from now on "
@@ -90,10 +130,10 @@ class DecodeGraphs:
                 )
                 self.use_graphs = False
                 torch.cuda.synchronize(self.device)
-                return self._forward(bp, nbp)[:b]
+                return fn()
         graph, out = self._graphs[key]
         graph.replay()
-        return out[:b]
+        return out
 
     def _forward(self, bp: int, nbp: int) -> torch.Tensor:
         meta = AttentionMetadata(
@@ -115,18 +155,17 @@ class DecodeGraphs:
         )
         return out.logits[0]
 
-    def _capture(self, key: tuple[int, int]) -> None:
-        bp, nbp = key
+    def _capture(self, key: tuple, fn) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(bp, nbp)  # warm-up outside capture (same inputs, same cache writes)
+            fn()  # warm-up outside capture (same inputs, same cache writes)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        kind = key[0]
         # thread_local: HTTP-side threads may touch CUDA while the engine thread captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(bp, nbp)
-        if self._pool is None:
-            self._pool = graph.pool()
+        with torch.cuda.graph(graph, pool=self._pools.get(kind), capture_error_mode="thread_local"):
+            out = fn()
+        self._pools.setdefault(kind, graph.pool())
         self._graphs[key] = (graph, out)
-        logger.info("captured a decode graph for batch %d x %d blocks (%d graphs)", bp, nbp, len(self._graphs))
+        logger.info("captured a decode graph %s (%d graphs)", key, len(self._graphs))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.models import load_causal_lm, load_tokenizer, resolve_model_path
+from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     model = load_causal_lm(name, dtype=dtype, device=device)
     model.set_attn_implementation(register_attention())
     model.requires_grad_(False)
+    if device.type == "cuda":
+        logger.info("%d norm layers run as one kernel each", fuse_rms_norms(model))
     try:
         tokenizer = load_tokenizer(name)
     except (OSError, ValueError) as exc:

@@ -21,9 +21,9 @@ import torch
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.sampling import (
-    SampleResult,
-    SamplingBatch,
+    SamplingPlan,
     apply_repetition_penalty,
+    pack,
     plan_columns,
     row_hash,
     sample,
@@ -65,6 +65,18 @@ class StepOutput:
     top_ids: list[list[int]] | None  # [B][K], K = the largest `logprobs` of the step
     top_logprobs: list[list[float]] | None
     candidate_ids: list[list[int]] | None  # [B][W] candidate ids ascending, padded with -1
+
+    @classmethod
+    def unpack(cls, arr: np.ndarray, k: int, w: int) -> StepOutput:
+        """From the host copy of `sampling.pack`'s [B, 3 + 2k + w] array."""
+        return cls(
+            token_ids=arr[:, 0].astype(np.int64).tolist(),
+            logprobs=arr[:, 1].tolist(),
+            ranks=arr[:, 2].astype(np.int64).tolist(),
+            top_ids=arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None,
+            top_logprobs=arr[:, 3 + k : 3 + 2 * k].tolist() if k else None,
+            candidate_ids=arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None,
+        )
 
     def record(self, seqs: list[Sequence], version: str) -> None:
         """Append entry i to seqs[i] (token, log-prob, rank, top list, candidate set); the stop rules
@@ -144,14 +156,19 @@ class ModelRunner:
             nd = len(decode)
             last = np.fromiter((s.output[-1] for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
+        positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
+        plan = self._plan(rows, positions)
         if prefill or self.graphs is None:
             logits = self._forward(dec, prefill)
         else:
             logits = self.graphs.run(dec)
-        positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
+            if not self._needs_processing(rows, positions):
+                return self._to_host(self.graphs.sample(logits, plan), plan)
         logits = self._process(logits.float(), seqs, rows, positions)
-        batch = self._sampling_batch(rows, positions)
-        return self._to_host(sample(logits, batch), batch)
+        # non_blocking: the decode graph may still be running; a plain copy would wait for it
+        floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
+        ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
+        return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
     def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
         """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
@@ -187,6 +204,10 @@ class ModelRunner:
         )
         return out.logits[0]
 
+    def _needs_processing(self, rows: np.ndarray, positions: np.ndarray) -> bool:
+        """Whether `_process` changes any row's logits this step."""
+        return bool(self.params.penalised[rows].any() or (positions < self.params.min_tokens[rows]).any())
+
     def _process(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: np.ndarray, positions: np.ndarray
     ) -> torch.Tensor:
@@ -214,48 +235,20 @@ class ModelRunner:
             )
         return logits
 
-    def _sampling_batch(self, rows: np.ndarray, positions: np.ndarray) -> SamplingBatch:
+    def _plan(self, rows: np.ndarray, positions: np.ndarray) -> SamplingPlan:
         p = self.params
         top_k, top_p = p.top_k[rows], p.top_p[rows]
         num_top = int(p.num_top_logprobs[rows].max())
         mask_width = int(p.mask_width[rows].max())
-        # non_blocking: the decode graph may still be running; a plain copy would wait for it
-        floats = torch.from_numpy(np.stack([p.temperature[rows], top_p, p.min_p[rows]]))
-        ints = torch.from_numpy(np.stack([top_k, row_hash(p.seed_hash[rows], positions)]))
-        floats, ints = floats.to(self.device, non_blocking=True), ints.to(self.device, non_blocking=True)
-        return SamplingBatch(
-            temperature=floats[0],
-            top_k=ints[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            row_hashes=ints[1],
+        return SamplingPlan(
+            floats=np.stack([p.temperature[rows], top_p, p.min_p[rows]]),
+            ints=np.stack([top_k, row_hash(p.seed_hash[rows], positions)]),
             num_sorted=plan_columns(top_k, top_p, num_top, mask_width, self.vocab_size),
             num_top_logprobs=num_top,
             mask_width=mask_width,
             all_top_k=bool((top_k > 0).all()),
-            token_hashes=self.token_hashes,
         )
 
-    def _to_host(self, res: SampleResult, batch: SamplingBatch) -> StepOutput:
+    def _to_host(self, packed: torch.Tensor, plan: SamplingPlan) -> StepOutput:
         """One device->host transfer of everything the step produced."""
-        k, w = batch.num_top_logprobs, batch.mask_width
-        packed = torch.cat(
-            [
-                res.token_ids[:, None].double(),
-                res.logprobs[:, None].double(),
-                res.ranks[:, None].double(),
-                res.top_ids.double(),
-                res.top_logprobs.double(),
-                res.mask_ids.double(),
-            ],
-            dim=1,
-        )
-        arr = packed.cpu().numpy()
-        return StepOutput(
-            token_ids=arr[:, 0].astype(np.int64).tolist(),
-            logprobs=arr[:, 1].tolist(),
-            ranks=arr[:, 2].astype(np.int64).tolist(),
-            top_ids=arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None,
-            top_logprobs=arr[:, 3 + k : 3 + 2 * k].tolist() if k else None,
-            candidate_ids=arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None,
-        )
+        return StepOutput.unpack(packed.cpu().numpy(), plan.num_top_logprobs, plan.mask_width)

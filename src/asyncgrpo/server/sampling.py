@@ -52,6 +52,33 @@ class SamplingBatch:
 
 
 @dataclass(frozen=True)
+class SamplingPlan:
+    """Host side of one step's sampling: the per-row parameters and the shape of the work."""
+
+    floats: np.ndarray  # [3, B] float32 rows: temperature, top_p, min_p
+    ints: np.ndarray  # [2, B] int64 rows: top_k, `row_hash` of the seed and output index
+    num_sorted: int  # see SamplingBatch
+    num_top_logprobs: int
+    mask_width: int
+    all_top_k: bool
+
+    def batch(self, floats: torch.Tensor, ints: torch.Tensor, token_hashes: torch.Tensor) -> SamplingBatch:
+        """The SamplingBatch of this plan over device copies of `floats` and `ints`."""
+        return SamplingBatch(
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            top_k=ints[0],
+            row_hashes=ints[1],
+            num_sorted=self.num_sorted,
+            num_top_logprobs=self.num_top_logprobs,
+            mask_width=self.mask_width,
+            all_top_k=self.all_top_k,
+            token_hashes=token_hashes,
+        )
+
+
+@dataclass(frozen=True)
 class SampleResult:
     """What one step sampled (device tensors)."""
 
@@ -62,6 +89,23 @@ class SampleResult:
     top_logprobs: torch.Tensor  # [B, K] float32 (-inf for excluded tokens)
     mask_ids: torch.Tensor  # [B, W] int64, candidate ids ascending, padded with -1
     num_candidates: torch.Tensor  # [B] int64
+
+
+def pack(res: SampleResult) -> torch.Tensor:
+    """One [B, 3 + 2K + W] float64 tensor (token id, log-prob, rank, top-K ids, top-K log-probs,
+    candidate ids) so that the step's output reaches the host in a single copy; float64 holds
+    every id exactly."""
+    return torch.cat(
+        [
+            res.token_ids[:, None].double(),
+            res.logprobs[:, None].double(),
+            res.ranks[:, None].double(),
+            res.top_ids.double(),
+            res.top_logprobs.double(),
+            res.mask_ids.double(),
+        ],
+        dim=1,
+    )
 
 
 def plan_columns(
