@@ -12,6 +12,7 @@ from asyncgrpo.server.decode_attention import (
     decode_attention_gather,
     decode_attention_triton,
     triton_available,
+    triton_works_on,
 )
 
 pytestmark = [
@@ -63,3 +64,9 @@ def test_strided_query_as_the_attention_layer_passes_it():
     ref = decode_attention_triton(q.contiguous(), k_pool, v_pool, tables, lens, 0.1)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
+
+
+def test_the_server_picks_the_kernel_on_this_gpu():
+    """The load-time check (compiles, agrees with the gather) passes here, so decode steps use the kernel."""
+    assert triton_works_on(torch.device("cuda", 0), torch.bfloat16)
+    assert triton_works_on(torch.device("cuda", 0), torch.float16)

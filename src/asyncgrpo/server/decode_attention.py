@@ -11,15 +11,20 @@ Two implementations of one function:
   in float32; small batches split the context so that every multiprocessor has work, and a second
   kernel merges the splits.
 
-`decode_attention` picks the Triton kernel for CUDA tensors when Triton imports, else the gather.
+`decode_attention` picks the Triton kernel for CUDA tensors when it compiles and agrees with the
+gather on that device (checked once per device, e.g. older GPUs lack its bfloat16 dot), else the
+gather.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 def decode_attention_gather(
@@ -233,7 +238,31 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Decode attention with the best implementation for the device (see the module docstring)."""
-    if q.is_cuda and _triton_kernels() is not None:
+    if q.is_cuda and triton_works_on(q.device, q.dtype):
         return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale)
     return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale)
 
+
+@functools.cache
+def triton_works_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernel compiles on this device and matches the gather path on random input
+    (once per device and dtype; call it outside CUDA-graph capture, the server does at load time)."""
+    if _triton_kernels() is None:
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    pools = [torch.randn(9, 4, 2, 64, generator=g, device=device).to(dtype) for _ in range(2)]
+    q = torch.randn(3, 4, 64, generator=g, device=device).to(dtype)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], device=device)
+    lens = torch.tensor([1, 7, 12], device=device)
+    try:
+        got = decode_attention_triton(q, *pools, tables, lens, 0.125).float()
+    except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the gather
+        logger.warning("the Triton decode attention does not run on %s (%s); using the slower gather path",
+                       device, exc)
+        return False
+    expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125)
+    if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
+        logger.warning("the Triton decode attention disagrees with the gather path on %s; using the gather path",
+                       device)
+        return False
+    return True

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncgrpo.models import load_causal_lm, load_tokenizer, resolve_model_path
+from asyncgrpo.server.decode_attention import triton_works_on
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 
@@ -85,6 +86,7 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     model.requires_grad_(False)
     if device.type == "cuda":
         logger.info("%d norm layers run as one kernel each", fuse_rms_norms(model))
+        triton_works_on(device, dtype)  # checked here, before any CUDA graph is captured
     try:
         tokenizer = load_tokenizer(name)
     except (OSError, ValueError) as exc:
