@@ -168,6 +168,24 @@ def test_stale_samples_are_dropped_under_a_slow_trainer(tmp_path, server):
     assert max(entry["sample/staleness_max"] for entry in logs) >= 1
 
 
+@pytest.mark.timeout(120)
+def test_on_policy_training_with_gradient_accumulation_and_sparse_syncs(tmp_path, server):
+    """max_staleness=0 while the weight version lags the steps: two micro-batches per step and a sync
+    every second step. The rollout process's quota of a version runs out before the trainer has all
+    it needs under that version; the trainer raises it instead of both sides waiting forever."""
+    trainer = AsyncGRPOTrainer(
+        model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(64, seed=3),
+        args=_config(tmp_path, server, max_steps=4, max_staleness=0, gradient_accumulation_steps=2,
+                     weight_sync_steps=2),
+    )
+    trainer.train()
+    logs = _logged(trainer)
+    assert trainer.state.global_step == 4 and len(logs) == 4
+    assert all(entry["sample/staleness_max"] == 0 for entry in logs)
+    assert sum(entry.get("sample/dropped_stale_count", 0) for entry in logs) == 0
+    assert all(entry["batch/microbatches_per_step"] == 2 for entry in logs)
+
+
 # --- the seed's CurriculumRolloutLoop example, unchanged apart from the import line ---------------
 
 

@@ -158,17 +158,40 @@ def test_out_of_prompts_trains_what_is_left_then_ends_the_iteration(pipeline):
     assert batches.progress.trained_position == 2
 
 
-@pytest.mark.parametrize("reason", ["staleness", "on-policy"])
-def test_an_idle_item_with_an_empty_batcher_changes_nothing(pipeline, reason):
+def test_a_staleness_idle_item_with_an_empty_batcher_changes_nothing(pipeline):
+    """Blocked on the staleness limit with nothing queued: consuming frees the rollout process, so the
+    trainer just waits."""
     channel, batches = pipeline()
     reader = Reader(batches)
-    channel.samples.put(RolloutIdle(reason, channel.trainer_view()))
+    channel.samples.put(RolloutIdle("staleness", channel.trainer_view()))
     reader.request()
     assert not reader.arrived(timeout_s=0.5)  # nothing to train: keep waiting
+    assert channel.token_allowance.value == 1_000
     _put_group(channel, 0)
-    channel.samples.put(RolloutIdle(reason, channel.trainer_view()))
+    channel.samples.put(RolloutIdle("staleness", channel.trainer_view()))
     assert reader.arrived(timeout_s=5.0)
     assert len(reader.got[0].samples) == 2
+
+
+def test_an_on_policy_idle_item_with_nothing_to_train_raises_the_quota(pipeline):
+    """max_staleness=0, the version's quota spent and the trainer still short of samples (a second
+    micro-batch of the step, or a step before the next weight sync): only consuming cannot free the
+    rollout process, so the trainer raises the allowance by one micro-batch's worth."""
+    channel, batches = pipeline(max_staleness=0)
+    reader = Reader(batches)
+    channel.samples.put(RolloutIdle("on-policy", channel.trainer_view()))
+    reader.request()
+    assert not reader.arrived(timeout_s=0.5)
+    assert channel.token_allowance.value == 1_000 + BUDGET
+    outdated = TrainerView(0, 1_000, 0)  # sent before the raise: ignored, no second raise
+    channel.samples.put(RolloutIdle("on-policy", outdated))
+    time.sleep(0.3)
+    assert channel.token_allowance.value == 1_000 + BUDGET
+    _put_group(channel, 0)  # what the rollout process generates with the raised quota
+    channel.samples.put(RolloutIdle("on-policy", channel.trainer_view()))
+    assert reader.arrived(timeout_s=5.0)
+    assert len(reader.got[0].samples) == 2
+    assert channel.token_allowance.value == 1_000 + BUDGET  # that idle item closed a micro-batch instead
 
 
 def test_waiting_while_every_finished_prompt_was_dropped_is_a_warning(pipeline, caplog):

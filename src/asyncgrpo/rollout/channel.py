@@ -62,8 +62,9 @@ class TrainerView:
     """The trainer's published values that decide whether the rollout process may start a group.
 
     Only the trainer (rank 0) writes them. The version and the consumed tokens only grow, and the
-    allowance changes only at an optimizer step, after micro-batches were consumed: two equal views
-    mean the trainer did nothing in between that could let a group start.
+    allowance changes at an optimizer step, after micro-batches were consumed, or when the trainer
+    runs out of samples under `max_staleness=0` (it raises it): two equal views mean the trainer did
+    nothing in between that could let a group start.
     """
 
     model_version: int

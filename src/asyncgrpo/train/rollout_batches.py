@@ -16,6 +16,13 @@ A partially filled micro-batch is closed when more samples cannot come before th
   since) is ignored: the rollout process sends a fresh one if it is still blocked.
 - the rollout process ran out of prompts (a final `RolloutIdle`), or the last prompt of the run is
   accounted for: what is left is trained and the iteration ends.
+
+With `max_staleness=0` the rollout process generates about one step's worth of tokens per weight
+version and then waits for the next one. When the trainer runs out before the version changes (more
+micro-batches of a step under gradient accumulation, another step before the next weight sync, or
+groups dropped for zero reward std), an on-policy `RolloutIdle` finds nothing to close: the trainer
+then raises `token_allowance` by one micro-batch's worth, which lets the rollout process go on under
+the same version. Without that, each side would wait on the other.
 There is no flush on a timer: the rollout process is either producing (rollouts in flight, each bounded
 by the server timeout; closing early would only shrink the step), idle (and says so), or failed, which
 `check_health` turns into an error at the next poll.
@@ -33,7 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncgrpo import metrics as M
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutIdle
+from asyncgrpo.rollout.channel import IDLE_ON_POLICY, GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.train.distributed import rank_and_world_size
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.staleness import is_stale
@@ -144,7 +151,18 @@ class RolloutBatches:
             self._out_of_prompts = True
         elif item.blocked_at != self.channel.trainer_view():
             return  # outdated: the trainer consumed or stepped after the rollout process looked
-        self._ready.extend(self.batcher.flush())
+        closed = self.batcher.flush()
+        self._ready.extend(closed)
+        if not closed and item.reason == IDLE_ON_POLICY:
+            self._extend_on_policy_quota()
+
+    def _extend_on_policy_quota(self) -> None:
+        """max_staleness=0 and nothing left to train under this weight version: let the rollout process
+        generate one more micro-batch's worth of tokens (see the module docstring)."""
+        _, world = rank_and_world_size()
+        with self.channel.token_allowance.get_lock():
+            self.channel.token_allowance.value += self.token_budget * world
+        logger.debug("on-policy quota raised to %d tokens", self.channel.token_allowance.value)
 
     def _consume(self, items: list[QueuedSample]) -> None:
         """Samples leave the pipeline (trained or dropped): free their tokens and count their prompts."""
