@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from transformers import PrinterCallback, TrainerCallback
 
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         evaluator = HeldOutAccuracy(url, tokenizer, eval_rows, samples=args.eval_samples, seed=args.seed)
         before = evaluator()
-        print(f"held-out accuracy before training: {before:.1%} (answers boxed: {evaluator.boxed:.1%})")
-        boxed_before = evaluator.boxed
+        print(f"held-out accuracy before training: {before.accuracy:.1%} (answers boxed: {before.boxed:.1%})")
         config = AsyncGRPOConfig(
             output_dir=str(out / "trainer"),
             vllm_server_base_url=url,
@@ -105,20 +104,25 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     wall_s = time.perf_counter() - started
-    result = {"accuracy_before": before, "accuracy_after": after, "boxed_before": boxed_before,
-              "boxed_after": evaluator.boxed, "steps": args.max_steps, "wall_s": wall_s, "seed": args.seed,
+    result = {"accuracy_before": before.accuracy, "accuracy_after": after.accuracy, "boxed_before": before.boxed,
+              "boxed_after": after.boxed, "steps": args.max_steps, "wall_s": wall_s, "seed": args.seed,
               "eval_prompts": len(eval_rows), "eval_samples": args.eval_samples}
     (out / "accuracy.json").write_text(json.dumps(result, indent=2))
-    print(f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) in {wall_s:.0f}s;"
-          f" answers boxed: {boxed_before:.1%} -> {evaluator.boxed:.1%}")
+    gain = (after.accuracy - before.accuracy) * 100
+    print(f"held-out accuracy: {before.accuracy:.1%} -> {after.accuracy:.1%} ({gain:+.1f} points) in {wall_s:.0f}s;"
+          f" answers boxed: {before.boxed:.1%} -> {after.boxed:.1%}")
     plot_path = plot(out / "metrics.jsonl", out / "reward_accuracy.png")
     print(f"metrics: {out / 'metrics.jsonl'}" + (f"\nplot: {plot_path}" if plot_path else ""))
     return 0
 
 
+class HeldOut(NamedTuple):
+    accuracy: float  # fraction of correct `\\boxed{}` answers
+    boxed: float  # fraction of answers with a `\\boxed{}` at all
+
+
 class HeldOutAccuracy:
-    """Fraction of correct `\\boxed{}` answers on held-out questions, sampled through the server;
-    `boxed` is the fraction of answers of the last call that had a `\\boxed{}` at all."""
+    """Held-out questions sampled through the server: how many answers are right, how many boxed."""
 
     def __init__(self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int) -> None:
         self.url = url
@@ -126,9 +130,8 @@ class HeldOutAccuracy:
         self.rows = rows
         self.samples = samples
         self.seed = seed
-        self.boxed = float("nan")
 
-    def __call__(self) -> float:
+    def __call__(self) -> HeldOut:
         from asyncgrpo.evaluate import evaluate, last_message_text
         from asyncgrpo.tasks import arithmetic
 
@@ -142,14 +145,13 @@ class HeldOutAccuracy:
         accuracy = evaluate(
             self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48, score=score
         )
-        self.boxed = sum(boxed) / max(1, len(boxed))
-        return accuracy
+        return HeldOut(accuracy, sum(boxed) / max(1, len(boxed)))
 
 
 class DemoProgress(TrainerCallback):
     """A progress bar with the reward, metrics to JSONL, and held-out accuracy every few steps."""
 
-    def __init__(self, path: Path, evaluator: HeldOutAccuracy, eval_every: int, max_steps: int, before: float) -> None:
+    def __init__(self, path: Path, evaluator: HeldOutAccuracy, eval_every: int, max_steps: int, before: HeldOut) -> None:
         from tqdm.auto import tqdm
 
         self.file = open(path, "w")  # noqa: SIM115 -- open for the whole run, closed in close()
@@ -157,8 +159,11 @@ class DemoProgress(TrainerCallback):
         self.eval_every = eval_every
         self.bar = tqdm(total=max_steps, desc="training", unit="step")
         self.last_reward = float("nan")
-        self.accuracy = before
-        self._write({"step": 0, "heldout_accuracy": before, "heldout_boxed": evaluator.boxed})
+        self.accuracy = before.accuracy
+        self._write_held_out(0, before)
+
+    def _write_held_out(self, step: int, result: HeldOut) -> None:
+        self._write({"step": step, "heldout_accuracy": result.accuracy, "heldout_boxed": result.boxed})
 
     def _write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -171,14 +176,14 @@ class DemoProgress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.eval_every and state.global_step % self.eval_every == 0 and state.global_step < state.max_steps:
-            self.accuracy = self.evaluator()
-            self._write({"step": state.global_step, "heldout_accuracy": self.accuracy,
-                         "heldout_boxed": self.evaluator.boxed})
+            result = self.evaluator()
+            self.accuracy = result.accuracy
+            self._write_held_out(state.global_step, result)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{self.last_reward:.2f}", heldout_acc=f"{self.accuracy:.1%}")
 
-    def close(self, after: float, step: int) -> None:
-        self._write({"step": step, "heldout_accuracy": after, "heldout_boxed": self.evaluator.boxed})
+    def close(self, after: HeldOut, step: int) -> None:
+        self._write_held_out(step, after)
         self.bar.close()
         self.file.close()
 
