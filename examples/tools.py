@@ -49,23 +49,25 @@ async def increment(step: int) -> int:
     return _counter.get()
 
 
+def failed_call(message: dict) -> bool:
+    """A tool message that reports a failed call: the tool loop answers those with "Error: ..."."""
+    return message["role"] == "tool" and str(message.get("content", "")).startswith("Error:")
+
+
 def reached_target(completions: list[list[dict]], target: list[int], max_step: list[int], **kwargs) -> list[float]:
     """1.0 when the last counter value the tool returned is the target and no step exceeded max_step."""
     rewards = []
     for messages, goal, limit in zip(completions, target, max_step):
         steps = [call["function"]["arguments"].get("step") for m in messages for call in m.get("tool_calls", [])]
-        values = [m["content"] for m in messages if m["role"] == "tool" and not str(m["content"]).startswith("Error")]
+        values = [m["content"] for m in messages if m["role"] == "tool" and not failed_call(m)]
         within = all(isinstance(s, int) and s <= limit for s in steps)
         rewards.append(float(within and bool(values) and values[-1] == str(goal)))
     return rewards
 
 
 def tool_error_penalty(completions: list[list[dict]], **kwargs) -> list[float]:
-    """-0.1 per failed tool call: the tool loop answers each with a tool message starting "Error:"."""
-    return [
-        -0.1 * sum(m["role"] == "tool" and str(m.get("content", "")).startswith("Error:") for m in completion)
-        for completion in completions
-    ]
+    """-0.1 per failed tool call."""
+    return [-0.1 * sum(failed_call(m) for m in completion) for completion in completions]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
