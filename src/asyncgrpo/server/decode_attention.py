@@ -11,9 +11,9 @@ Two implementations of one function:
   in float32; small batches split the context so that every multiprocessor has work, and a second
   kernel merges the splits.
 
-`decode_attention` picks the Triton kernel for CUDA tensors when it compiles and agrees with the
-gather on that device (checked once per device, e.g. older GPUs lack its bfloat16 dot), else the
-gather.
+`decode_attention` picks the Triton kernel for CUDA tensors with a power-of-two head size when it
+compiles and agrees with the gather on that device (checked once per device, e.g. older GPUs lack its
+bfloat16 dot), else the gather.
 """
 
 from __future__ import annotations
@@ -238,7 +238,8 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Decode attention with the best implementation for the device (see the module docstring)."""
-    if q.is_cuda and triton_works_on(q.device, q.dtype):
+    d = q.shape[-1]
+    if q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype):
         return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale)
     return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale)
 
