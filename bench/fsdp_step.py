@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
             print(f"wrote {out}")
         ok = all(r["loss_match"] for r in results) if dist.get_rank() == 0 else True
+        # leave together: a rank tearing down gloo while the other still writes results can abort
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1
