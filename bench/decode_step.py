@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_throughput import SHAPES, build_random_qwen3, make_prompts
+from serve_throughput import SHAPES, build_random_qwen3, device_slug, make_prompts
 
 from asyncgrpo.server import decode_attention as attention
 from asyncgrpo.server import kv_cache
@@ -244,8 +244,7 @@ def main() -> None:
         print(f"one layer's decode attention, B={args.batch}, context {context}: "
               + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
               + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
-    slug = results["host"]["device_name"].lower().replace("nvidia ", "").replace(" ", "-")
-    out = Path(args.output or Path(__file__).parent / "results" / f"decode_step_{slug}.json")
+    out = Path(args.output or Path(__file__).parent / "results" / f"decode_step_{device_slug(args.device)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")

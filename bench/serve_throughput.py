@@ -159,7 +159,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _device_slug(device: str) -> str:
+def device_slug(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
     return "cpu"
@@ -250,7 +250,7 @@ def main() -> None:
     results: dict = {"config": {k: v for k, v in vars(args).items() if k != "logprob_passes"}, "levels": levels}
     results["config"]["model_path"] = model_path
     results["host"] = {"platform": platform.platform(), "torch": torch.__version__,
-                       "device_name": _device_slug(args.device)}
+                       "device_name": device_slug(args.device)}
     if not args.skip_hf:
         print("transformers generate:", flush=True)
         results["hf_generate"] = run_hf(model_path, args, levels, prompts)
@@ -293,7 +293,7 @@ def main() -> None:
                 v = results["vllm"][key]["tokens_per_s"]
                 line += f" {v:>10.1f} {ours / v:>7.2f}"
             print(line)
-    out = Path(args.output or Path(__file__).parent / "results" / f"serve_throughput_{_device_slug(args.device)}.json")
+    out = Path(args.output or Path(__file__).parent / "results" / f"serve_throughput_{device_slug(args.device)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")

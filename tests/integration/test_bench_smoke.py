@@ -1,0 +1,44 @@
+"""The serving benchmarks run end to end on CPU with the bundled tiny model (tiny sizes), so that the
+GPU runs they are made for find them working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], check=False, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_serve_throughput_side_by_side_on_cpu(tmp_path):
+    out = tmp_path / "serve.json"
+    _run("serve_throughput.py", "--concurrency", "1,3", "--prompt-len", "8", "--max-tokens", "4",
+         "--logprobs", "2", "--loop-prompts", "1", "--output", str(out))
+    result = json.loads(out.read_text())
+    for side in ("embedded", "hf_generate"):
+        for key in ("0:1", "0:3", "2:1", "2:3"):
+            r = result[side][key]
+            assert r["tokens"] == 4 * int(key.split(":")[1]) and r["tokens_per_s"] > 0
+    assert result["embedded"]["0:3"]["first_wave_tokens_per_s"] > 0
+    assert result["hf_generate"]["0:3"]["first_call_tokens_per_s"] > 0
+    assert result["hf_generate"]["0:loop"]["tokens"] == 4
+
+
+def test_decode_step_profile_on_cpu(tmp_path):
+    out = tmp_path / "decode_step.json"
+    proc = _run("decode_step.py", "--device", "cpu", "--batch", "3", "--prompt-len", "8", "--max-tokens", "6",
+                "--output", str(out))
+    assert "timing the gather path only" in proc.stdout
+    engine = json.loads(out.read_text())["engine"]["gather"]
+    assert engine["tokens"] == 3 * 6 and engine["decode_steps"] == 5
+    assert {"schedule", "step", "record", "plan", "sample_launch", "to_host"} <= set(engine["host_ms"])
