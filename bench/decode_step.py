@@ -20,12 +20,10 @@ Writes bench/results/decode_step_<device>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_throughput import SHAPES, build_random_qwen3, device_slug, make_prompts
+from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
 from asyncgrpo.server import decode_attention as attention
 from asyncgrpo.server import kv_cache
@@ -165,7 +163,7 @@ def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
     with torch.inference_mode():
         return {
             "forward": cuda_ms(lambda: runner.graphs.run(dec), runner.device),
-            "sample_graph": cuda_ms(lambda: runner.graphs.sample(logits, plan), runner.device),
+            "sample_graph": cuda_ms(lambda: runner.graphs.sample(logits, plan, runner.token_hashes), runner.device),
             "sample_eager": cuda_ms(lambda: sample(logits, batch), runner.device),
         }
 
@@ -207,15 +205,7 @@ def main() -> None:
     p.add_argument("--implementations", default="triton,gather")
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    model = args.model
-    tmp = None
-    if args.random_qwen3:
-        if args.model_dir is None:
-            tmp = tempfile.TemporaryDirectory()
-            args.model_dir = tmp.name
-        if not (Path(args.model_dir) / "config.json").exists():
-            build_random_qwen3(args.random_qwen3, Path(args.model_dir))
-        model = args.model_dir
+    model, tmp = prepare_model(args)
     device = resolve_device(args.device)
     served = load_served_model(model, device, "auto", None)
     prompts = make_prompts(args.batch, args.prompt_len, served.vocab_size)
@@ -224,8 +214,7 @@ def main() -> None:
         print("Triton kernel needs CUDA and Triton: timing the gather path only")
         impls = [i for i in impls if i != "triton"]
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
-                                                    "device_name": torch.cuda.get_device_name(device)
-                                                    if device.type == "cuda" else "cpu"}}
+                                                    "device_name": device_slug(args.device)}}
     results["engine"] = {}
     for impl in impls:
         r = run_engine(served, args, prompts, impl)
@@ -244,10 +233,7 @@ def main() -> None:
         print(f"one layer's decode attention, B={args.batch}, context {context}: "
               + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
               + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
-    out = Path(args.output or Path(__file__).parent / "results" / f"decode_step_{device_slug(args.device)}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_results(results, 'decode_step', args.device, args.output)}")
     if tmp is not None:
         tmp.cleanup()
 

@@ -159,6 +159,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def prepare_model(args: argparse.Namespace) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """(model path, temp dir to clean up or None): the random Qwen3 of `--random-qwen3`, built in
+    `--model-dir` unless it is there already (a temp dir without one), else `--model` resolved."""
+    if not args.random_qwen3:
+        from asyncgrpo.models import resolve_model_path
+
+        return resolve_model_path(args.model), None
+    tmp = None
+    if args.model_dir is None:
+        tmp = tempfile.TemporaryDirectory()
+        args.model_dir = tmp.name
+    path = Path(args.model_dir)
+    if not (path / "config.json").exists():
+        print(f"building a random Qwen3-{args.random_qwen3} in {path}", flush=True)
+        build_random_qwen3(args.random_qwen3, path)
+    return str(path), tmp
+
+
+def write_results(results: dict, name: str, device: str, output: str | None) -> Path:
+    """Write the results JSON to `output`, by default bench/results/<name>_<device slug>.json."""
+    out = Path(output or Path(__file__).parent / "results" / f"{name}_{device_slug(device)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    return out
+
+
 def device_slug(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
@@ -226,22 +252,9 @@ def main() -> None:
     args.logprob_passes = [0] + ([args.logprobs] if args.logprobs else [])
     levels = [int(x) for x in args.concurrency.split(",")]
 
-    tmp = None
-    if args.random_qwen3:
-        if args.model_dir is None:
-            tmp = tempfile.TemporaryDirectory()
-            args.model_dir = tmp.name
-        path = Path(args.model_dir)
-        if not (path / "config.json").exists():
-            print(f"building a random Qwen3-{args.random_qwen3} in {path}", flush=True)
-            build_random_qwen3(args.random_qwen3, path)
-        model_path = str(path)
-        if args.build_only:
-            return
-    else:
-        from asyncgrpo.models import resolve_model_path
-
-        model_path = resolve_model_path(args.model)
+    model_path, tmp = prepare_model(args)
+    if args.build_only:
+        return
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
@@ -293,10 +306,7 @@ def main() -> None:
                 v = results["vllm"][key]["tokens_per_s"]
                 line += f" {v:>10.1f} {ours / v:>7.2f}"
             print(line)
-    out = Path(args.output or Path(__file__).parent / "results" / f"serve_throughput_{device_slug(args.device)}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    print(f"\nwrote {write_results(results, 'serve_throughput', args.device, args.output)}")
     if tmp is not None:
         tmp.cleanup()
 

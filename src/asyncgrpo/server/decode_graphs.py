@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
-from asyncgrpo.server.sampling import SamplingPlan, pack, sample, token_hash
+from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 
 if TYPE_CHECKING:
     from asyncgrpo.server.runner import DecodeInputs
@@ -78,7 +78,6 @@ class DecodeGraphs:
         self._logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
         self._floats = torch.zeros(3, n, dtype=torch.float32, device=device)
         self._ints = torch.zeros(2, n, dtype=torch.int64, device=device)
-        self._token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode step of B sequences. Returns logits [B, V]."""
@@ -95,9 +94,10 @@ class DecodeGraphs:
         self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
         return self._replay(("forward", bp, nbp), lambda: self._forward(bp, nbp))[:b]
 
-    def sample(self, logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
-        """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`.
-        Returns the packed step output [B, columns] (`sampling.pack`)."""
+    def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
+        """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
+        (`token_hashes`: the runner's `sampling.token_hash` of every id, a buffer that outlives the
+        graphs). Returns the packed step output [B, columns] (`sampling.pack`)."""
         b = logits.shape[0]
         bp = batch_bucket(b)
         self._logits[:b].copy_(logits)
@@ -110,10 +110,10 @@ class DecodeGraphs:
         self._floats[:, :bp].copy_(torch.from_numpy(floats), non_blocking=True)
         self._ints[:, :bp].copy_(torch.from_numpy(ints), non_blocking=True)
         key = ("sample", bp, plan.num_sorted, plan.num_top_logprobs, plan.mask_width, plan.all_top_k)
-        return self._replay(key, lambda: self._sample(bp, plan))[:b]
+        return self._replay(key, lambda: self._sample(bp, plan, token_hashes))[:b]
 
-    def _sample(self, bp: int, plan: SamplingPlan) -> torch.Tensor:
-        batch = plan.batch(self._floats[:, :bp], self._ints[:, :bp], self._token_hashes)
+    def _sample(self, bp: int, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
+        batch = plan.batch(self._floats[:, :bp], self._ints[:, :bp], token_hashes)
         return pack(sample(self._logits[:bp], batch))
 
     def _replay(self, key: tuple, fn) -> torch.Tensor:

@@ -58,12 +58,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
-                             BLOCK=triton_block(n))
+                             BLOCK=max(16, 1 << (n - 1).bit_length()))
     return out.view(*x.shape[:-1], n)
-
-
-def triton_block(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def _fused_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

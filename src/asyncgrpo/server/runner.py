@@ -163,7 +163,7 @@ class ModelRunner:
         else:
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
-                return self._to_host(self.graphs.sample(logits, plan), plan)
+                return self._to_host(self.graphs.sample(logits, plan, self.token_hashes), plan)
         logits = self._process(logits.float(), seqs, rows, positions)
         # non_blocking: the decode graph may still be running; a plain copy would wait for it
         floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
