@@ -11,8 +11,10 @@ implementation. For every decode-only step it times, on the host clock:
 
 and then, with CUDA events on the final batch, the forward (graph replay) and the sampling alone,
 plus one layer's decode attention at the final context length for both implementations.
+`--unfused` adds a run with the first implementation where the attention and MLP blocks run their own
+Hugging Face forwards instead of the fused ones (`server/fused_layers.py`).
 
-    python bench/decode_step.py --random-qwen3 0.6b --device cuda [--batch 256] [--logprobs 8]
+    python bench/decode_step.py --random-qwen3 0.6b --device cuda [--batch 256] [--logprobs 8] [--unfused]
 
 Writes bench/results/decode_step_<device>.json.
 """
@@ -20,6 +22,8 @@ Writes bench/results/decode_step_<device>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import platform
 import statistics
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
 from asyncgrpo.server import decode_attention as attention
+from asyncgrpo.server import fused_layers
 from asyncgrpo.server import kv_cache
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
@@ -115,6 +120,19 @@ def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
     runner_module.sample = timed("sample_launch", runner_module.sample)  # steps that sample eagerly
     runner._to_host = timed("to_host", runner._to_host)
     return parts
+
+
+@contextlib.contextmanager
+def own_forwards(model: torch.nn.Module):
+    """The attention and MLP modules run their own forwards (fused_layers' ones are set aside)."""
+    fused = (fused_layers._attention_forward, fused_layers._mlp_forward)
+    saved = {m: m.__dict__.pop("forward") for m in model.modules()
+             if isinstance(m.__dict__.get("forward"), functools.partial) and m.__dict__["forward"].func in fused}
+    try:
+        yield len(saved)
+    finally:
+        for module, forward in saved.items():
+            module.forward = forward
 
 
 def run_engine(served, args, prompts, impl: str) -> dict:
@@ -203,6 +221,8 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--implementations", default="triton,gather")
+    p.add_argument("--unfused", action="store_true", help="also time the first implementation with the "
+                   "model's own attention and MLP forwards")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     model, tmp = prepare_model(args)
@@ -216,16 +236,24 @@ def main() -> None:
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
                                                     "device_name": device_slug(args.device)}}
     results["engine"] = {}
-    for impl in impls:
-        r = run_engine(served, args, prompts, impl)
-        results["engine"][impl] = r
-        print(f"{impl:>7}: {r['tokens_per_s']:9.0f} tok/s over {r['decode_steps']} decode steps; host ms "
+    runs = [(impl, impl) for impl in impls]
+    if args.unfused:
+        runs.append((f"{impls[0]}_unfused_layers", impls[0]))
+    for name, impl in runs:
+        with own_forwards(served.model) if name.endswith("unfused_layers") else contextlib.nullcontext():
+            r = run_engine(served, args, prompts, impl)
+        results["engine"][name] = r
+        print(f"{name:>7}: {r['tokens_per_s']:9.0f} tok/s over {r['decode_steps']} decode steps; host ms "
               + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())
               + ("; device ms " + " ".join(f"{k} {v:.2f}" for k, v in r["device_ms"].items())
                  if "device_ms" in r else ""), flush=True)
     if len(impls) == 2:
         ratio = results["engine"]["triton"]["tokens_per_s"] / results["engine"]["gather"]["tokens_per_s"]
         print(f"engine tokens/s, triton / gather: {ratio:.2f}x")
+    if args.unfused:
+        e = results["engine"]
+        print(f"engine tokens/s, fused / own attention and MLP forwards ({impls[0]} attention): "
+              f"{e[impls[0]]['tokens_per_s'] / e[impls[0] + '_unfused_layers']['tokens_per_s']:.2f}x")
     if device.type == "cuda" and "triton" in impls:
         context = args.prompt_len + args.max_tokens
         a = attention_ms(served, args.batch, context)
