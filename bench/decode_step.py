@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
 from asyncgrpo.server import decode_attention as attention
-from asyncgrpo.server import fused_layers
-from asyncgrpo.server import kv_cache
+from asyncgrpo.server import fused_layers, kv_cache
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device

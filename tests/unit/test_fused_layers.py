@@ -9,13 +9,20 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.models.qwen3 import modeling_qwen3
 
 from asyncgrpo.server.fused_layers import fuse_layers
 
-SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def _model(kind: str) -> torch.nn.Module:

@@ -303,7 +303,7 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> tuple[int, int]:
                 continue
             try:
                 same = _checked(module, attention, fusion)
-            except Exception as exc:  # noqa: BLE001 -- a compile or launch failure of the Triton kernels
+            except Exception as exc:
                 if not triton:
                     raise
                 logger.warning("the fused attention/MLP kernels do not run on this GPU (%s); only their matmuls "
