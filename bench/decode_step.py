@@ -185,25 +185,33 @@ def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
         }
 
 
-def attention_ms(served, batch: int, context: int) -> dict:
-    """One layer's decode attention over `context` cached tokens per sequence, both implementations."""
-    g = torch.Generator(device=served.device).manual_seed(0)
+def attention_case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, batch: int,
+                   context: int) -> tuple[tuple, int]:
+    """Inputs of one layer's decode attention, `context` cached tokens per sequence in shuffled blocks
+    (the table padded to a power-of-two number of blocks, as the decode graphs do), and the bytes of
+    K/V it reads."""
+    g = torch.Generator(device=device).manual_seed(0)
     nb = -(-context // BLOCK_SIZE)
-    shape = (batch * nb + 1, BLOCK_SIZE, served.num_kv_heads, served.head_dim)
-    k_pool = torch.randn(shape, generator=g, device=served.device).to(served.dtype)
-    v_pool = torch.randn(shape, generator=g, device=served.device).to(served.dtype)
-    heads = served.model.config.num_attention_heads
-    q = torch.randn(batch, heads, served.head_dim, generator=g, device=served.device).to(served.dtype)
-    tables = torch.randperm(batch * nb, device=served.device).view(batch, nb)
-    # the decode graphs pad the table to a power-of-two number of blocks, as here
+    shape = (batch * nb + 1, BLOCK_SIZE, kv_heads, head_dim)
+    k_pool = torch.randn(shape, generator=g, device=device).to(dtype)
+    v_pool = torch.randn(shape, generator=g, device=device).to(dtype)
+    q = torch.randn(batch, heads, head_dim, generator=g, device=device).to(dtype)
+    tables = torch.randperm(batch * nb, device=device).view(batch, nb)
     padded = 1 << (nb - 1).bit_length()
     tables = torch.cat([tables, tables[:, :1].expand(batch, padded - nb)], dim=1)
-    lens = torch.full((batch,), context, device=served.device)
-    scale = served.head_dim**-0.5
-    kv_bytes = 2 * batch * context * served.num_kv_heads * served.head_dim * k_pool.element_size()
+    lens = torch.full((batch,), context, device=device)
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_pool.element_size()
+    return (q, k_pool, v_pool, tables, lens, head_dim**-0.5), kv_bytes
+
+
+def attention_ms(served, batch: int, context: int) -> dict:
+    """One layer's decode attention over `context` cached tokens per sequence, both implementations."""
+    heads = served.model.config.num_attention_heads
+    args, kv_bytes = attention_case(heads, served.num_kv_heads, served.head_dim, served.dtype, served.device, batch,
+                                    context)
     out = {}
     for name, fn in IMPLEMENTATIONS.items():
-        ms = cuda_ms(lambda fn=fn: fn(q, k_pool, v_pool, tables, lens, scale), served.device)
+        ms = cuda_ms(lambda fn=fn: fn(*args), served.device)
         out[name] = {"ms": ms, "kv_gb_per_s": kv_bytes / ms / 1e6}
     return out
 

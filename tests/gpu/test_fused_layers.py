@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
-from asyncgrpo.server.fused_layers import _triton_kernels, fuse_layers, norm_rope, silu_mul
+from asyncgrpo.server.fused_layers import FusedLayers, _triton_kernels, fuse_layers, norm_rope, silu_mul
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.loading import load_served_model
 
@@ -54,6 +55,26 @@ def test_norm_rope_matches_the_modules(dtype, tokens, heads, kv_heads, head_dim,
     _close(got_k, expected_k)
 
 
+def test_norm_rope_writes_the_cache_rows():
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, d, block_size = 5, 4, 2, 64, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to("cuda", torch.bfloat16)
+    angles = torch.rand(tokens, d, generator=g).cuda()
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    pools = [torch.zeros(7, block_size, kv_heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    slots = torch.tensor([3, 17, 40, 41, 100], device="cuda")
+    weights = (1 + 0.3 * torch.randn(2 * d, generator=g)).to("cuda", torch.bfloat16)
+    q, k = norm_rope(qkv, heads, kv_heads, d, weights, 1e-6, cos, sin, cache=(*pools, slots))
+    expected_q, expected_k = norm_rope(qkv, heads, kv_heads, d, weights, 1e-6, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    k_rows, v_rows = (pool.view(-1, kv_heads, d) for pool in pools)
+    assert torch.equal(k_rows[slots], k)
+    assert torch.equal(v_rows[slots], qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d))
+    untouched = torch.ones(k_rows.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert not k_rows[untouched].any() and not v_rows[untouched].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,width", [(1, 3072), (256, 3072), (5, 100)])
 def test_silu_mul_matches_torch(dtype, tokens, width):
@@ -73,8 +94,7 @@ def test_fused_qwen3_keeps_the_logits():
         if isinstance(module, Qwen3RMSNorm):
             torch.nn.init.normal_(module.weight, 1.0, 0.3)
     fused = copy.deepcopy(model)
-    assert fuse_layers(fused, triton=True) == (3, 3)
-    assert all(layer.self_attn.forward.args[1].triton for layer in fused.model.layers)
+    assert fuse_layers(fused, triton=True) == FusedLayers(attention=3, mlp=3, with_triton=6)
     fuse_rms_norms(fused)
     ids = torch.randint(0, 512, (2, 37), device="cuda")
     with torch.no_grad():
@@ -84,6 +104,6 @@ def test_fused_qwen3_keeps_the_logits():
 
 def test_the_server_uses_the_kernels_on_this_gpu():
     served = load_served_model("asyncgrpo/tiny-chat", torch.device("cuda", 0), "bfloat16", None)
+    assert served.fused_layers == FusedLayers(attention=4, mlp=4, with_triton=8)
     for layer in served.model.model.layers:
-        assert layer.self_attn.forward.args[1].triton
-        assert layer.mlp.forward.args[2]  # the Triton SiLU * up
+        assert isinstance(layer.self_attn.__dict__["forward"], functools.partial), layer.self_attn.forward

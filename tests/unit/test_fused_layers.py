@@ -19,7 +19,7 @@ from transformers import (
 )
 from transformers.models.qwen3 import modeling_qwen3
 
-from asyncgrpo.server.fused_layers import fuse_layers
+from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -44,7 +44,7 @@ def _model(kind: str) -> torch.nn.Module:
 def test_fused_model_gives_the_same_logits(kind):
     model = _model(kind)
     fused = copy.deepcopy(model)
-    assert fuse_layers(fused, triton=False) == (2, 2)
+    assert fuse_layers(fused, triton=False) == FusedLayers(attention=2, mlp=2)
     ids = torch.randint(0, 300, (2, 11))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
@@ -73,7 +73,8 @@ def test_weight_updates_land_in_the_fused_weights():
 
 def test_qwen3_norm_weights_are_shared_too():
     fused = _model("qwen3")
-    assert fuse_layers(fused, triton=True) == (2, 2)  # CPU weights: the Triton path is never taken
+    # CPU weights: the Triton path is never taken
+    assert fuse_layers(fused, triton=True) == FusedLayers(attention=2, mlp=2, with_triton=0)
     attn = fused.model.layers[1].self_attn
     assert attn.k_norm.weight.data_ptr() == attn.q_norm.weight.data_ptr() + 32 * 4
 
@@ -105,7 +106,7 @@ def test_another_rotary_keeps_its_own_forward():
     other.load_state_dict(layer.self_attn.state_dict())
     layer.self_attn = other
     reference = copy.deepcopy(model)
-    assert fuse_layers(model, triton=False) == (1, 2)
+    assert fuse_layers(model, triton=False) == FusedLayers(attention=1, mlp=2)
     assert layer.self_attn.forward.__func__ is InterleavedRotaryAttention.forward
     ids = torch.randint(0, 300, (1, 7))
     with torch.no_grad():

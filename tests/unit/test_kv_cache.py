@@ -11,12 +11,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncgrpo.server.decode_attention import choose_splits
 from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
+from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.runner import decode_inputs
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["own forwards", "fused layers"])
+def models(request):
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
@@ -24,6 +25,8 @@ def models():
     paged = Qwen3ForCausalLM(copy.deepcopy(config)).eval()  # set_attn_implementation edits the config
     paged.load_state_dict(reference.state_dict())
     paged.set_attn_implementation(register_attention())
+    if request.param == "fused layers":
+        assert fuse_layers(paged, triton=False).attention == 2
     return reference, paged
 
 

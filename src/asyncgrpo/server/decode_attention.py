@@ -177,11 +177,15 @@ def decode_attention_triton(
     scale: float,
     tile: int = 64,
     num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_gather`; every context length must be >= 1.
 
     Small batches split each context across several programs (flash-decoding) whose partial
-    results a second kernel merges; `num_splits` overrides the choice (tests)."""
+    results a second kernel merges; `num_splits` overrides the choice (tests). `tile` (tokens per
+    iteration), `num_warps` and `num_stages` are the launch configuration (bench/attention_configs.py
+    times the alternatives)."""
     kernels = _triton_kernels()
     if kernels is None:
         raise RuntimeError("decode_attention_triton needs Triton (it ships with PyTorch's CUDA wheels)")
@@ -220,6 +224,8 @@ def decode_attention_triton(
         BLOCK_SIZE=block_size,
         TILE=tile,
         IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         merge[(bd, h)](

@@ -44,8 +44,9 @@ def _triton_kernels():
 
     @triton.jit
     def norm_rope_kernel(qkv_ptr, stride_row, norm_w_ptr, cos_ptr, sin_ptr, stride_cs, out_ptr, eps,
+                         slots_ptr, k_cache_ptr, v_cache_ptr,
                          NUM_Q: tl.constexpr, NUM_QK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         HAS_NORM: tl.constexpr):
+                         HAS_NORM: tl.constexpr, WRITE_CACHE: tl.constexpr):
         # one program per (token, q or k head); every product is rounded to the model dtype where
         # the module's forward rounds it
         row = tl.program_id(0)
@@ -73,6 +74,15 @@ def _triton_kernels():
         dst = out_ptr + (row * NUM_QK + head) * HEAD_DIM
         tl.store(dst + cols, o1)
         tl.store(dst + HALF + cols, o2)
+        if WRITE_CACHE:  # noqa: SIM102 -- a compile-time switch around a run-time test
+            if head >= NUM_Q:  # a k head: its rotated key and the matching value head go to the cache row
+                kv_head = head - NUM_Q
+                cache_row = tl.load(slots_ptr + row) * (NUM_QK - NUM_Q) * HEAD_DIM + kv_head * HEAD_DIM
+                tl.store(k_cache_ptr + cache_row + cols, o1)
+                tl.store(k_cache_ptr + cache_row + HALF + cols, o2)
+                v_src = src + (NUM_QK - NUM_Q) * HEAD_DIM
+                tl.store(v_cache_ptr + cache_row + cols, tl.load(v_src + cols))
+                tl.store(v_cache_ptr + cache_row + HALF + cols, tl.load(v_src + HALF + cols))
 
     @triton.jit
     def silu_mul_kernel(gate_up_ptr, stride_row, out_ptr, n_cols, BLOCK: tl.constexpr):
@@ -98,19 +108,27 @@ def norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (if `norm_weights`, q's then k's, [2 * head_dim]) and the rotate-half rotary
-    embedding of the q and k heads of `qkv` [N, >= (num_q + num_kv) * head_dim] (rows: tokens; the
-    heads of q, then k, then anything), in one Triton kernel. cos, sin: [N, head_dim].
+    embedding of the q and k heads of `qkv` [N, (num_q + 2 * num_kv) * head_dim] (rows: tokens; the
+    heads of q, k, then v), in one Triton kernel. cos, sin: [N, head_dim].
+    `cache` = (k pool, v pool, slot_mapping [N]): also write each token's rotated keys and its values
+    into row slot_mapping[i] of the pools ([num_blocks, block_size, num_kv, head_dim], contiguous).
     Returns q [N, num_q, head_dim] and k [N, num_kv, head_dim], views of one new tensor."""
     norm_rope_kernel, _ = _triton_kernels()
     n = qkv.shape[0]
     assert qkv.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert qkv.shape[1] == (num_q + 2 * num_kv) * head_dim
     out = torch.empty(n, num_q + num_kv, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k_pool, v_pool, slots = cache if cache is not None else (out, out, out)
+    if cache is not None:
+        assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[-2:] == (num_kv, head_dim)
     if n:
         norm_rope_kernel[(n, num_q + num_kv)](
             qkv, qkv.stride(0), norm_weights if norm_weights is not None else qkv, cos, sin, cos.stride(0), out,
-            eps, NUM_Q=num_q, NUM_QK=num_q + num_kv, HEAD_DIM=head_dim, HAS_NORM=norm_weights is not None,
+            eps, slots, k_pool, v_pool, NUM_Q=num_q, NUM_QK=num_q + num_kv, HEAD_DIM=head_dim,
+            HAS_NORM=norm_weights is not None, WRITE_CACHE=cache is not None,
         )
     return out[:, :num_q], out[:, num_q:]
 
@@ -168,7 +186,13 @@ def _attention_forward(
     qkv = F.linear(hidden_states, fused.qkv_weight, fused.qkv_bias).view(-1, fused.qkv_weight.shape[0])
     cos, sin = (t.expand(*input_shape, d).reshape(-1, d) for t in position_embeddings)
     if fused.triton:
-        q, k = norm_rope(qkv, fused.num_q, fused.num_kv, d, fused.norm_weights, fused.norm_eps, cos, sin)
+        # inside the server's steps the kernel also writes this step's keys and values to the paged cache
+        meta = kwargs.get("kv_meta")
+        cache = None
+        if meta is not None:
+            cache = (meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx], meta.slot_mapping)
+            kwargs["kv_written"] = True
+        q, k = norm_rope(qkv, fused.num_q, fused.num_kv, d, fused.norm_weights, fused.norm_eps, cos, sin, cache)
     else:
         q = qkv[:, : fused.num_q * d].view(-1, fused.num_q, d)
         k = qkv[:, fused.num_q * d : (fused.num_q + fused.num_kv) * d].view(-1, fused.num_kv, d)
@@ -212,7 +236,8 @@ def _fuse_attention(module: torch.nn.Module, triton: bool) -> _Fusion | None:
     projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
     d = getattr(module, "head_dim", None)
     if not (all(map(_is_linear, projections)) and _is_linear(getattr(module, "o_proj", None))
-            and isinstance(d, int) and d % 2 == 0 and hasattr(module, "scaling") and hasattr(module, "config")):
+            and isinstance(d, int) and d % 2 == 0 and isinstance(getattr(module, "layer_idx", None), int)
+            and hasattr(module, "scaling") and hasattr(module, "config")):
         return None
     if len({p.bias is None for p in projections}) != 1:
         return None
@@ -288,13 +313,23 @@ def _checked(module: torch.nn.Module, attention: bool, fusion: _Fusion) -> bool:
             config._attn_implementation = impl
 
 
-def fuse_layers(model: torch.nn.Module, triton: bool) -> tuple[int, int]:
+@dataclass(frozen=True)
+class FusedLayers:
+    """What `fuse_layers` did: how many attention and MLP modules got the fused forward, and how many
+    of those run the Triton kernels."""
+
+    attention: int = 0
+    mlp: int = 0
+    with_triton: int = 0
+
+
+def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
     """Give the attention and MLP modules of `model` their fused forwards (see the module docstring);
     `triton`: use the Triton kernels (CUDA; if they fail to compile, the matmuls are still merged).
     The check runs each module on a short causal prompt through PyTorch's SDPA. Returns how many
-    (attention, MLP) modules were fused."""
+    modules were fused."""
     triton = triton and _triton_kernels() is not None
-    counts = {True: 0, False: 0}
+    counts = {True: 0, False: 0, "triton": 0}
     kept: set[str] = set()
     for module in list(model.modules()):
         for attention, fuse in ((True, _fuse_attention), (False, _fuse_mlp)):
@@ -319,6 +354,7 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> tuple[int, int]:
                 _share_storage(joined, params)
             module.forward = forward
             counts[attention] += 1
+            counts["triton"] += forward.args[-1].triton if attention else forward.args[-1]
     if kept:
         logger.info("%s compute something else than the fused forward: they keep their own", sorted(kept))
-    return counts[True], counts[False]
+    return FusedLayers(counts[True], counts[False], counts["triton"])

@@ -161,7 +161,8 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: query [1, H, T, D], key/value [1, KVH, T, D] for the flat
-    step; returns ([1, T, H, D], None). Writes this step's keys/values into the paged cache."""
+    step; returns ([1, T, H, D], None). Writes this step's keys/values into the paged cache, unless
+    the caller did (`kv_written=True`: the fused attention forward writes them in its rotary kernel)."""
     meta: AttentionMetadata | None = kwargs.get("kv_meta")
     if meta is None:
         raise RuntimeError(
@@ -172,8 +173,9 @@ def paged_attention_forward(
     cache = meta.cache
     q, k, v = query[0], key[0], value[0]
     flat = (-1, cache.num_kv_heads, cache.head_dim)
-    cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k.transpose(0, 1))
-    cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.transpose(0, 1))
+    if not kwargs.get("kv_written"):
+        cache.k[layer].view(flat).index_copy_(0, meta.slot_mapping, k.transpose(0, 1))
+        cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.transpose(0, 1))
     nd = meta.num_decode
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     parts = []

@@ -10,7 +10,7 @@ import torch
 
 from asyncgrpo.models import load_causal_lm, load_tokenizer, resolve_model_path
 from asyncgrpo.server.decode_attention import triton_works_on
-from asyncgrpo.server.fused_layers import fuse_layers
+from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 
@@ -34,6 +34,7 @@ class ServedModel:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    fused_layers: FusedLayers
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,8 +86,9 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     model = load_causal_lm(name, dtype=dtype, device=device)
     model.set_attn_implementation(register_attention())
     model.requires_grad_(False)
-    attention, mlp = fuse_layers(model, triton=device.type == "cuda")
-    logger.info("%d attention and %d MLP blocks run fused", attention, mlp)
+    fused = fuse_layers(model, triton=device.type == "cuda")
+    logger.info("%d attention and %d MLP blocks run fused (%d with Triton kernels)", fused.attention, fused.mlp,
+                fused.with_triton)
     if device.type == "cuda":
         logger.info("%d norm layers run as one kernel each", fuse_rms_norms(model))
         triton_works_on(device, dtype)  # checked here, before any CUDA graph is captured
@@ -118,6 +120,7 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
         num_layers=int(text.num_hidden_layers),
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        fused_layers=fused,
     )
 
 
