@@ -1,8 +1,9 @@
 """Launch configurations of the Triton decode attention, timed side by side.
 
 For each batch size and context length (a Qwen3-0.6B-shaped layer: 16 query heads, 8 kv heads,
-head size 128, bfloat16), times every (tile, warps, stages) of the grid with CUDA events and prints
-the fastest next to the configuration `decode_attention_triton` uses by default.
+head size 128, bfloat16), times every (tile, warps, stages) of the grid with CUDA events, as replays
+of a CUDA graph (as the server runs it), and prints the fastest next to the configuration
+`decode_attention_triton` uses by default.
 
     python bench/attention_configs.py [--batches 1,16,64,256] [--contexts 384,2048]
 
@@ -54,7 +55,7 @@ def main() -> None:
             def run(inputs=inputs, tile=tile, warps=warps, stages=stages):
                 return decode_attention_triton(*inputs, tile=tile, num_warps=warps, num_stages=stages)
             try:
-                times[(tile, warps, stages)] = cuda_ms(run, device)
+                times[(tile, warps, stages)] = cuda_ms(run, device, graph=True)
             except Exception as exc:  # noqa: BLE001 -- a configuration that does not compile (shared memory)
                 print(f"  tile {tile} warps {warps} stages {stages}: {type(exc).__name__}")
         best = min(times, key=times.get)

@@ -52,10 +52,17 @@ BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
 
 
-def cuda_ms(fn, device, repeats: int = 20) -> float:
-    """Median device time of fn() in ms (CUDA events), after two warm-up calls."""
+def cuda_ms(fn, device, repeats: int = 20, graph: bool = False) -> float:
+    """Median device time of fn() in ms (CUDA events), after two warm-up calls. `graph`: time replays
+    of fn captured as a CUDA graph, as the server runs it (for kernels of a few microseconds, eager
+    calls measure Python's launch cost instead)."""
     for _ in range(2):
         fn()
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -211,7 +218,7 @@ def attention_ms(served, batch: int, context: int) -> dict:
                                     context)
     out = {}
     for name, fn in IMPLEMENTATIONS.items():
-        ms = cuda_ms(lambda fn=fn: fn(*args), served.device)
+        ms = cuda_ms(lambda fn=fn: fn(*args), served.device, graph=True)
         out[name] = {"ms": ms, "kv_gb_per_s": kv_bytes / ms / 1e6}
     return out
 

@@ -20,6 +20,7 @@ from transformers import (
 from transformers.models.qwen3 import modeling_qwen3
 
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
+from asyncgrpo.server.loading import load_served_model
 
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -111,3 +112,10 @@ def test_another_rotary_keeps_its_own_forward():
     ids = torch.randint(0, 300, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_bundled_model_is_fused_when_served(dtype):
+    """A trained model in half precision: the accuracy check accepts the merged matmuls."""
+    served = load_served_model("asyncgrpo/tiny-chat", torch.device("cpu"), dtype, None)
+    assert served.fused_layers == FusedLayers(attention=4, mlp=4, with_triton=0)
