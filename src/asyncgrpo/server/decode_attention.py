@@ -178,7 +178,7 @@ def decode_attention_triton(
     tile: int = 64,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_gather`; every context length must be >= 1.
 
