@@ -254,8 +254,10 @@ def main() -> None:
     if args.unfused:
         runs.append((f"{impls[0]}_unfused_layers", impls[0]))
     for name, impl in runs:
-        with own_forwards(served.model) if name.endswith("unfused_layers") else contextlib.nullcontext():
+        with own_forwards(served.model) if name.endswith("unfused_layers") else contextlib.nullcontext(0) as swapped:
             r = run_engine(served, args, prompts, impl)
+        if swapped:
+            r["modules_on_own_forwards"] = swapped
         results["engine"][name] = r
         print(f"{name:>7}: {r['tokens_per_s']:9.0f} tok/s over {r['decode_steps']} decode steps; host ms "
               + " ".join(f"{k} {v:.2f}" for k, v in r["host_ms"].items())

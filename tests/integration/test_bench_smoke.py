@@ -37,8 +37,12 @@ def test_serve_throughput_side_by_side_on_cpu(tmp_path):
 def test_decode_step_profile_on_cpu(tmp_path):
     out = tmp_path / "decode_step.json"
     proc = _run("decode_step.py", "--device", "cpu", "--batch", "3", "--prompt-len", "8", "--max-tokens", "6",
-                "--output", str(out))
+                "--unfused", "--output", str(out))
     assert "timing the gather path only" in proc.stdout
-    engine = json.loads(out.read_text())["engine"]["gather"]
-    assert engine["tokens"] == 3 * 6 and engine["decode_steps"] == 5
-    assert {"schedule", "step", "record", "plan", "sample_launch", "to_host"} <= set(engine["host_ms"])
+    assert "fused / own attention and MLP forwards (gather attention)" in proc.stdout
+    runs = json.loads(out.read_text())["engine"]
+    assert set(runs) == {"gather", "gather_unfused_layers"}
+    assert runs["gather_unfused_layers"]["modules_on_own_forwards"] == 8  # 4 layers' attention and MLP
+    for engine in runs.values():
+        assert engine["tokens"] == 3 * 6 and engine["decode_steps"] == 5
+        assert {"schedule", "step", "record", "plan", "sample_launch", "to_host"} <= set(engine["host_ms"])
