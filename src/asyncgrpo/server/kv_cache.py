@@ -12,8 +12,9 @@ forward kwargs (`kv_meta=`), which transformers forwards to the registered atten
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
     prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal)
 
-The model's own layers compute q/k/v, norms and RoPE; nothing here is model-specific beyond the
-attention module exposing `layer_idx`.
+The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
+`fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
+beyond the attention module exposing `layer_idx`.
 """
 
 from __future__ import annotations
