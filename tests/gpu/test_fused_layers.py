@@ -102,6 +102,36 @@ def test_fused_qwen3_keeps_the_logits():
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
+class GemmaStyleRMSNorm(Qwen3RMSNorm):
+    """Gemma's definition: scales by 1 + weight."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (x * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
+def test_blocks_of_another_definition_keep_their_own_forward():
+    """A GELU MLP and q/k norms that scale by 1 + weight: the kernels compute something else."""
+    config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="gelu")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model.config._attn_implementation = "sdpa"
+    first = model.model.layers[0].self_attn
+    for name in ("q_norm", "k_norm"):
+        norm = GemmaStyleRMSNorm(64, eps=1e-6).to("cuda", torch.bfloat16)
+        torch.nn.init.normal_(norm.weight, 0.0, 0.3)
+        setattr(first, name, norm)
+    reference = copy.deepcopy(model)
+    assert fuse_layers(model, triton=True) == FusedLayers(attention=1, mlp=0, with_triton=1)
+    assert "forward" not in first.__dict__ and "forward" not in model.model.layers[0].mlp.__dict__
+    ids = torch.randint(0, 512, (1, 23), device="cuda")
+    with torch.no_grad():
+        ref, out = reference(ids).logits.float(), model(ids).logits.float()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_the_server_uses_the_kernels_on_this_gpu():
     served = load_served_model("asyncgrpo/tiny-chat", torch.device("cuda", 0), "bfloat16", None)
     assert served.fused_layers == FusedLayers(attention=4, mlp=4, with_triton=8)
