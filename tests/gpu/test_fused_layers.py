@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fused_norm import GemmaStyleRMSNorm  # tests/gpu is on the path (pytest's rootdir imports)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
@@ -100,15 +101,6 @@ def test_fused_qwen3_keeps_the_logits():
     with torch.no_grad():
         ref, out = model(ids).logits.float(), fused(ids).logits.float()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
-
-
-class GemmaStyleRMSNorm(Qwen3RMSNorm):
-    """Gemma's definition: scales by 1 + weight."""
-
-    def forward(self, hidden_states):
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (x * (1.0 + self.weight.float())).type_as(hidden_states)
 
 
 def test_blocks_of_another_definition_keep_their_own_forward():

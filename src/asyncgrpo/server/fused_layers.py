@@ -15,14 +15,13 @@ fewer kernels:
 The concatenated weights are the storage of the modules' own parameters (these become views of
 them), so weight updates, which copy into the parameters in place, land there. A module gets the
 new forward only if, on random input, it computes the module's output as accurately as the module's
-own forward (both against the module run in float32); other definitions (a partial rotary
+own forward (`fused_norm.as_accurate`: both against the module run in float32); other definitions (a partial rotary
 embedding, another activation, a norm of another formula) keep their own. Without Triton (CPU) only the matmuls are merged; the norms and the rotary embedding run as
 the modules define them.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from asyncgrpo.server.fused_norm import as_accurate
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +229,14 @@ def _is_linear(module: object) -> bool:
     return isinstance(module, torch.nn.Linear)
 
 
-# A fused forward and, for each concatenated tensor it reads, the parameters that become its views.
-_Fusion = tuple[Callable, list[tuple[torch.Tensor, list[torch.nn.Parameter]]]]
+@dataclass
+class _Fusion:
+    """A fused forward, the concatenated tensors it reads with the parameters that become their
+    views, and whether it runs the Triton kernels."""
+
+    forward: Callable
+    shares: list[tuple[torch.Tensor, list[torch.nn.Parameter]]]
+    triton: bool
 
 
 def _fuse_attention(module: torch.nn.Module, triton: bool) -> _Fusion | None:
@@ -265,7 +272,7 @@ def _fuse_attention(module: torch.nn.Module, triton: bool) -> _Fusion | None:
         # the kernel takes head_dim / 2 lanes: a power of two
         triton=triton and projections[0].weight.is_cuda and d >= 32 and d & (d - 1) == 0,
     )
-    return functools.partial(_attention_forward, module, fused), shares
+    return _Fusion(functools.partial(_attention_forward, module, fused), shares, fused.triton)
 
 
 def _fuse_mlp(module: torch.nn.Module, triton: bool) -> _Fusion | None:
@@ -275,55 +282,31 @@ def _fuse_mlp(module: torch.nn.Module, triton: bool) -> _Fusion | None:
         return None
     gate_up = [projections[0].weight, projections[1].weight]
     joined = torch.cat([p.detach() for p in gate_up])
-    return functools.partial(_mlp_forward, module, joined, triton and joined.is_cuda), [(joined, gate_up)]
+    triton = triton and joined.is_cuda
+    return _Fusion(functools.partial(_mlp_forward, module, joined, triton), [(joined, gate_up)], triton)
 
 
-def _as_accurate(module: torch.nn.Module, forward: Callable, inputs: dict) -> bool:
-    """Whether `forward` computes the module's function as accurately as the module's own forward:
-    both are measured against the module run in float32 on the same input (in half precision,
-    rounding differences alone can move a sharp attention's output by more than a fixed tolerance)."""
-
-    def first(out):
-        return out[0] if isinstance(out, tuple) else out
-
-    def upcast(x):
-        return tuple(map(upcast, x)) if isinstance(x, tuple) else x.float() if torch.is_tensor(x) else x
-
-    with torch.no_grad():
-        own, got = first(module(**inputs)), first(forward(**inputs))
-        exact = first(copy.deepcopy(module).float()(**{k: upcast(v) for k, v in inputs.items()}))
-    if got.dtype != own.dtype or got.shape != own.shape:
-        return False
-
-    def error(y: torch.Tensor) -> float:
-        return ((y.float() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
-
-    # the floor: float32 matmuls over merged weights may sum in another order
-    return error(got) <= 2 * error(own) + 1e-5
-
-
-def _check_inputs(module: torch.nn.Module, attention: bool) -> dict:
-    """Random inputs of a 5-token prompt (the attention module also gets a rotary embedding)."""
+def _check_inputs(module: torch.nn.Module, attention: bool) -> tuple:
+    """Random inputs of a 5-token prompt (the attention module also gets a rotary embedding and no mask)."""
     first = module.q_proj if attention else module.gate_proj
     device, dtype = first.weight.device, first.weight.dtype
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(1, 5, first.in_features, generator=g, device=device).to(dtype)
     if not attention:
-        return {"x": x}
+        return (x,)
     angles = torch.rand(1, 5, module.head_dim // 2, generator=g, device=device) * 6.3
     angles = torch.cat([angles, angles], dim=-1)
-    return {"hidden_states": x, "position_embeddings": (angles.cos().to(dtype), angles.sin().to(dtype)),
-            "attention_mask": None}
+    return x, (angles.cos().to(dtype), angles.sin().to(dtype)), None
 
 
 def _checked(module: torch.nn.Module, attention: bool, fusion: _Fusion) -> bool:
-    """Whether the fused forward passes `_as_accurate` on random input (raises if it fails to run)."""
+    """Whether the fused forward passes `as_accurate` on random input (raises if it fails to run)."""
     config = module.config if attention else None
     impl = config._attn_implementation if attention else None
     try:
         if attention:  # the check runs outside the server's steps: plain causal attention
             config._attn_implementation = "sdpa"
-        return _as_accurate(module, fusion[0], _check_inputs(module, attention))
+        return as_accurate(module, fusion.forward, *_check_inputs(module, attention))
     finally:
         if attention:
             config._attn_implementation = impl
@@ -345,7 +328,7 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
     The check runs each module on a short causal prompt through PyTorch's SDPA. Returns how many
     modules were fused."""
     triton = triton and _triton_kernels() is not None
-    counts = {True: 0, False: 0, "triton": 0}
+    attention_count = mlp_count = triton_count = 0
     kept: set[str] = set()
     for module in list(model.modules()):
         for attention, fuse in ((True, _fuse_attention), (False, _fuse_mlp)):
@@ -365,12 +348,12 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
             if not same:
                 kept.add(type(module).__name__)
                 continue
-            forward, shares = fusion
-            for joined, params in shares:
+            for joined, params in fusion.shares:
                 _share_storage(joined, params)
-            module.forward = forward
-            counts[attention] += 1
-            counts["triton"] += forward.args[-1].triton if attention else forward.args[-1]
+            module.forward = fusion.forward
+            attention_count += attention
+            mlp_count += not attention
+            triton_count += fusion.triton
     if kept:
         logger.info("%s compute something else than the fused forward: they keep their own", sorted(kept))
-    return FusedLayers(counts[True], counts[False], counts["triton"])
+    return FusedLayers(attention_count, mlp_count, triton_count)
