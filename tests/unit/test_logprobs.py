@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from asyncgrpo.packing.tree import Sample, pack_row
 from asyncgrpo.train.logprobs import token_logprobs, token_logprobs_reference
 
 V, H, T, N, K = 37, 8, 9, 11, 4
@@ -66,7 +67,7 @@ def _brute_force(inputs, candidate_sets, temperature, softcap):
             x = softcap * torch.tanh(x / softcap)
         log_pi = torch.log_softmax(x / temperature, dim=0)
         entropies.append(-(log_pi.exp() * log_pi).sum())
-        members = list(range(V)) if candidate_sets is None else candidate_sets[i]
+        members = list(range(V)) if candidate_sets is None or candidate_sets[i] is None else candidate_sets[i]
         log_norm = torch.logsumexp(log_pi[members], dim=0)
         targets.append(log_pi[int(inputs["target_ids"][i])] - log_norm)
         if "topk_ids" in inputs:
@@ -304,3 +305,33 @@ def test_gradient_sent_to_minus_inf_topk_entries_is_ignored():
     want = torch.autograd.grad(out.topk_logprobs, params, grad_outputs=finite.float())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_tokens_without_a_candidate_set_use_the_full_vocabulary_beside_tokens_with_one(chunk_size):
+    # A custom generate_one_turn may return output_sampling_mask=None (the full vocabulary) for some
+    # turns: a row then mixes tokens with and without candidate sets. Each must be normalised over
+    # its own set, and nothing may become infinite.
+    with_sets = Sample([1, 2, 3, 4, 9], [0, 0, 1, 1, 1], [0, 0, -1, -1, -1], 1.0, 0,
+                       candidate_sets=[None, None, [3, 5], None, [4, 9, 11]])
+    without = Sample([1, 2, 7, 8], [0, 0, 1, 1], [0, 0, -1, -1], -1.0, 0)
+    row = pack_row([with_sets, without])
+    sets = [[3, 5], None, [4, 9, 11], None, None]  # per trained token, in row order
+    assert row.candidate_offsets.diff().tolist() == [0 if s is None else len(s) for s in sets]
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(row.num_tokens, H, generator=g, dtype=torch.float64).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.8).requires_grad_()
+    inputs = {"hidden": hidden, "lm_head_weight": weight, "lm_head_bias": None,
+              "pred_index": row.pred_index, "target_ids": row.target_ids}
+    out = token_logprobs(**inputs, candidate_ids=row.candidate_ids, candidate_offsets=row.candidate_offsets,
+                         chunk_size=chunk_size)
+    want, _, _ = _brute_force(inputs, sets, 1.0, None)
+    assert torch.isfinite(out.target_logprobs).all()
+    torch.testing.assert_close(out.target_logprobs, want)
+    ref = token_logprobs_reference(**_clone_leaves(inputs), candidate_ids=row.candidate_ids,
+                                   candidate_offsets=row.candidate_offsets)
+    torch.testing.assert_close(ref.target_logprobs, want)
+    got_grads = torch.autograd.grad(out.target_logprobs.sum(), [hidden, weight])
+    want_grads = torch.autograd.grad(want.sum(), [hidden, weight])
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected)

@@ -13,7 +13,7 @@ Definitions (DESIGN.md section 4), for a trained token n predicted by packed pos
     log pi~(v) = log pi(v) - logsumexp_{u in S} log pi(u) = z_v - logsumexp_{u in S} z_u
 
 where `S` is the server's candidate set after top-k / top-p (the whole vocabulary when none is given,
-then `pi~ = pi`). Top-K tokens outside `S` (probability zero under `pi~`) and pad entries (id -1) get
+for the row or for one token -- an empty CSR range --, then `pi~ = pi`). Top-K tokens outside `S` (probability zero under `pi~`) and pad entries (id -1) get
 `-inf`. The entropy is that of `pi` (temperature-scaled, full vocabulary) and carries no gradient.
 
 Memory: full-vocabulary logits are never built for the whole row. The N trained positions are
@@ -114,9 +114,13 @@ def _process(x: Tensor, temperature: float, softcap: float | None) -> Tensor:
 def _candidate_mask(
     start: int, stop: int, vocab_size: int, cand_rows: Tensor, cand_ids: Tensor, offsets: list[int], device
 ) -> Tensor:
-    """Boolean `[stop - start, V]` membership mask of the candidate sets of rows `start:stop`."""
-    mask = torch.zeros(stop - start, vocab_size, dtype=torch.bool, device=device)
+    """Boolean `[stop - start, V]` membership mask of the candidate sets of rows `start:stop`.
+
+    A row with an empty range has no candidate set: its mask is the whole vocabulary (a real set
+    always holds the sampled token, so it is never empty)."""
     lo, hi = offsets[start], offsets[stop]
+    no_set = torch.tensor([offsets[i] == offsets[i + 1] for i in range(start, stop)], device=device)
+    mask = no_set[:, None].expand(stop - start, vocab_size).clone()
     mask[cand_rows[lo:hi] - start, cand_ids[lo:hi]] = True
     return mask
 
@@ -344,7 +348,7 @@ def token_logprobs_reference(
     else:
         counts = candidate_offsets[1:] - candidate_offsets[:-1]
         rows = torch.repeat_interleave(torch.arange(n, device=z.device), counts)
-        in_set = torch.zeros(n, vocab_size, dtype=torch.bool, device=z.device)
+        in_set = (counts == 0)[:, None].expand(n, vocab_size).clone()  # empty range: no set
         in_set[rows, candidate_ids] = True
     log_norm = torch.logsumexp(log_pi.masked_fill(~in_set, float("-inf")), dim=-1, keepdim=True)
     log_pi_set = log_pi - log_norm
