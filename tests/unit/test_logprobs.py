@@ -53,7 +53,7 @@ def _make_inputs(
     return inputs, candidate_sets
 
 
-def _brute_force(inputs, candidate_sets, temperature, softcap):
+def _brute_force(inputs, candidate_sets, temperature, softcap, scale=1.0):
     """Per-token loop in fp64: logits, log-softmax, renormalisation over the candidate set."""
     hidden = inputs["hidden"].double()
     weight = inputs["lm_head_weight"].double()
@@ -63,6 +63,7 @@ def _brute_force(inputs, candidate_sets, temperature, softcap):
         x = weight @ hidden[int(inputs["pred_index"][i])]
         if bias is not None:
             x = x + bias.double()
+        x = x * scale
         if softcap is not None:
             x = softcap * torch.tanh(x / softcap)
         log_pi = torch.log_softmax(x / temperature, dim=0)
@@ -334,4 +335,19 @@ def test_tokens_without_a_candidate_set_use_the_full_vocabulary_beside_tokens_wi
     got_grads = torch.autograd.grad(out.target_logprobs.sum(), [hidden, weight])
     want_grads = torch.autograd.grad(want.sum(), [hidden, weight])
     for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("scale,softcap", [(0.0625, None), (0.25, 3.0), (4.0, None)])
+def test_model_logit_scale_matches_fp64_brute_force_values_and_grads(scale, softcap):
+    # Cohere multiplies hidden @ W by logit_scale, Granite divides by logits_scaling (scale 1/4).
+    inputs, candidate_sets = _make_inputs(11, dtype=torch.float64, bias=True, cands=True)
+    out = token_logprobs(**inputs, temperature=0.8, logit_scale=scale, logit_softcapping=softcap, chunk_size=3)
+    ref_inputs = _clone_leaves(inputs)
+    want = _brute_force(ref_inputs, candidate_sets, 0.8, softcap, scale)
+    torch.testing.assert_close(out.target_logprobs, want[0])
+    torch.testing.assert_close(out.topk_logprobs, want[1])
+    torch.testing.assert_close(out.entropy, want[2])
+    for got, expected in zip(_grads(inputs, (out.target_logprobs, out.topk_logprobs)),
+                             _grads(ref_inputs, want[:2])):
         torch.testing.assert_close(got, expected)

@@ -20,6 +20,8 @@ from asyncgrpo.packing.attention import (
     enable_tree_attention,
     tree_attention_context,
 )
+from asyncgrpo.train.logprobs import token_logprobs
+from asyncgrpo.train.model_setup import hidden_states_and_head, logit_processing
 
 VOCAB = 96
 WINDOW = 6  # shorter than the samples, so sliding layers really slide
@@ -46,6 +48,8 @@ _EXTRA: dict[str, dict] = {
     "qwen2_moe": dict(_SLIDING, use_sliding_window=True, max_window_layers=1, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
     "glm4": {"partial_rotary_factor": 0.5, "pad_token_id": 0},
+    "granite": {"logits_scaling": 4.0},  # the model divides its logits by this
+    "cohere2": dict(_SLIDING, logit_scale=0.25),  # the model multiplies its logits by this
 }
 
 
@@ -98,17 +102,21 @@ def unpacked_logprobs(model, samples: list[Sample]) -> torch.Tensor:
 
 
 def packed_logprobs(model, samples: list[Sample], backend: str = "dense") -> torch.Tensor:
+    """The trainer's log-probs of a packed row: body hidden states, then the LM head and the model's
+    own logit processing (scale, softcap) at the trained positions only."""
     row = pack_row(samples)
     with torch.no_grad(), tree_attention_context(TreeMask.from_row(row, backend=backend)):
-        logits = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).logits[0].float()
-    return torch.log_softmax(logits[row.pred_index], -1).gather(-1, row.target_ids[:, None])[:, 0]
+        hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
+        logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids,
+                               lm_head_bias=head.bias, **logit_processing(model.config))
+    return logps.target_logprobs
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
 def test_packed_logprobs_equal_unpacked(model_type):
     model = tiny_model(model_type)
     samples = grpo_like_samples(np.random.default_rng(1))
-    reference = unpacked_logprobs(model, samples)
+    reference = unpacked_logprobs(model, samples)  # the model's own forward().logits
     enable_tree_attention(model)
     packed = packed_logprobs(model, samples)
     row = pack_row(samples)

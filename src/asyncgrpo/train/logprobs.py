@@ -7,12 +7,13 @@ tensors in, tensors out.
 
 Definitions (DESIGN.md section 4), for a trained token n predicted by packed position `pred_index[n]`:
 
-    x = hidden[pred_index[n]] @ W^T (+ b)                 raw logits, [V]
+    x = (hidden[pred_index[n]] @ W^T (+ b)) * scale       raw logits, [V]
     z = cap * tanh(x / cap) / temperature                 processed logits (no tanh without cap)
     log pi(v)  = z_v - logsumexp_{u in V} z_u
     log pi~(v) = log pi(v) - logsumexp_{u in S} log pi(u) = z_v - logsumexp_{u in S} z_u
 
-where `S` is the server's candidate set after top-k / top-p (the whole vocabulary when none is given,
+`scale` is the model's own logit multiplier (Cohere's `logit_scale`, 1 / Granite's `logits_scaling`,
+1 elsewhere: `asyncgrpo.train.model_setup.logit_processing`), and `S` is the server's candidate set after top-k / top-p (the whole vocabulary when none is given,
 for the row or for one token -- an empty CSR range --, then `pi~ = pi`). Top-K tokens outside `S` (probability zero under `pi~`) and pad entries (id -1) get
 `-inf`. The entropy is that of `pi` (temperature-scaled, full vocabulary) and carries no gradient.
 
@@ -99,13 +100,15 @@ def _acc_dtype(weight: Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
-def _raw_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`h @ W^T (+ b)` in the weight's dtype, returned in the accumulation dtype, `[C, V]`."""
-    return F.linear(h.to(weight.dtype), weight, bias).to(_acc_dtype(weight))
+def _raw_logits(h: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """`(h @ W^T (+ b)) * scale` with the matmul in the weight's dtype, returned in the accumulation
+    dtype, `[C, V]`."""
+    x = F.linear(h.to(weight.dtype), weight, bias).to(_acc_dtype(weight))
+    return x * scale if scale != 1.0 else x
 
 
 def _process(x: Tensor, temperature: float, softcap: float | None) -> Tensor:
-    """Raw fp32 logits -> processed logits `z = cap * tanh(x / cap) / temperature`."""
+    """Raw (scaled) fp32 logits -> processed logits `z = cap * tanh(x / cap) / temperature`."""
     if softcap is not None:
         x = torch.tanh(x / softcap) * softcap
     return x / temperature
@@ -145,6 +148,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         cand_ids,
         offsets,
         temperature,
+        scale,
         softcap,
         chunk_size,
     ):
@@ -161,7 +165,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with torch.autocast(device_type=device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 stop = min(start + chunk_size, n)
-                z = _process(_raw_logits(h[start:stop], weight, bias), temperature, softcap)
+                z = _process(_raw_logits(h[start:stop], weight, bias, scale), temperature, softcap)
                 lse_full = torch.logsumexp(z, dim=-1)
                 probs = torch.exp(z - lse_full[:, None])
                 entropy[start:stop] = lse_full - (probs * z).sum(dim=-1)
@@ -182,6 +186,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(h, weight, bias, target_ids, safe_topk, topk_valid, lse, cand_rows, cand_ids)
         ctx.offsets = offsets
         ctx.temperature = temperature
+        ctx.scale = scale
         ctx.softcap = softcap
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -190,7 +195,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_target, grad_topk, _grad_entropy):
         h, weight, bias, target_ids, safe_topk, topk_valid, lse, cand_rows, cand_ids = ctx.saved_tensors
-        offsets, temperature, softcap = ctx.offsets, ctx.temperature, ctx.softcap
+        offsets, temperature, scale, softcap = ctx.offsets, ctx.temperature, ctx.scale, ctx.softcap
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         n, vocab_size = h.shape[0], weight.shape[0]
         device, acc = h.device, _acc_dtype(weight)
@@ -209,7 +214,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with torch.autocast(device_type=device.type, enabled=False):
             for start in range(0, n, ctx.chunk_size):
                 stop = min(start + ctx.chunk_size, n)
-                x = _raw_logits(h[start:stop], weight, bias)
+                x = _raw_logits(h[start:stop], weight, bias, scale)
                 z = _process(x, temperature, softcap)
                 if offsets is not None:
                     in_set = _candidate_mask(start, stop, vocab_size, cand_rows, cand_ids, offsets, device)
@@ -223,7 +228,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if softcap is not None:
                     grad_z.mul_(1.0 - torch.tanh(x / softcap).square_())
                 del x
-                grad_x = grad_z.div_(temperature)
+                grad_x = grad_z.mul_(scale / temperature)  # d/d(h @ W^T + b), through scale and temperature
                 if need_h:
                     grad_h[start:stop] = (grad_x.to(weight.dtype) @ weight).to(h.dtype)
                 if need_w:
@@ -233,7 +238,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 del grad_x
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -244,6 +249,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
+    logit_scale: float = 1.0,
     logit_softcapping: float | None = None,
     topk_ids: Tensor | None = None,
     candidate_ids: Tensor | None = None,
@@ -259,11 +265,13 @@ def token_logprobs(
         target_ids: `[N]` int64, trained token ids.
         temperature: sampling temperature; logits are divided by it (after softcapping).
         lm_head_bias: optional `[V]` LM-head bias.
+        logit_scale: the model's own factor on `hidden @ W^T (+ b)` (Cohere's `logit_scale`,
+            1 / Granite's `logits_scaling`), applied before softcapping.
         logit_softcapping: optional final logit softcap (`cap * tanh(x / cap)`), e.g. Gemma-2's.
         topk_ids: optional `[N, K]` int64, the sampler's top-K token ids, pad id -1.
         candidate_ids: optional flat int64 candidate-set token ids (CSR values), row by row.
         candidate_offsets: optional `[N + 1]` int64 CSR offsets into `candidate_ids`; with None for
-            both, the candidate set is the full vocabulary.
+            both, the candidate set is the full vocabulary; a token whose range is empty has none.
         chunk_size: rows processed at once; peak memory grows with `chunk_size * V`.
 
     Returns:
@@ -303,6 +311,7 @@ def token_logprobs(
         cand_ids,
         offsets,
         float(temperature),
+        float(logit_scale),
         logit_softcapping,
         chunk_size,
     )
@@ -317,6 +326,7 @@ def token_logprobs_reference(
     *,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
+    logit_scale: float = 1.0,
     logit_softcapping: float | None = None,
     topk_ids: Tensor | None = None,
     candidate_ids: Tensor | None = None,
@@ -339,7 +349,7 @@ def token_logprobs_reference(
     )
     n, vocab_size = target_ids.shape[0], lm_head_weight.shape[0]
     z = _process(
-        _raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias), temperature, logit_softcapping
+        _raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias, logit_scale), temperature, logit_softcapping
     )
     log_pi = torch.log_softmax(z, dim=-1)
     entropy = -(log_pi.exp() * log_pi).sum(dim=-1).detach()

@@ -164,3 +164,23 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
+
+
+# Families whose forward scales `hidden @ W` (checked against each model's own forward in
+# tests/unit/test_tree_attention.py): Cohere multiplies by `logit_scale`, Granite divides by
+# `logits_scaling`. Gemma 2/3 softcap with `final_logit_softcapping`.
+_LOGIT_MULTIPLIER = {"cohere": "logit_scale", "cohere2": "logit_scale"}
+_LOGIT_DIVISOR = {"granite": "logits_scaling", "granitemoe": "logits_scaling", "granitemoeshared": "logits_scaling"}
+
+
+def logit_processing(config: Any) -> dict[str, float | None]:
+    """What the model's own forward does to `hidden @ W` before the log-softmax, as the
+    `logit_scale` / `logit_softcapping` keyword arguments of `asyncgrpo.train.logprobs.token_logprobs`."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", None)
+    scale = 1.0
+    if model_type in _LOGIT_MULTIPLIER:
+        scale = float(getattr(text, _LOGIT_MULTIPLIER[model_type]))
+    elif model_type in _LOGIT_DIVISOR:
+        scale = 1.0 / float(getattr(text, _LOGIT_DIVISOR[model_type]))
+    return {"logit_scale": scale, "logit_softcapping": getattr(text, "final_logit_softcapping", None)}

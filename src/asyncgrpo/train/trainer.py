@@ -59,6 +59,7 @@ from asyncgrpo.train.model_setup import (
     is_sharded,
     load_policy,
     load_tokenizer,
+    logit_processing,
     server_weight_metas,
     unwrap,
     weights_for_server,
@@ -130,6 +131,7 @@ class AsyncGRPOTrainer(Trainer):
             raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
         check_supported(model.config)
         enable_tree_attention(model)
+        self._logit_processing = logit_processing(model.config)
 
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
@@ -381,7 +383,7 @@ class AsyncGRPOTrainer(Trainer):
                 row.target_ids,
                 temperature=args.temperature,
                 lm_head_bias=getattr(head, "bias", None),
-                logit_softcapping=getattr(unwrap(model).config, "final_logit_softcapping", None),
+                **self._logit_processing,
                 topk_ids=row.topk_ids if args.score_centering else None,
                 candidate_ids=row.candidate_ids,
                 candidate_offsets=row.candidate_offsets,
