@@ -41,3 +41,36 @@ def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, serve
     assert ranks[0]["changed"], "no parameter moved"
     # the replicas' gradients were averaged: both ranks hold the same weights
     assert not ranks[0]["sharded"] and ranks[0]["weights"] == ranks[1]["weights"]
+
+
+def step_sums(ranks: list[dict], step: int) -> dict:
+    """What one process training every row of `step` would count: sums over both ranks' rows."""
+    rows = [m for r in ranks for m in r["micro_batches"] if m["step"] == step]
+    return {
+        "forwarded": sum(m["forwarded"] for m in rows), "raw": sum(m["raw"] for m in rows),
+        "trained": sum(m["local"] for m in rows), "samples": sum(m["samples"] for m in rows),
+        "groups": len({g for m in rows for g in m["groups"]}),
+    }
+
+
+def test_step_metrics_and_token_allowance_count_every_process(tmp_path, server):  # noqa: F811
+    """batch/*_per_step, num_tokens and the allowance are sums over both ranks' rows (not rank 0's x 2)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    config = {"max_steps": NUM_STEPS, "max_staleness": 2}
+    proc = run_torchrun([str(JOB), server.url, str(tmp_path), json.dumps(config)], nproc=2, env=env, timeout_s=240)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    logs = ranks[0]["logs"]
+    assert len(logs) == NUM_STEPS and len(ranks[0]["allowance"]) == NUM_STEPS
+    num_tokens = 0
+    for step, log in enumerate(logs):
+        want = step_sums(ranks, step)
+        assert want["raw"] > 0
+        assert log["batch/forwarded_tokens_per_step"] == want["forwarded"]
+        assert log["batch/trained_tokens_per_step"] == want["trained"]
+        assert log["batch/samples_per_step"] == want["samples"]
+        assert log["batch/groups_per_step"] == want["groups"]
+        num_tokens += want["forwarded"]
+        assert log["num_tokens"] == num_tokens
+        # max_staleness steps' worth of the tokens the whole step consumed
+        assert ranks[0]["allowance"][step] == 2 * want["raw"]

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rewards.format import last_assistant_text
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
@@ -58,14 +59,34 @@ class WatchRollout(TrainerCallback):
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
-    """Records, per micro-batch, this rank's trained tokens and the global count it normalises by."""
+    """Records, per micro-batch, this rank's row (what one process alone would count for it) and the
+    global trained-token count it normalises by."""
 
     micro_batches: list
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         local = sum(int(sum(s.trained_mask)) for s in inputs.samples)
-        self.micro_batches.append({"global": inputs.num_trained_tokens_global, "local": local})
+        row = pack_row(inputs.samples)
+        self.micro_batches.append({
+            "global": inputs.num_trained_tokens_global, "local": local, "step": self.state.global_step,
+            "forwarded": row.num_tokens, "raw": row.num_raw_tokens, "samples": len(inputs.samples),
+            "groups": sorted({s.group_id for s in inputs.samples}),
+        })
         return super().training_step(model, inputs, num_items_in_batch)
+
+
+class WatchAllowance(TrainerCallback):
+    """Rank 0: the token allowance the trainer published after each step (added after the trainer's
+    own callback, so it runs after the step's accounting)."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer) -> None:
+        self.trainer = trainer
+        self.after_step: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        channel = self.trainer._channel
+        if channel is not None:
+            self.after_step.append(int(channel.token_allowance.value))
 
 
 async def _served(url: str, what: str):
@@ -82,6 +103,8 @@ def main(url: str, out: Path, overrides: dict) -> None:
         args=config(url, out, overrides), callbacks=[watch],
     )
     trainer.micro_batches = []
+    allowance = WatchAllowance(trainer)
+    trainer.add_callback(allowance)
     dtype = getattr(torch, asyncio.run(_served(url, "dtype")))  # what the syncs send
     before = weights_checksum(weights_for_server(trainer.model, dtype))
     trainer.train()
@@ -91,7 +114,8 @@ def main(url: str, out: Path, overrides: dict) -> None:
     record = {
         "global_step": trainer.state.global_step, "micro_batches": trainer.micro_batches,
         "rollout_process_seen": watch.seen, "sharded": is_sharded(trainer.model), "weights": after,
-        "syncs": [s for s in syncs if s],
+        "syncs": [s for s in syncs if s], "allowance": allowance.after_step,
+        "logs": [e for e in trainer.state.log_history if "batch/forwarded_tokens_per_step" in e],
     }
     if rank == 0:
         served, version = asyncio.run(_served(url, "checksum"))

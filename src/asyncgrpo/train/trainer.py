@@ -47,6 +47,7 @@ from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
+from asyncgrpo.rollout.concurrency import initial_tokens_per_step, token_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
@@ -61,13 +62,13 @@ from asyncgrpo.train.model_setup import (
     load_tokenizer,
     logit_processing,
     server_weight_metas,
-    unwrap,
     weights_for_server,
 )
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.sharded_weights import push_sharded_weights
+from asyncgrpo.train.step_metrics import StepTotals
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class AsyncGRPOTrainer(Trainer):
         self._progress: TrainedPrompts | None = None
         self.model_version = 0
         self.last_trained_position = 0
-        self._step = _StepTotals()
+        self._step = StepTotals()
         self._completions_table: list[dict] = []
         self._loss_stats: LossStats | None = None
         self._num_tokens_forwarded = 0
@@ -297,7 +298,10 @@ class AsyncGRPOTrainer(Trainer):
     def _start_rollout(self, info: Any, start_position: int) -> None:
         args = self.args
         ctx = mp.get_context("spawn")
-        initial = args.world_size * self._token_budget * args.gradient_accumulation_steps * max(args.max_staleness, 1)
+        initial = token_allowance(
+            args.max_staleness,
+            initial_tokens_per_step(args.world_size, self._token_budget, args.gradient_accumulation_steps),
+        )
         self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
         if args.log_completions:
             self._channel.extra["completions"] = ctx.Queue()
@@ -410,7 +414,7 @@ class AsyncGRPOTrainer(Trainer):
         # gradient averaging divides by the world size once more, which this undoes.
         self.accelerator.backward(loss * self.accelerator.num_processes)
         t_bwd = time.perf_counter()
-        self._step.add_micro_batch(row, inputs, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
+        self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
         return loss.detach()
 
@@ -475,19 +479,18 @@ class AsyncGRPOTrainer(Trainer):
 
     def _after_optimizer_step(self) -> None:
         args = self.args
-        step_totals, self._step = self._step, _StepTotals()
-        if self._channel is not None:
-            allowance = max(args.max_staleness, 1) * max(step_totals.raw_tokens, 1)
-            self._channel.token_allowance.value = int(allowance)
+        step_totals, self._step = self._step.across_processes(), StepTotals()
+        if self._channel is not None:  # what the whole step consumed, every process's rows
+            self._channel.token_allowance.value = token_allowance(args.max_staleness, max(step_totals.raw_tokens, 1))
         sync_s: dict[str, float] = {}
         if self.state.global_step % args.weight_sync_steps == 0:
             sync_s = self._sync_weights()
             self.model_version += 1
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
-        step_totals.record_into(self._window, sync_s, self._token_budget, args.world_size)
+        step_totals.record_into(self._window, sync_s)
         self._window.end_step()
-        self._num_tokens_forwarded += step_totals.forwarded_tokens * args.world_size
+        self._num_tokens_forwarded += step_totals.forwarded_tokens
 
     def _sync_weights(self) -> dict[str, float]:
         version, dtype = f"step-{self.state.global_step}", self._serving_dtype
@@ -520,69 +523,6 @@ class _PipelineCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._after_optimizer_step()
-
-
-class _StepTotals:
-    """Sums over the micro-batches of one optimizer step, turned into batch/* and perf/* metrics."""
-
-    def __init__(self) -> None:
-        self.started_at = time.perf_counter()  # a step runs from the end of the previous one
-        self.optimizer_started = 0.0
-        self.optimizer_s = 0.0
-        self.wait_s = 0.0
-        self.fwd_s = 0.0
-        self.fwd_bwd_s = 0.0
-        self.micro_batches = 0
-        self.forwarded_tokens = 0
-        self.raw_tokens = 0
-        self.trained_tokens = 0
-        self.trained_positions = 0
-        self.samples = 0
-        self.groups: set[int] = set()
-        self.row_stats: list[dict[str, float]] = []  # the batcher's batch/* row metrics, per micro-batch
-
-    def add_micro_batch(self, row: Any, inputs: MicroBatchInput, *, fwd_s: float, fwd_bwd_s: float) -> None:
-        self.micro_batches += 1
-        self.fwd_s += fwd_s
-        self.fwd_bwd_s += fwd_bwd_s
-        self.forwarded_tokens += int(row.input_ids.numel())
-        self.raw_tokens += sum(len(s.token_ids) for s in inputs.samples)
-        self.trained_tokens += int(row.target_ids.numel())
-        # duplicated samples share their positions: a forwarded position is trained if any sample trains it
-        self.trained_positions += int(torch.unique(row.pred_index).numel())
-        self.samples += len(inputs.samples)
-        self.groups.update(s.group_id for s in inputs.samples)
-        self.row_stats.append(inputs.stats)
-
-    def record_into(self, window: MetricsWindow, sync_s: dict[str, float], token_budget: int, world_size: int) -> None:
-        step_s = time.perf_counter() - self.started_at
-        r = window.record
-        r(M.BATCH_FORWARDED_TOKENS_PER_STEP, self.forwarded_tokens * world_size)
-        r(M.BATCH_TRAINED_TOKENS_PER_STEP, self.trained_tokens * world_size)
-        r(M.BATCH_SAMPLES_PER_STEP, self.samples * world_size)
-        r(M.BATCH_GROUPS_PER_STEP, len(self.groups))
-        r(M.BATCH_MICROBATCHES_PER_STEP, self.micro_batches)
-        if self.forwarded_tokens:
-            r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_positions / self.forwarded_tokens)
-        for stats in self.row_stats:
-            for name, value in stats.items():
-                if name != M.BATCH_DROPPED_OVERSIZE_COUNT:  # counted where samples are taken
-                    r(name, value)
-        r(M.PERF_STEP_S, step_s)
-        r(M.PERF_FWD_BWD_S, self.fwd_bwd_s)
-        r(M.PERF_FWD_S, self.fwd_s)
-        r(M.PERF_OPTIMIZER_S, self.optimizer_s)
-        r(M.PERF_ROLLOUT_WAIT_S, self.wait_s)
-        if self.fwd_bwd_s > 0:
-            window.record_rate(M.PERF_FWD_BWD_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, self.fwd_bwd_s)
-        if step_s > 0:
-            window.record_rate(M.PERF_WALL_CLOCK_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, step_s)
-            window.record_rate(M.PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S, self.trained_tokens, step_s)
-        if sync_s:
-            r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"])
-            r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
-            r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
-            r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
 
 
 def _all_reduce_stats(stats: LossStats) -> LossStats:

@@ -1,0 +1,106 @@
+"""One optimizer step's totals: what each process trained, summed over all processes.
+
+Every rank adds its micro-batches to a `StepTotals`; at the end of the step `across_processes`
+gathers the counts of all ranks (one small object collective), so that `batch/*_per_step`,
+`num_tokens` and the token allowance describe the whole step, not rank 0's share of it. Times are
+the slowest rank's: it sets the pace of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.distributed as dist
+
+from asyncgrpo import metrics as M
+from asyncgrpo.metrics import MetricsWindow
+from asyncgrpo.train.distributed import rank_and_world_size
+
+__all__ = ["StepTotals"]
+
+
+@dataclass
+class StepTotals:
+    """Sums over the micro-batches of one optimizer step, turned into batch/* and perf/* metrics."""
+
+    started_at: float = field(default_factory=time.perf_counter)  # a step runs from the end of the last one
+    optimizer_started: float = 0.0
+    optimizer_s: float = 0.0
+    wait_s: float = 0.0
+    fwd_s: float = 0.0
+    fwd_bwd_s: float = 0.0
+    micro_batches: int = 0
+    forwarded_tokens: int = 0
+    raw_tokens: int = 0
+    trained_tokens: int = 0
+    trained_positions: int = 0
+    samples: int = 0
+    groups: set[int] = field(default_factory=set)
+    row_stats: list[dict[str, float]] = field(default_factory=list)  # the batcher's batch/* metrics, per micro-batch
+
+    def add_micro_batch(self, row, samples, row_stats: dict[str, float], *, fwd_s: float, fwd_bwd_s: float) -> None:
+        """Account one micro-batch of this process: its packed `row` of `samples`."""
+        self.micro_batches += 1
+        self.fwd_s += fwd_s
+        self.fwd_bwd_s += fwd_bwd_s
+        self.forwarded_tokens += int(row.input_ids.numel())
+        self.raw_tokens += sum(len(s.token_ids) for s in samples)
+        self.trained_tokens += int(row.target_ids.numel())
+        # duplicated samples share their positions: a forwarded position is trained if any sample trains it
+        self.trained_positions += int(torch.unique(row.pred_index).numel())
+        self.samples += len(samples)
+        self.groups.update(s.group_id for s in samples)
+        self.row_stats.append(row_stats)
+
+    def across_processes(self) -> StepTotals:
+        """The step's totals over all processes (every rank must call this, in step). Counts are
+        summed, group ids united, times the slowest rank's; the batcher's row metrics already describe
+        the whole micro-batch and are rank 0's."""
+        _, world = rank_and_world_size()
+        if world == 1:
+            return self
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "row_stats"}
+        every: list[dict] = [None] * world
+        dist.all_gather_object(every, mine)
+        total = StepTotals(started_at=self.started_at, optimizer_started=self.optimizer_started,
+                           row_stats=self.row_stats)
+        for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions", "samples"):
+            setattr(total, name, sum(r[name] for r in every))
+        for name in ("optimizer_s", "wait_s", "fwd_s", "fwd_bwd_s"):
+            setattr(total, name, max(r[name] for r in every))
+        total.micro_batches = self.micro_batches  # a micro-batch holds one row of every process
+        total.groups = set().union(*(r["groups"] for r in every))
+        return total
+
+    def record_into(self, window: MetricsWindow, sync_s: dict[str, float]) -> None:
+        """The step's batch/* and perf/* metrics (call on the totals `across_processes` returned)."""
+        step_s = time.perf_counter() - self.started_at
+        r = window.record
+        r(M.BATCH_FORWARDED_TOKENS_PER_STEP, self.forwarded_tokens)
+        r(M.BATCH_TRAINED_TOKENS_PER_STEP, self.trained_tokens)
+        r(M.BATCH_SAMPLES_PER_STEP, self.samples)
+        r(M.BATCH_GROUPS_PER_STEP, len(self.groups))
+        r(M.BATCH_MICROBATCHES_PER_STEP, self.micro_batches)
+        if self.forwarded_tokens:
+            r(M.BATCH_MASKED_TOKEN_FRAC, 1.0 - self.trained_positions / self.forwarded_tokens)
+        for stats in self.row_stats:
+            for name, value in stats.items():
+                if name != M.BATCH_DROPPED_OVERSIZE_COUNT:  # counted where samples are taken
+                    r(name, value)
+        r(M.PERF_STEP_S, step_s)
+        r(M.PERF_FWD_BWD_S, self.fwd_bwd_s)
+        r(M.PERF_FWD_S, self.fwd_s)
+        r(M.PERF_OPTIMIZER_S, self.optimizer_s)
+        r(M.PERF_ROLLOUT_WAIT_S, self.wait_s)
+        if self.fwd_bwd_s > 0:
+            window.record_rate(M.PERF_FWD_BWD_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, self.fwd_bwd_s)
+        if step_s > 0:
+            window.record_rate(M.PERF_WALL_CLOCK_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, step_s)
+            window.record_rate(M.PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S, self.trained_tokens, step_s)
+        if sync_s:
+            r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"])
+            r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
+            r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
+            r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
