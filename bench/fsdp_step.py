@@ -53,7 +53,7 @@ def row_loss(model, samples, num_trained_global: int, device: torch.device) -> t
 
     row = pack_row(samples).to(device)
     with tree_attention_context(TreeMask.from_row(row, device)):
-        hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
+        hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     loss = policy_loss(
         logps.target_logprobs, row.sampler_logprobs, row.advantages, row.sample_index,

@@ -56,7 +56,8 @@ class AsyncGRPOConfig(TrainingArguments):
             sensitive to the trainer's own precision. A `dtype` in `model_init_kwargs` wins.
         trust_remote_code (`bool`, defaults to False): Allow models and tokenizers with custom code.
         router_aux_loss_coef (`float`, optional): Weight of a Mixture-of-Experts model's load-balancing
-            loss added to the training loss. None: the model config's value; 0.0 disables it.
+            loss added to the training loss (logged before scaling as `aux_loss`). None: the model
+            config's value; 0.0 disables it; a positive value on a model without a router is an error.
 
     Parameters that control generation:
         num_generations (`int`, defaults to 8): Rollouts sampled per prompt (the group size, >= 2).
@@ -169,8 +170,8 @@ class AsyncGRPOConfig(TrainingArguments):
     router_aux_loss_coef: float | None = field(
         default=None,
         metadata={
-            "help": "Weight of an MoE model's load-balancing loss; None uses the model config's value, 0.0 "
-            "disables it."
+            "help": "Weight of an MoE model's load-balancing loss (logged as aux_loss); None uses the model "
+            "config's value, 0.0 disables it."
         },
     )
 

@@ -166,7 +166,7 @@ def _row_loss(model: torch.nn.Module, samples: list, num_trained_tokens_global: 
 
     row = pack_row(samples)
     with tree_attention_context(TreeMask.from_row(row, torch.device("cpu"))):
-        hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
+        hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     return policy_loss(
         logps.target_logprobs, row.sampler_logprobs, row.advantages, row.sample_index,

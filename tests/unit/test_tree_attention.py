@@ -38,7 +38,6 @@ _EXTRA: dict[str, dict] = {
     "phi3": {"sliding_window": WINDOW, "pad_token_id": 0},
     "gemma2": dict(_SLIDING, attn_logit_softcapping=5.0, final_logit_softcapping=10.0, query_pre_attn_scalar=8),
     "gemma3_text": dict(_SLIDING, query_pre_attn_scalar=8),
-    "cohere2": dict(_SLIDING),
     "exaone4": dict(_SLIDING),
     "olmo3": dict(_SLIDING),
     "smollm3": {"no_rope_layers": [1, 0], "pad_token_id": 0},
@@ -106,7 +105,7 @@ def packed_logprobs(model, samples: list[Sample], backend: str = "dense") -> tor
     own logit processing (scale, softcap) at the trained positions only."""
     row = pack_row(samples)
     with torch.no_grad(), tree_attention_context(TreeMask.from_row(row, backend=backend)):
-        hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
+        hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids,
                                lm_head_bias=head.bias, **logit_processing(model.config))
     return logps.target_logprobs

@@ -43,6 +43,7 @@ from torch import Tensor
 __all__ = [
     "LossStats",
     "PolicyLoss",
+    "add_router_aux_loss",
     "clipped_surrogate_token_loss",
     "importance_mask",
     "importance_ratio",
@@ -331,6 +332,19 @@ def policy_loss(
     return PolicyLoss(loss, stats)
 
 
+def add_router_aux_loss(
+    result: PolicyLoss, aux_loss: Tensor, *, coef: float, gradient_accumulation_steps: int, num_processes: int
+) -> PolicyLoss:
+    """`result` with a Mixture-of-Experts load-balancing loss added: `coef * aux_loss` averaged over the
+    micro-batches of a step and over processes (the trainer multiplies the loss by `num_processes`
+    before data-parallel averaging, as for the policy loss). `aux_loss` (the model's own, 0-d) is also
+    kept in the stats for the `aux_loss` metric, before scaling."""
+    loss = result.loss + coef * aux_loss.float() / (gradient_accumulation_steps * num_processes)
+    sums = {**result.stats.sums, "aux_loss/sum": aux_loss.detach().float(),
+            "aux_loss/count": torch.ones((), device=aux_loss.device)}
+    return PolicyLoss(loss, LossStats(sums, result.stats.mins, result.stats.maxs))
+
+
 def merge_loss_stats(a: LossStats, b: LossStats) -> LossStats:
     """Combine the statistics of two micro-batches (sum / min / max per key)."""
     return LossStats(
@@ -372,4 +386,6 @@ def loss_metrics(stats: LossStats) -> dict[str, float]:
         metrics["sampling/sampler_mass"] = mean("sampling/sampler_mass/sum")
     if "entropy/sum" in s:
         metrics["entropy"] = mean("entropy/sum")
+    if "aux_loss/sum" in s:  # per micro-batch, not per token
+        metrics["aux_loss"] = s["aux_loss/sum"] / s["aux_loss/count"] if s["aux_loss/count"] > 0 else float("nan")
     return metrics

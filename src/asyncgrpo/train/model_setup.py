@@ -80,10 +80,12 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
 
 
 def hidden_states_and_head(
-    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.nn.Linear]:
-    """The body's last hidden states [T, H] for one packed row (`input_ids`, `position_ids`: [T]) and
-    the LM head, whose weight the caller multiplies in at the trained positions only.
+    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, *, router_aux_loss: bool = False
+) -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor | None]:
+    """The body's last hidden states [T, H] for one packed row (`input_ids`, `position_ids`: [T]), the
+    LM head, whose weight the caller multiplies in at the trained positions only, and, with
+    `router_aux_loss` (Mixture-of-Experts models), the model's own load-balancing loss over the row's
+    forwarded tokens (a 0-d tensor; None otherwise).
 
     The forward runs through `model` itself (the module the Trainer wrapped), not the body alone: DDP
     synchronises gradients only of a forward it ran, and FSDP2 gathers the parameters outside the
@@ -98,13 +100,31 @@ def hidden_states_and_head(
     def keep(module: torch.nn.Module, args: Any, output: Any) -> None:
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
+    kwargs = {"output_router_logits": True} if router_aux_loss else {}
     handle = body.register_forward_hook(keep)
     try:
-        model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, logits_to_keep=1)
+        out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, logits_to_keep=1,
+                    **kwargs)
     finally:
         handle.remove()
     assert len(captured) == 1, f"the decoder body ran {len(captured)} times in one forward"
-    return captured[0][0], head
+    return captured[0][0], head, out.aux_loss if router_aux_loss else None
+
+
+def router_aux_loss_coef(config: Any, requested: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's load-balancing loss: `requested`, or the model
+    config's `router_aux_loss_coef` when None; 0.0 for a model without a router (asking for a
+    positive weight there is an error)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    has_router = hasattr(text, "output_router_logits") and hasattr(text, "router_aux_loss_coef")
+    if not has_router:
+        if requested:
+            raise ValueError(
+                f"router_aux_loss_coef={requested}, but model type {text.model_type!r} has no router (it is not a "
+                "Mixture-of-Experts model): leave router_aux_loss_coef=None"
+            )
+        return 0.0
+    return float(text.router_aux_loss_coef if requested is None else requested)
 
 
 def _server_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

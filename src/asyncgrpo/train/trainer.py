@@ -53,7 +53,7 @@ from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.logprobs import token_logprobs
-from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats, policy_loss
+from asyncgrpo.train.loss import LossStats, add_router_aux_loss, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
     eos_token_ids,
     hidden_states_and_head,
@@ -61,6 +61,7 @@ from asyncgrpo.train.model_setup import (
     load_policy,
     load_tokenizer,
     logit_processing,
+    router_aux_loss_coef,
     server_weight_metas,
     weights_for_server,
 )
@@ -133,6 +134,7 @@ class AsyncGRPOTrainer(Trainer):
         check_supported(model.config)
         enable_tree_attention(model)
         self._logit_processing = logit_processing(model.config)
+        self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
 
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
@@ -379,7 +381,9 @@ class AsyncGRPOTrainer(Trainer):
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         with self.compute_loss_context_manager(), tree_attention_context(TreeMask.from_row(row, device)):
-            hidden, head = hidden_states_and_head(model, row.input_ids, row.position_ids)
+            hidden, head, aux_loss = hidden_states_and_head(
+                model, row.input_ids, row.position_ids, router_aux_loss=self._router_aux_loss_coef > 0
+            )
             logps = token_logprobs(
                 hidden,
                 head.weight,
@@ -408,6 +412,12 @@ class AsyncGRPOTrainer(Trainer):
                 is_clip_min=args.vllm_importance_sampling_clip_min,
                 is_clip_max=args.vllm_importance_sampling_clip_max,
             )
+            if aux_loss is not None:
+                result = add_router_aux_loss(
+                    result, aux_loss, coef=self._router_aux_loss_coef,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps,
+                    num_processes=self.accelerator.num_processes,
+                )
             loss = result.loss
         t_fwd = time.perf_counter()
         # The loss is already normalised by the trained tokens of all processes; data-parallel
