@@ -56,7 +56,7 @@ def row_loss(model, samples, num_trained_global: int, device: torch.device) -> t
         hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     loss = policy_loss(
-        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.sample_index,
+        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.completion_index,
         num_trained_tokens_global=num_trained_global, gradient_accumulation_steps=1, score_centering=False,
     ).loss
     sizes = {"tokens": row.num_tokens, "trained": row.num_trained, "pairs": row.attention_pairs}

@@ -70,7 +70,9 @@ class AsyncGRPOConfig(TrainingArguments):
         top_k (`int`, defaults to 0): Keep only the k most likely tokens; 0 disables top-k.
         min_p (`float`, optional): Minimum token probability relative to the most likely token, in
             [0, 1]. Above 0.0, `top_k` must be set too.
-        repetition_penalty (`float`, defaults to 1.0): Sampler repetition penalty (> 0; 1.0 is none).
+        repetition_penalty (`float`, defaults to 1.0): Sampler repetition penalty. Only 1.0 (none) is
+            accepted: the trainer's log-probs do not include a penalty, so any other value would bias
+            the importance ratios.
         chat_template_kwargs (`dict[str, Any]` or `str`, optional): Extra keyword arguments for
             `apply_chat_template` when rendering prompts (a JSON string is parsed), e.g.
             `{"enable_thinking": false}`.
@@ -191,7 +193,8 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata={"help": "Minimum probability relative to the most likely token, in [0, 1]; needs top_k > 0."},
     )
     repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Sampler repetition penalty (> 0; 1.0 means none)."}
+        default=1.0, metadata={"help": "Sampler repetition penalty; only 1.0 (none): the trainer's log-probs "
+                               "do not include a penalty, any other value would bias the importance ratios."}
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -389,7 +392,12 @@ def _validate(args: AsyncGRPOConfig) -> None:
         f"{' and '.join(truncation)} needs top_k > 0 (got top_k={args.top_k}): the trainer renormalizes over the "
         f"sampler's candidate set, which is only bounded with top-k; set top_k (e.g. 50) as well",
     )
-    _require(args.repetition_penalty > 0, f"repetition_penalty={args.repetition_penalty} must be > 0 (1.0 is none)")
+    _require(
+        args.repetition_penalty == 1.0,
+        f"repetition_penalty={args.repetition_penalty} is not supported: the sampler's log-probs include the "
+        "penalty and the trainer's do not, which biases every importance ratio of both objectives (score "
+        "centering and the clipped surrogate); set repetition_penalty=1.0",
+    )
     _require(
         args.max_tool_calling_iterations is None or args.max_tool_calling_iterations >= 0,
         f"max_tool_calling_iterations={args.max_tool_calling_iterations} must be >= 0, or None for no limit",

@@ -59,6 +59,11 @@ def test_input_is_not_modified_and_output_is_float64():
         ([None, 2.0], True),
         ([1.0, float("nan"), 0.0], False),
         ([0.5, 0.5, 0.25], False),
+        # equal up to float rounding: no signal, only rounding noise blown up to +-1 advantages
+        ([0.1 + 0.2, 0.3, 0.3], True),
+        ([1e6 + 1e-7, 1e6, 1e6], True),
+        ([1.0, 1.0 + 1e-3], False),
+        ([1e-4, 0.0, 0.0], False),
     ],
 )
 def test_zero_std_filter(rewards, expected):

@@ -185,3 +185,9 @@ def test_construction_is_quick():
     for _ in range(10):
         make()
     assert (time.perf_counter() - start) / 10 < 0.5
+
+
+def test_repetition_penalty_is_refused_because_it_biases_the_importance_ratios():
+    with pytest.raises(ValueError, match="repetition_penalty=1.1.*importance ratio"):
+        AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.1, report_to="none")
+    AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.0, report_to="none")

@@ -356,13 +356,13 @@ def test_metrics_on_a_hand_made_example():
     assert m["sampling/masked_mean"] == pytest.approx(2 / 5)  # 6.0 and 0.4
     assert m["sampling/sampler_mass"] == pytest.approx((0.8 + 0.3 + 0.8 + 0.9 + 0.75) / 5)
     assert m["entropy"] == pytest.approx(3.0)
-    # eps = 0.2: low = rho < 0.8 and A < 0 -> token 0 (token 4 has A > 0);
-    # high = rho > 1.2 and A > 0 -> token 3 (token 2 has A < 0).
-    # Per sample: low 1/3 and 0/2, high 0/3 and 1/2.
-    assert m["clip_ratio/low_mean"] == pytest.approx(1 / 5)
-    assert m["clip_ratio/high_mean"] == pytest.approx(1 / 5)
-    assert m["clip_ratio/region_mean"] == pytest.approx(2 / 5)
-    assert m["clip_ratio/low_min"] == pytest.approx(0.0)
+    # Score centering clips nothing: clip_ratio/* count the tokens outside the trust region
+    # [0.8, 1.2] whatever the advantage's sign. low: tokens 0 and 4; high: tokens 2 and 3.
+    # Per completion: low 1/3 and 1/2, high 1/3 and 1/2.
+    assert m["clip_ratio/low_mean"] == pytest.approx(2 / 5)
+    assert m["clip_ratio/high_mean"] == pytest.approx(2 / 5)
+    assert m["clip_ratio/region_mean"] == pytest.approx(4 / 5)
+    assert m["clip_ratio/low_min"] == pytest.approx(1 / 3)
     assert m["clip_ratio/high_max"] == pytest.approx(0.5)
 
     plain = policy_loss(
@@ -376,7 +376,14 @@ def test_metrics_on_a_hand_made_example():
     )
     metrics = loss_metrics(plain.stats)
     assert "sampling/sampler_mass" not in metrics and "entropy" not in metrics
+    # The clipped surrogate cuts the gradient of low tokens with A < 0 and high tokens with A > 0:
+    # low token 0 (token 4 has A > 0), high token 3 (token 2 has A < 0). Per completion: low 1/3
+    # and 0/2, high 0/3 and 1/2.
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(1 / 5)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 5)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(2 / 5)
+    assert metrics["clip_ratio/low_min"] == pytest.approx(0.0)
+    assert metrics["clip_ratio/high_max"] == pytest.approx(0.5)
 
 
 def test_merged_micro_batch_stats_equal_the_stats_of_the_whole_batch():

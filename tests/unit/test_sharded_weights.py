@@ -169,7 +169,7 @@ def _row_loss(model: torch.nn.Module, samples: list, num_trained_tokens_global: 
         hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     return policy_loss(
-        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.sample_index,
+        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.completion_index,
         num_trained_tokens_global=num_trained_tokens_global, gradient_accumulation_steps=1, score_centering=False,
     ).loss
 

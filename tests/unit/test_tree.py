@@ -172,3 +172,26 @@ def test_packing_100_samples_of_2k_tokens_is_fast():
     elapsed = time.perf_counter() - start
     assert row.num_tokens == sum(s.num_tokens for s in samples) - 12 * 7 * 511
     assert elapsed < 0.5, f"pack_row took {elapsed:.3f}s for 96 samples"
+
+
+def test_samples_of_one_completion_share_a_completion_index():
+    # a multi-turn rollout that forked gives two samples with the same rollout id: the clip_ratio
+    # extremes are per completion, so both map to one index
+    samples = [
+        Sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -1, -1], 1.0, 0, rollout_id="r0"),
+        Sample([1, 2, 5, 6, 7], [0, 0, 0, 1, 1], [0, 0, 0, -1, -1], 1.0, 0, rollout_id="r1"),
+        Sample([1, 2, 3, 9, 8], [0, 0, 0, 0, 1], [0, 0, 0, 0, -1], 1.0, 0, rollout_id="r0"),
+        Sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -1, -1], 1.0, 0),  # no id: a completion of its own
+    ]
+    row = pack_row(samples)
+    by_sample = {int(s): int(c) for s, c in zip(row.sample_index, row.completion_index)}
+    assert by_sample[0] == by_sample[2]
+    assert len({by_sample[0], by_sample[1], by_sample[3]}) == 3
+
+
+def test_a_trained_token_outside_its_own_candidate_set_is_rejected():
+    # the sampler could not have drawn it: the turn's output_sampling_mask and output_ids disagree
+    with pytest.raises(ValueError, match=r"token 4 at position 3 is not in its candidate set"):
+        Sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -1, -1], 1.0, 0, candidate_sets=[None, None, [3, 5], [6, 7]])
+    # an untrained (context) token is not checked, and None means the full vocabulary
+    Sample([1, 2, 3, 4], [0, 0, 0, 1], [0, 0, 0, -1], 1.0, 0, candidate_sets=[None, None, [5], None])

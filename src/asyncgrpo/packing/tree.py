@@ -150,6 +150,7 @@ class Sample:
                                  f"len(candidate_ids) = {ids.size}")
             put("candidate_ids", ids)
             put("candidate_offsets", offsets)
+            _check_trained_tokens_in_their_sets(tokens, self.trained_mask, ids, offsets)
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +195,29 @@ def _candidates_to_csr(candidate_sets: CandidatesPerToken, length: int) -> tuple
     return ids, offsets
 
 
+def _check_trained_tokens_in_their_sets(tokens: np.ndarray, trained: np.ndarray, ids: np.ndarray,
+                                       offsets: np.ndarray) -> None:
+    """A trained token with a candidate set must be in it (the sampler could not have drawn it
+    otherwise, and its renormalised log-prob would be meaningless)."""
+    sizes = np.diff(offsets)
+    checked = trained & (sizes > 0)
+    if not checked.any():
+        return
+    owner = np.repeat(np.arange(tokens.size), sizes)
+    hits = np.zeros(tokens.size, dtype=np.int64)
+    np.add.at(hits, owner, ids == tokens[owner])
+    bad = np.flatnonzero(checked & (hits == 0))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(
+            f"trained token {int(tokens[t])} at position {t} is not in its candidate set "
+            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such tokens "
+            "in this sample): the sampler could not have drawn it. A custom generate_one_turn must return, for "
+            "each output token, the candidate set it was drawn from in output_sampling_mask (or None for the "
+            "full vocabulary)"
+        )
+
+
 def sort_key(token_ids: np.ndarray) -> bytes:
     """Bytes that compare like the tuple of token ids (shorter prefix first)."""
     return token_ids.astype(">u4", copy=False).tobytes()
@@ -229,6 +253,7 @@ class PackedRow:
     advantages: torch.Tensor  # [N] float32
     sampler_logprobs: torch.Tensor  # [N] float32
     sample_index: torch.Tensor  # [N] which sample (0..num_samples-1) the token belongs to
+    completion_index: torch.Tensor  # [N] which completion: samples with the same rollout_id share one
     topk_ids: torch.Tensor | None  # [N, K] int64, pad -1
     topk_logprobs: torch.Tensor | None  # [N, K] float32, pad -inf
     candidate_ids: torch.Tensor | None  # [M] int64
@@ -459,6 +484,7 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
         advantages=cat(adv, np.float32),
         sampler_logprobs=cat(logp, np.float32),
         sample_index=cat(owner, np.int64),
+        completion_index=_completion_of_sample(samples)[cat(owner, np.int64)],
         topk_ids=cat(topk_ids, np.int64) if has_topk else None,
         topk_logprobs=cat(topk_logp, np.float32) if has_topk else None,
         candidate_ids=candidate_ids,
@@ -470,6 +496,14 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
         model_versions=tuple(s.model_version for s in samples),
         rollout_ids=tuple(s.rollout_id for s in samples),
     )
+
+
+def _completion_of_sample(samples) -> torch.Tensor:
+    """Per sample, the index of its completion: samples of one rollout (same non-empty `rollout_id`,
+    a multi-turn rollout that forked) share the first one's index; a sample without an id stands alone."""
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(s.rollout_id, i) if s.rollout_id else i for i, s in enumerate(samples)],
+                        dtype=torch.int64)
 
 
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

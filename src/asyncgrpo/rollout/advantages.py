@@ -7,6 +7,8 @@ A group's rewards hold one value per rollout, NaN where no reward source scored 
 
 A group whose scored rewards are all equal, or that has fewer than two scored rollouts, carries no
 signal and is dropped after `compute_advantages` ran (`is_zero_std`); it still counts toward the epoch.
+"Equal" allows float rounding (`ZERO_STD_RTOL`): rewards such as 0.1 + 0.2 and 0.3 differ only in
+their last bits, and standardising that difference would turn rounding noise into advantages of +-1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 ADVANTAGE_EPS = 1e-8
+ZERO_STD_RTOL = 1e-6  # a group's std at most this times its largest |reward| (or 1) counts as zero
 
 
 def _as_rewards(rewards: np.ndarray | Sequence[float | None]) -> np.ndarray:
@@ -45,10 +48,13 @@ def compute_advantages(rewards: np.ndarray | Sequence[float | None]) -> np.ndarr
 
 
 def is_zero_std(rewards: np.ndarray | Sequence[float | None]) -> bool:
-    """Whether a group carries no signal: fewer than two scored rewards, or all scored rewards equal."""
+    """Whether a group carries no signal: fewer than two scored rewards, or all scored rewards equal up
+    to float rounding (population std <= `ZERO_STD_RTOL` * max(1, max |reward|))."""
     r = _as_rewards(rewards)
     values = r[~np.isnan(r)]
-    return values.size < 2 or bool(np.all(values == values[0]))
+    if values.size < 2:
+        return True
+    return bool(values.std() <= ZERO_STD_RTOL * max(1.0, float(np.abs(values).max())))
 
 
 def scored_std(rewards: np.ndarray | Sequence[float | None]) -> float:

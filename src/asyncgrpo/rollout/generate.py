@@ -243,7 +243,6 @@ def sampling_params(config: Any, *, seed: int, eos_token_ids: Sequence[int], ret
     Top-K sampler log-probs (`num_sampler_logprobs`) are asked for only with `score_centering`; the
     request stops at any of `eos_token_ids` and is capped at `max_completion_length` new tokens.
     """
-    score_centering = bool(getattr(config, "score_centering", False))
     return SamplingParams(
         temperature=float(config.temperature),
         top_k=int(config.top_k or 0),
@@ -251,8 +250,8 @@ def sampling_params(config: Any, *, seed: int, eos_token_ids: Sequence[int], ret
         min_p=float(config.min_p or 0.0),
         max_tokens=int(config.max_completion_length),
         seed=seed,
-        logprobs=int(config.num_sampler_logprobs) if score_centering else 0,
-        repetition_penalty=float(getattr(config, "repetition_penalty", None) or 1.0),
+        logprobs=int(config.num_sampler_logprobs) if config.score_centering else 0,
+        repetition_penalty=float(config.repetition_penalty),
         stop_token_ids=tuple(int(t) for t in eos_token_ids),
         return_sampling_mask=return_sampling_mask,
     )

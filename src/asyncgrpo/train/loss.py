@@ -26,11 +26,13 @@ multiply this loss by W before backward (as transformers' Trainer does with
 
 Metrics come back as `LossStats`: sums, minima and maxima that reduce exactly across micro-batches
 (`merge_loss_stats`) and processes (all-reduce SUM / MIN / MAX per dict), then `loss_metrics` turns
-them into the seed's metric names. `clip_ratio/*` follow TRL GRPO's convention for both objectives:
-a token is "low" when `rho_t < 1 - eps` and `A < 0`, "high" when `rho_t > 1 + eps_high` and `A > 0`
-(the tokens on which the clipped surrogate's gradient is cut), "region" when either; means are over
-trained tokens (IS-masked included); `low_min` / `high_max` are the extreme per-sample fractions
-(one sample = one completion's trained tokens, grouped by `sample_index`).
+them into the seed's metric names. `clip_ratio/*`: with the clipped surrogate a token is "low" when
+`rho_t < 1 - eps` and `A < 0`, "high" when `rho_t > 1 + eps_high` and `A > 0` (the tokens on which
+its gradient is cut, TRL GRPO's convention); with score centering nothing is clipped, and they count
+the tokens outside the trust region, "low" when `rho_t < 1 - eps`, "high" when `rho_t > 1 + eps_high`,
+whatever the advantage. "region" is either; means are over trained tokens (IS-masked included);
+`low_min` / `high_max` are the extreme per-completion fractions (a completion's trained tokens may
+span several samples when a multi-turn rollout forked; grouped by `completion_index`).
 """
 
 from __future__ import annotations
@@ -169,12 +171,13 @@ class PolicyLoss:
     stats: LossStats
 
 
-def _per_sample_extremes(flags: Tensor, sample_index: Tensor) -> tuple[Tensor, Tensor]:
-    """Min and max over samples of the per-sample fraction of flagged tokens (`+inf` / `-inf` if empty)."""
+def _per_completion_extremes(flags: Tensor, completion_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Min and max over completions of the per-completion fraction of flagged tokens (`+inf` / `-inf`
+    if empty)."""
     if flags.numel() == 0:
         inf = torch.tensor(float("inf"), device=flags.device)
         return inf, -inf
-    _, inverse = torch.unique(sample_index, return_inverse=True)
+    _, inverse = torch.unique(completion_index, return_inverse=True)
     num_tokens = torch.bincount(inverse).float()
     num_flagged = torch.bincount(inverse, weights=flags.float())
     fraction = num_flagged / num_tokens
@@ -185,7 +188,8 @@ def _loss_stats(
     logprobs: Tensor,
     sampler_logprobs: Tensor,
     advantages: Tensor,
-    sample_index: Tensor,
+    completion_index: Tensor,
+    score_centering: bool,
     sampler_topk_logprobs: Tensor | None,
     entropy: Tensor | None,
     epsilon: float,
@@ -199,10 +203,12 @@ def _loss_stats(
     ratio = importance_ratio(lp, slp)
     logp_diff = (slp - lp).abs()
     masked_out = ~importance_mask(ratio, is_clip_min, is_clip_max)
-    low = (ratio < 1.0 - epsilon) & (adv < 0)
-    high = (ratio > 1.0 + epsilon_high) & (adv > 0)
-    low_min, _ = _per_sample_extremes(low, sample_index)
-    _, high_max = _per_sample_extremes(high, sample_index)
+    low = ratio < 1.0 - epsilon
+    high = ratio > 1.0 + epsilon_high
+    if not score_centering:  # the clipped surrogate cuts the gradient only on these
+        low, high = low & (adv < 0), high & (adv > 0)
+    low_min, _ = _per_completion_extremes(low, completion_index)
+    _, high_max = _per_completion_extremes(high, completion_index)
     sums = {
         "num_trained_tokens": torch.tensor(float(lp.numel()), device=lp.device),
         "sampling/sampling_logp_difference/sum": logp_diff.sum(),
@@ -232,7 +238,7 @@ def policy_loss(
     logprobs: Tensor,
     sampler_logprobs: Tensor,
     advantages: Tensor,
-    sample_index: Tensor,
+    completion_index: Tensor,
     *,
     num_trained_tokens_global: int | Tensor,
     gradient_accumulation_steps: int,
@@ -251,7 +257,7 @@ def policy_loss(
         logprobs: `[N]` trainer `log pi~(y_t)` of this process's trained tokens, differentiable.
         sampler_logprobs: `[N]` sampler `log mu(y_t)`.
         advantages: `[N]` advantage of each token's sample.
-        sample_index: `[N]` int, which sample (completion) each token belongs to; used for the
+        completion_index: `[N]` int, which completion (rollout) each token belongs to; used for the
             per-completion `clip_ratio/low_min` and `clip_ratio/high_max`.
         num_trained_tokens_global: trained tokens of this micro-batch summed over all processes
             (int or 0-d tensor from an all-reduce); IS-masked tokens count.
@@ -321,7 +327,8 @@ def policy_loss(
             logprobs,
             sampler_logprobs,
             advantages,
-            sample_index,
+            completion_index,
+            score_centering,
             sampler_topk_logprobs if score_centering else None,
             entropy,
             epsilon,

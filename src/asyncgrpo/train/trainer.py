@@ -400,7 +400,7 @@ class AsyncGRPOTrainer(Trainer):
                 logps.target_logprobs,
                 row.sampler_logprobs,
                 row.advantages,
-                row.sample_index,
+                row.completion_index,
                 num_trained_tokens_global=inputs.num_trained_tokens_global,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 score_centering=args.score_centering,
