@@ -5,6 +5,9 @@ process streams and scores completions while the trainer consumes them, so gener
 gradient updates overlap.
 
     from asyncgrpo import AsyncGRPOTrainer, AsyncGRPOConfig, AsyncRolloutLoop, Rollout
+
+The reference's submodule paths work too: `asyncgrpo.async_grpo_trainer`, `asyncgrpo.async_grpo_config`
+and `asyncgrpo.async_rollout_worker` (TurnRecord, RolloutGroup, TrainingSequence).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ _PUBLIC = {
     "AsyncRolloutLoop": "asyncgrpo.rollout.loop",
     "Rollout": "asyncgrpo.types",
     "RolloutGroup": "asyncgrpo.types",
+    "TrainingSequence": "asyncgrpo.types",
     "TurnRecord": "asyncgrpo.types",
 }
 
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from asyncgrpo.train.trainer import AsyncGRPOTrainer as AsyncGRPOTrainer
     from asyncgrpo.types import Rollout as Rollout
     from asyncgrpo.types import RolloutGroup as RolloutGroup
+    from asyncgrpo.types import TrainingSequence as TrainingSequence
     from asyncgrpo.types import TurnRecord as TurnRecord
 
 

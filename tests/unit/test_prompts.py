@@ -129,3 +129,15 @@ def test_reward_kwargs_hold_every_other_column_once_per_rollout():
     assert row_reward_kwargs({"prompt": conv(0), "answer": "4", "task": "math"}, 3) == {
         "answer": ["4"] * 3, "task": ["math"] * 3
     }
+
+
+def test_an_unknown_environment_name_is_caught_up_front():
+    rows = [{"prompt": [{"role": "user", "content": "a"}], "environment": "math"},
+            {"prompt": [{"role": "user", "content": "b"}], "environment": "maths"}]
+    with pytest.raises(ValueError, match=r"train_dataset\[1\]\['environment'\] = 'maths' does not name"):
+        validate_prompt_dataset(rows, environment=True, environment_names=["math", "code"])
+    with pytest.raises(ValueError, match="no 'environment' column"):
+        validate_prompt_dataset([{"prompt": rows[0]["prompt"]}], environment=True, environment_names=["math"])
+    validate_prompt_dataset(rows[:1], environment=True, environment_names=["math", "code"])
+    with pytest.raises(ValueError, match="'maths' does not name"):
+        validate_prompt_dataset(Dataset.from_list(rows), environment=True, environment_names=["math"])

@@ -74,3 +74,30 @@ def test_every_record_pickles():
     clone = pickle.loads(pickle.dumps(group))
     assert clone.completions_sequences == [[seq]] and clone.env_rewards == [(dict, 1.0)]
     np.testing.assert_array_equal(clone.rewards, group.rewards)
+
+
+@pytest.mark.parametrize(
+    "module,names",
+    [
+        ("asyncgrpo", ["AsyncGRPOTrainer", "AsyncGRPOConfig", "AsyncRolloutLoop", "Rollout", "RolloutGroup",
+                       "TurnRecord", "TrainingSequence"]),
+        ("asyncgrpo.async_rollout_worker", ["TurnRecord", "RolloutGroup", "TrainingSequence", "Rollout",
+                                            "AsyncRolloutLoop"]),
+        ("asyncgrpo.async_grpo_config", ["AsyncGRPOConfig"]),
+        ("asyncgrpo.async_grpo_trainer", ["AsyncGRPOTrainer"]),
+    ],
+)
+def test_every_documented_name_imports_from_the_reference_module_path(module, names):
+    # a user of the reference swaps `trl.experimental.async_grpo` for `asyncgrpo` in the import line
+    import importlib
+
+    from asyncgrpo.config import AsyncGRPOConfig
+    from asyncgrpo.rollout.loop import AsyncRolloutLoop
+    from asyncgrpo.train.trainer import AsyncGRPOTrainer
+    from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
+
+    defined = {c.__name__: c for c in (AsyncGRPOConfig, AsyncRolloutLoop, AsyncGRPOTrainer, Rollout, RolloutGroup,
+                                       TrainingSequence, TurnRecord)}
+    mod = importlib.import_module(module)
+    for name in names:
+        assert getattr(mod, name) is defined[name], f"{module}.{name}"

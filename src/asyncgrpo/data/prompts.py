@@ -17,7 +17,7 @@ a shuffled stream reshuffles), positions count rows read, and a resume restarts 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 PROMPT_COLUMN = "prompt"
+ENVIRONMENT_COLUMN = "environment"  # names the environment of a row when environment_factory is a dict
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 _CONVERT_HINT = (
@@ -89,7 +90,13 @@ def _column_names(dataset: Any, first_row: Mapping[str, Any]) -> list[str]:
     return list(names) if names else list(first_row)
 
 
-def validate_prompt_dataset(dataset: Any, *, prompt_required: bool = True, environment: bool = False) -> None:
+def validate_prompt_dataset(
+    dataset: Any,
+    *,
+    prompt_required: bool = True,
+    environment: bool = False,
+    environment_names: Collection[str] | None = None,
+) -> None:
     """Check a training dataset up front; raise `ValueError` that says how to fix it.
 
     Args:
@@ -97,12 +104,16 @@ def validate_prompt_dataset(dataset: Any, *, prompt_required: bool = True, envir
         prompt_required: False when an environment's `reset()` provides the prompt (the column may
             then be missing, but if present it must still be conversational).
         environment: True when an `environment_factory` is given; same as `prompt_required=False`.
+        environment_names: the keys of an `environment_factory` dict: every row's `environment`
+            column must name one of them (a stream is checked on its first row only).
     """
     prompt_required = prompt_required and not environment
     first = _first_row(dataset)
     if first is None:
         raise ValueError("train_dataset is empty; give at least one row")
     columns = _column_names(dataset, first)
+    if environment_names is not None:
+        _check_environment_column(dataset, first, columns, set(environment_names))
     reserved = [c for c in RESERVED_COLUMNS if c in columns]
     if reserved:
         raise ValueError(
@@ -120,6 +131,27 @@ def validate_prompt_dataset(dataset: Any, *, prompt_required: bool = True, envir
             )
         return
     check_prompt(first[PROMPT_COLUMN], where="train_dataset[0]['prompt']")
+
+
+def _check_environment_column(dataset: Any, first: Mapping[str, Any], columns: list[str], names: set[str]) -> None:
+    if ENVIRONMENT_COLUMN not in columns:
+        raise ValueError(
+            f"environment_factory is a dict of {len(names)} environments ({sorted(names)}), but train_dataset has no "
+            f"{ENVIRONMENT_COLUMN!r} column to choose one per row; add it, holding one of those names in every row"
+        )
+    if isinstance(dataset, Sequence):
+        values = [row.get(ENVIRONMENT_COLUMN) for row in dataset]
+    elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        values = list(dataset[ENVIRONMENT_COLUMN])  # a datasets.Dataset: one column read
+    else:
+        values = [first.get(ENVIRONMENT_COLUMN)]  # a stream: only what is at hand
+    unknown = sorted({repr(v) for v in values if v not in names})
+    if unknown:
+        index = next(i for i, v in enumerate(values) if v not in names)
+        raise ValueError(
+            f"train_dataset[{index}][{ENVIRONMENT_COLUMN!r}] = {values[index]!r} does not name an environment "
+            f"(unknown values: {', '.join(unknown[:5])}); environment_factory has {sorted(names)}"
+        )
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

@@ -31,6 +31,7 @@ from typing import Any
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.chat_templates import ToolCallParseError, parse_assistant_message
+from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN, PROMPT_COLUMN
 from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.rollout.reconcile import ReconciledRollout
 from asyncgrpo.types import Rollout, TurnRecord
@@ -154,7 +155,7 @@ class EnvironmentPool:
         """The factory name for a dataset row (its "environment" field when there are several)."""
         if None in self._factories:
             return None
-        name = row.get("environment")
+        name = row.get(ENVIRONMENT_COLUMN)
         if name not in self._factories:
             raise ValueError(
                 f"row environment={name!r} does not name an environment; environment_factory has "
@@ -209,7 +210,7 @@ async def run_in_environment(
     env = pool.acquire(name)
     try:
         start = time.perf_counter()
-        reset_kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+        reset_kwargs = {k: v for k, v in row.items() if k not in (PROMPT_COLUMN, ENVIRONMENT_COLUMN)}
         reset_output = await call_maybe_async(env.reset, executor, **reset_kwargs)
         record(M.metric(M.ENV_RESET_S, time.perf_counter() - start))
         env_prompt = apply_reset_output(prompt, reset_output)

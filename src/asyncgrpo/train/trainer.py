@@ -171,7 +171,11 @@ class AsyncGRPOTrainer(Trainer):
             if args.max_steps <= 0:
                 raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
         else:
-            validate_prompt_dataset(train_dataset, environment=environment_factory is not None)
+            validate_prompt_dataset(
+                train_dataset,
+                environment=environment_factory is not None,
+                environment_names=list(environment_factory) if isinstance(environment_factory, dict) else None,
+            )
         self.prompt_dataset = train_dataset
 
         super().__init__(
