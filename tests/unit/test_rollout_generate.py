@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     apply_reset_output,
@@ -250,8 +252,29 @@ def test_generation_records_against_a_hand_count():
     assert values["completions/duplicate_frac"] == [0.0, 1.0, 0.0, 0.0]
     assert values["rollout/turns_max"] == [1, 1, 1, 2]
     assert values["rollout/samples_per_rollout"] == [1, 1, 1, 2]  # prompt [1] does not extend [1, 5]
-    assert values["rollout/fork_frac"] == [1.0]
-    assert values["rollout/drift_tokens_max"] == [1]
+    assert values["rollout/drift_tokens_max"][-1] == 1  # NaN for the one-turn rollouts
     (rate,) = by_name["rollout/generated_tokens_per_s"]
     assert (rate.value, rate.denominator) == (13, 2.0)
     assert "tools/call_frequency" not in values
+    # over the turn transitions: the one two-turn rollout forked once
+    window = MetricsWindow()
+    for rec in records:
+        window.add(rec)
+    logged = window.reduce()
+    assert logged["rollout/fork_frac"] == 1.0 and logged["rollout/drift_tokens_mean"] == 1.0
+
+
+def test_metrics_undefined_in_a_window_are_logged_as_nan():
+    # no turn transition: fork_frac and drift are undefined; with tools but no call, so is the failure
+    # frequency (where GRPO would log 0.0)
+    rollouts = [_rollout([5, 6, 0]), _rollout([7, 0])]
+    records = generation_records(rollouts, [reconcile_turns(r.turns) for r in rollouts], eos_token_ids=[0],
+                                 has_tools=True, seconds=1.0)
+    window = MetricsWindow()
+    for rec in records:
+        window.add(rec)
+    logged = window.reduce()
+    for name in ("rollout/fork_frac", "rollout/drift_tokens_mean", "rollout/drift_tokens_max",
+                 "tools/failure_frequency"):
+        assert math.isnan(logged[name]), name
+    assert logged["tools/call_frequency"] == 0.0

@@ -23,6 +23,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
@@ -384,15 +385,15 @@ def generation_records(
         seen.add(key)
         records += [M.metric(M.ROLLOUT_TURNS_MEAN, len(rollout.turns)), M.metric(M.ROLLOUT_TURNS_MAX, len(rollout.turns))]
         records.append(M.metric(M.ROLLOUT_SAMPLES_PER_ROLLOUT, len(rec.sequences)))
-        for drift in rec.drift_tokens:  # one entry per turn transition; a fork always drifts
-            records += [
-                M.metric(M.ROLLOUT_FORK_FRAC, float(drift > 0)),
-                M.metric(M.ROLLOUT_DRIFT_TOKENS_MEAN, drift),
-                M.metric(M.ROLLOUT_DRIFT_TOKENS_MAX, drift),
-            ]
-        if has_tools:
+        # over turn transitions (a fork always drifts); NaN in a window without any transition
+        drift = rec.drift_tokens
+        records += [
+            M.ratio(M.ROLLOUT_FORK_FRAC, sum(d > 0 for d in drift), len(drift)),
+            M.ratio(M.ROLLOUT_DRIFT_TOKENS_MEAN, sum(drift), len(drift)),
+            M.metric(M.ROLLOUT_DRIFT_TOKENS_MAX, max(drift, default=math.nan)),
+        ]
+        if has_tools:  # the failure frequency is over calls: NaN in a window without any call
             records.append(M.metric(M.TOOLS_CALL_FREQUENCY, rollout.tool_call_count))
-            if rollout.tool_call_count:
-                records.append(M.ratio(M.TOOLS_FAILURE_FREQUENCY, rollout.tool_failure_count, rollout.tool_call_count))
+            records.append(M.ratio(M.TOOLS_FAILURE_FREQUENCY, rollout.tool_failure_count, rollout.tool_call_count))
     records.append(M.rate(M.ROLLOUT_GENERATED_TOKENS_PER_S, generated, seconds))
     return records
