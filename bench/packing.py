@@ -49,10 +49,11 @@ SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
 
 def step_flops(config, n_body, tokens, trained, pairs):
     """FLOPs of forward + backward that a layout must do (module docstring): body, LM head at the trained
-    tokens, attention over the attended pairs."""
-    head = 6 * config.vocab_size * config.hidden_size
+    tokens, attention over the attended pairs -- the trainer's own FLOP model (`perf/*_mfu`)."""
+    from asyncgrpo.train.flops import FlopModel
+
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    return 6 * n_body * tokens + head * trained + attention * pairs
+    return FlopModel(n_body, config.vocab_size, config.hidden_size, attention).step_flops(tokens, trained, pairs)
 
 
 def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from asyncgrpo import metrics as M
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.train.distributed import rank_and_world_size
+from asyncgrpo.train.flops import FlopModel
 
 __all__ = ["StepTotals"]
 
@@ -36,6 +37,7 @@ class StepTotals:
     raw_tokens: int = 0
     trained_tokens: int = 0
     trained_positions: int = 0
+    attention_pairs: int = 0
     samples: int = 0
     groups: set[int] = field(default_factory=set)
     row_stats: list[dict[str, float]] = field(default_factory=list)  # the batcher's batch/* metrics, per micro-batch
@@ -50,6 +52,7 @@ class StepTotals:
         self.trained_tokens += int(row.target_ids.numel())
         # duplicated samples share their positions: a forwarded position is trained if any sample trains it
         self.trained_positions += int(torch.unique(row.pred_index).numel())
+        self.attention_pairs += row.attention_pairs
         self.samples += len(samples)
         self.groups.update(s.group_id for s in samples)
         self.row_stats.append(row_stats)
@@ -66,7 +69,8 @@ class StepTotals:
         dist.all_gather_object(every, mine)
         total = StepTotals(started_at=self.started_at, optimizer_started=self.optimizer_started,
                            row_stats=self.row_stats)
-        for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions", "samples"):
+        for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions", "attention_pairs",
+                     "samples"):
             setattr(total, name, sum(r[name] for r in every))
         for name in ("optimizer_s", "wait_s", "fwd_s", "fwd_bwd_s"):
             setattr(total, name, max(r[name] for r in every))
@@ -74,8 +78,17 @@ class StepTotals:
         total.groups = set().union(*(r["groups"] for r in every))
         return total
 
-    def record_into(self, window: MetricsWindow, sync_s: dict[str, float]) -> None:
-        """The step's batch/* and perf/* metrics (call on the totals `across_processes` returned)."""
+    def record_into(
+        self,
+        window: MetricsWindow,
+        sync_s: dict[str, float],
+        *,
+        flop_model: FlopModel | None = None,
+        peak_flops: float | None = None,
+        num_processes: int = 1,
+    ) -> None:
+        """The step's batch/* and perf/* metrics (call on the totals `across_processes` returned).
+        `perf/*_mfu` need a FLOP model and the device's peak FLOP/s (`asyncgrpo.train.flops`)."""
         step_s = time.perf_counter() - self.started_at
         r = window.record
         r(M.BATCH_FORWARDED_TOKENS_PER_STEP, self.forwarded_tokens)
@@ -99,6 +112,13 @@ class StepTotals:
         if step_s > 0:
             window.record_rate(M.PERF_WALL_CLOCK_FORWARDED_TOKENS_PER_S, self.forwarded_tokens, step_s)
             window.record_rate(M.PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S, self.trained_tokens, step_s)
+        if flop_model is not None and peak_flops:
+            flops = flop_model.step_flops(self.forwarded_tokens, self.trained_tokens, self.attention_pairs)
+            capacity = peak_flops * num_processes  # FLOP/s of every training device together
+            if self.fwd_bwd_s > 0:
+                window.record_ratio(M.PERF_FWD_BWD_MFU, flops, self.fwd_bwd_s * capacity)
+            if step_s > 0:
+                window.record_ratio(M.PERF_WALL_CLOCK_MFU, flops, step_s * capacity)
         if sync_s:
             r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"])
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])

@@ -52,6 +52,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
+from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.loss import LossStats, add_router_aux_loss, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
@@ -135,6 +136,7 @@ class AsyncGRPOTrainer(Trainer):
         enable_tree_attention(model)
         self._logit_processing = logit_processing(model.config)
         self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
+        self._flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
 
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
@@ -201,6 +203,7 @@ class AsyncGRPOTrainer(Trainer):
         self._loss_stats: LossStats | None = None
         self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
+        self._peak_flops: float | None = None
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise ValueError(
@@ -225,6 +228,7 @@ class AsyncGRPOTrainer(Trainer):
             info = broadcast_from_rank0(self._connect, "connecting to the inference server")
             self._token_budget = self._resolve_token_budget(info)
             self._serving_dtype = _DTYPE_NAMES.get(str(info.dtype).replace("torch.", ""), torch.float32)
+            self._peak_flops = peak_flops(args.device, self._training_dtype())
             total_positions = self._total_positions(start_position)
             if self._server is not None:
                 self._server.init_weight_transfer(args.device)
@@ -272,6 +276,14 @@ class AsyncGRPOTrainer(Trainer):
             logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_FILE)
             return 0, 0
         return state.trained_position, state.model_version
+
+    def _training_dtype(self) -> torch.dtype:
+        """The precision of the training matmuls: the mixed-precision dtype, else the weights'."""
+        if self.args.bf16:
+            return torch.bfloat16
+        if self.args.fp16:
+            return torch.float16
+        return next(self.model.parameters()).dtype
 
     def _resolve_token_budget(self, info: Any) -> int:
         if self.args.token_budget is not None:
@@ -376,7 +388,7 @@ class AsyncGRPOTrainer(Trainer):
         return batch, None
 
     def floating_point_ops(self, inputs: Any) -> int:
-        return 0  # MFU is reported as perf/fwd_bwd_mfu from forwarded tokens, not through Trainer's flos
+        return 0  # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
 
     def training_step(self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None) -> torch.Tensor:
         args = self.args
@@ -502,7 +514,10 @@ class AsyncGRPOTrainer(Trainer):
             self.model_version += 1
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
-        step_totals.record_into(self._window, sync_s)
+        step_totals.record_into(
+            self._window, sync_s, flop_model=self._flop_model, peak_flops=self._peak_flops,
+            num_processes=args.world_size,
+        )
         self._window.end_step()
         self._num_tokens_forwarded += step_totals.forwarded_tokens
 
