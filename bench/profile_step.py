@@ -37,18 +37,18 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from packing import SHAPES, Layout, add_workload_arguments, hidden_states, make_rows, make_samples  # noqa: E402
+import numpy as np
+import torch
+from packing import SHAPES, Layout, add_workload_arguments, hidden_states, make_rows, make_samples
 
 CATEGORIES = (  # first match wins
-    ("attention", re.compile(r"flex|flash|fmha|attention|sdpa|triton_tem_fused", re.I)),
-    ("matmul", re.compile(r"gemm|cutlass|xmma|sm90|sm80|cublas|matmul|nvjet|aten::(mm|addmm|bmm)$", re.I)),
-    ("norm", re.compile(r"rms|norm", re.I)),
-    ("rotary", re.compile(r"rotary|rope", re.I)),
-    ("activation", re.compile(r"silu|gelu|swiglu|act_and_mul", re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy|cat_|CatArray", re.I)),
-    ("elementwise", re.compile(r"elementwise|reduce|vectorized|softmax|logsumexp|scatter|gather|index", re.I)),
+    ("attention", re.compile(r"flex|flash|fmha|attention|sdpa|triton_tem_fused", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|sm90|sm80|cublas|matmul|nvjet|aten::(mm|addmm|bmm)$", re.IGNORECASE)),
+    ("norm", re.compile(r"rms|norm", re.IGNORECASE)),
+    ("rotary", re.compile(r"rotary|rope", re.IGNORECASE)),
+    ("activation", re.compile(r"silu|gelu|swiglu|act_and_mul", re.IGNORECASE)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat_|CatArray", re.IGNORECASE)),
+    ("elementwise", re.compile(r"elementwise|reduce|vectorized|softmax|logsumexp|scatter|gather|index", re.IGNORECASE)),
 )
 PHASES = ("mask", "forward", "logprob_head", "backward")
 
