@@ -264,7 +264,7 @@ def _fla_kernel():
         return None, "fla-core is not installed (pip install fla-core)"
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
-    except Exception as err:  # an installed but broken fla (Triton mismatch): say why, run the torch path
+    except ImportError as err:  # installed without what it needs (Triton, a submodule): say why
         return None, f"importing fla-core failed: {type(err).__name__}: {err}"
     return kernel, None
 
