@@ -60,6 +60,7 @@ from asyncgrpo.train.model_setup import (
     load_policy,
     load_tokenizer,
     server_weight_metas,
+    train_text_model_only,
     unwrap,
     weights_for_server,
 )
@@ -78,7 +79,8 @@ class AsyncGRPOTrainer(Trainer):
 
     Args:
         model: model id or path (bundled ids such as `asyncgrpo/tiny-chat` work offline), or a
-            `PreTrainedModel` (its attention is switched to the tree-attention backend).
+            `PreTrainedModel` (its attention is switched to the tree-attention backend). A
+            vision-language checkpoint is loaded whole and trains its text model only.
         reward_funcs: a reward function or a list of them (sync or `async def`, picklable).
         args: an `AsyncGRPOConfig`; default config when None.
         train_dataset: a conversational dataset with a `prompt` column; optional with a single
@@ -130,6 +132,7 @@ class AsyncGRPOTrainer(Trainer):
             raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
         check_supported(model.config)
         enable_tree_attention(model)
+        train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
 
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
