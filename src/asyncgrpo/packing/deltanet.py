@@ -17,11 +17,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from asyncgrpo.packing.recurrent import resolve_delta_rule_backend, tree_causal_conv1d, tree_gated_delta_rule
+
+if TYPE_CHECKING:
+    from asyncgrpo.packing.attention import TreeMask
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ DELTANET_CLASSES = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
 """Layer classes whose tree forward was checked against forwarding samples alone (transformers >= 5.15)."""
 
 _ORIGINAL_FORWARD = "_asyncgrpo_original_forward"
-_MASK_KWARG = "tree_mask"
+_MASK_KWARG = "tree_mask"  # the keyword the tree-attention hook adds (attention.py)
 
 
 def deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,7 +90,7 @@ def _forward(layer: torch.nn.Module, active_row: Callable[[], object | None], *a
     return tree_deltanet_forward(layer, hidden_states, mask)
 
 
-def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, tree_mask) -> torch.Tensor:
+def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, tree_mask: TreeMask) -> torch.Tensor:
     """The layer's forward over one packed row. hidden_states [1, T, hidden] -> [1, T, hidden]."""
     batch, num_tokens, _ = hidden_states.shape
     if batch != 1 or num_tokens != tree_mask.num_tokens:
