@@ -64,7 +64,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 3e-3)])
+# relative (norm) errors; a segment started from the wrong state is off by O(0.1 - 1). fla's fp32 path
+# multiplies in TF32, its bf16 path keeps intermediates in bf16.
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-2)])
 @pytest.mark.parametrize("key_heads,heads,dim", [(16, 16, 128), (2, 4, 64)])  # Qwen3.5-2B's; grouped values
 def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype, tol, key_heads, heads, dim):
     assert resolve_delta_rule_backend("auto", torch.device("cuda")) == "fla", "install fla-core (module docstring)"
