@@ -242,3 +242,8 @@ def test_a_hybrid_with_other_linear_layers_is_refused_by_name():
     config = CONFIG_MAPPING["qwen3"](layer_types=["full_attention", "linear_attention"], num_hidden_layers=2)
     with pytest.raises(ValueError, match="linear_attention"):
         check_supported(config)
+
+
+def test_an_unverified_vision_language_model_is_refused_naming_its_text_model():
+    with pytest.raises(ValueError, match="multimodal model that tree packing has not been verified.*'gemma3_text'"):
+        check_supported(CONFIG_MAPPING["gemma3"]())
