@@ -7,20 +7,28 @@ rows by `TokenBudgetBatcher` (one process) and trained three ways:
     padfree     padding-free packing without sharing: same attention path, each sample its own root
     padded      a padded batch of the same samples, plain transformers SDPA with an attention mask
 
+A Gated DeltaNet hybrid (`qwen3.5-*` shapes) adds
+
+    tree_torch  tree packing with the pure-PyTorch chunked delta rule, where `tree` takes fla-core's
+                Triton kernel when it is installed (CUDA), so the two compare the kernels
+
 Each step is forward (gradient checkpointing) + the chunked log-prob head of
 `asyncgrpo.train.logprobs` at the trained tokens + backward of an advantage-weighted surrogate.
-There is no optimizer step. Models are random-initialised Qwen3 shapes in bf16 (no hub).
+There is no optimizer step. Models are random-initialised Qwen3 / Qwen3.5 shapes in bf16 (no hub).
 
 MFU counts the FLOPs the layout must do, with no credit for recomputation or padding:
 6 * N_body * forwarded tokens + 6 * V * H * trained tokens (the LM head runs only there) +
-3 * 4 * layers * heads * head_dim * attended pairs, against 791 TFLOP/s (H200 dense bf16 as
-measured; pass --peak-tflops for other devices). The tree row's attended pairs are its own
-(`PackedRow.attention_pairs`); the other layouts attend sum(L (L + 1) / 2).
+3 * 4 * full-attention layers * heads * head_dim * attended pairs + on hybrids, per token, linear layer
+and value head, 6 * (C (2.5 K + 1.5 V) + 3 K V) for the chunked delta rule's multiply-adds (chunk
+C = 64), against 791 TFLOP/s (H200 dense bf16 as measured; pass --peak-tflops for other devices).
+The tree row's attended pairs are its own (`PackedRow.attention_pairs`); the other layouts attend
+sum(L (L + 1) / 2).
 
-    python bench/packing.py                       # CPU smoke run, tiny config (< 1 min)
+    python bench/packing.py                       # CPU smoke run, tiny configs (< 1 min)
     python bench/packing.py --device cuda         # Qwen3-0.6B and -1.7B shapes
+    python bench/packing.py --device cuda --models qwen3.5-2b --out bench/results/packing_hybrid_cuda.json
 
-Writes bench/results/packing_<device>.json.
+Writes bench/results/packing_<device>.json unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -45,15 +53,34 @@ SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
 }
+HYBRID_SHAPES = {  # Qwen3.5 text models: three Gated DeltaNet layers per full-attention layer
+    "qwen3.5-2b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+                       "linear_num_value_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                       "linear_conv_kernel_dim": 4, "vocab_size": 248320, "tie_word_embeddings": True},
+    "tiny-hybrid": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                        "vocab_size": 512, "tie_word_embeddings": True},
+}
+
+
+def make_config(shape):
+    """The transformers config of a shape: Qwen3 (`SHAPES`) or a Qwen3.5 hybrid (`HYBRID_SHAPES`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if shape in HYBRID_SHAPES:
+        return CONFIG_MAPPING["qwen3_5_text"](**HYBRID_SHAPES[shape], max_position_embeddings=65536,
+                                              attention_dropout=0.0)
+    return CONFIG_MAPPING["qwen3"](**SHAPES[shape], max_position_embeddings=8192, attention_dropout=0.0)
 
 
 def step_flops(config, n_body, tokens, trained, pairs):
     """FLOPs of forward + backward that a layout must do (module docstring): body, LM head at the trained
-    tokens, attention over the attended pairs -- the trainer's own FLOP model (`perf/*_mfu`)."""
+    tokens, attention over the attended pairs, a hybrid's delta rule: the trainer's FLOP model (`perf/*_mfu`)."""
     from asyncgrpo.train.flops import FlopModel
 
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    return FlopModel(n_body, config.vocab_size, config.hidden_size, attention).step_flops(tokens, trained, pairs)
+    return FlopModel.for_config(config, n_body).step_flops(tokens, trained, pairs)
 
 
 def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab):
@@ -90,9 +117,10 @@ class Layout:
         from asyncgrpo.packing.attention import TreeMask
 
         dev = self.device
-        if self.name in ("tree", "padfree"):
-            row = pack_row(samples, share_prefixes=self.name == "tree").to(dev)
-            return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": TreeMask.from_row(row),
+        if self.name in ("tree", "tree_torch", "padfree"):
+            row = pack_row(samples, share_prefixes=self.name != "padfree").to(dev)
+            mask = TreeMask.from_row(row, deltanet_backend="torch" if self.name == "tree_torch" else "auto")
+            return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": mask,
                         "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages, "tokens": row.num_tokens,
                         "pairs": row.attention_pairs, "trained": row.num_trained}
         length = max(s.num_tokens for s in samples)
@@ -166,9 +194,13 @@ def logprob_diff(model, samples, device):
 
 
 def bench_model(shape, args, device):
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=8192, attention_dropout=0.0)
+    from asyncgrpo.packing.recurrent import resolve_delta_rule_backend
+
+    config = make_config(shape)
+    hybrid = "linear_attention" in config.layer_types
+    layouts = ("tree", "tree_torch", "padfree", "padded") if hybrid else ("tree", "padfree", "padded")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
@@ -185,8 +217,10 @@ def bench_model(shape, args, device):
     if len(rows) < needed:
         raise ValueError(f"{len(rows)} rows < warmup + steps = {needed}: raise --groups")
     result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "rows": needed,
-              "samples_per_row": float(np.mean([len(r) for r in rows[:needed]]))}
-    for name in ("tree", "padfree", "padded"):
+              "samples_per_row": float(np.mean([len(r) for r in rows[:needed]])), "layouts": list(layouts)}
+    if hybrid:
+        result["tree_delta_rule"] = resolve_delta_rule_backend("auto", device)
+    for name in layouts:
         set_layout(model, name)
         layout = Layout(name, device)
         batches = [layout.prepare(r) for r in rows[:needed]]
@@ -225,6 +259,9 @@ def bench_model(shape, args, device):
     result["packing_ratio"] = raw / (result["tree"]["tokens_per_row"] * args.steps)
     result["speedup_vs_padfree"] = result["tree"]["trained_tokens_per_s"] / result["padfree"]["trained_tokens_per_s"]
     result["speedup_vs_padded"] = result["tree"]["trained_tokens_per_s"] / result["padded"]["trained_tokens_per_s"]
+    if hybrid:
+        result["speedup_vs_tree_torch"] = (result["tree"]["trained_tokens_per_s"]
+                                           / result["tree_torch"]["trained_tokens_per_s"])
     model.eval()
     result["logprob_max_abs_diff"] = logprob_diff(model, rows[0][: args.diff_samples], device)
     result["logprob_dtype"] = str(dtype).replace("torch.", "")
@@ -235,24 +272,28 @@ def bench_model(shape, args, device):
 
 
 def print_table(results):
-    print(f"{'model':<12} {'layout':<8} {'trained tok/s':>14} {'s/row':>8} {'tok/row':>8} {'TFLOP/s':>8} "
+    print(f"{'model':<12} {'layout':<10} {'trained tok/s':>14} {'s/row':>8} {'tok/row':>8} {'TFLOP/s':>8} "
           f"{'MFU':>6} {'peak GiB':>9}")
     for r in results:
-        for name in ("tree", "padfree", "padded"):
+        for name in r["layouts"]:
             e = r[name]
             mem = f"{e['peak_memory_gib']:.1f}" if e["peak_memory_gib"] is not None else "-"
-            print(f"{r['shape']:<12} {name:<8} {e['trained_tokens_per_s']:>14.0f} {e['fwd_bwd_s_per_row']:>8.3f} "
+            print(f"{r['shape']:<12} {name:<10} {e['trained_tokens_per_s']:>14.0f} {e['fwd_bwd_s_per_row']:>8.3f} "
                   f"{e['tokens_per_row']:>8.0f} {e['tflops']:>8.1f} {e['mfu']:>6.1%} {mem:>9}")
         print(f"{r['shape']:<12} packing ratio {r['packing_ratio']:.2f}, samples/row {r['samples_per_row']:.1f}, "
               f"speedup vs padding-free {r['speedup_vs_padfree']:.2f} ({r['speedup_vs_padfree'] / r['packing_ratio']:.2f}"
               f" x ratio), vs padded {r['speedup_vs_padded']:.2f}, {r['logprob_dtype']} log-prob max diff "
               f"{r['logprob_max_abs_diff']:.3g}")
+        if "tree_delta_rule" in r:
+            print(f"{r['shape']:<12} tree runs the {r['tree_delta_rule']} delta rule: "
+                  f"{r['speedup_vs_tree_torch']:.2f} x the PyTorch delta rule (tree_torch)")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The model shapes and the synthetic workload (shared with bench/fsdp_step.py); None = device default."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", nargs="+", default=None, help=f"from {sorted(SHAPES)}")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help=f"from {sorted(SHAPES)} (bench/packing.py also {sorted(HYBRID_SHAPES)})")
     parser.add_argument("--groups", type=int, default=None)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=None)
@@ -274,7 +315,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": 20 if gpu else 6,
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny", "tiny-hybrid"], "groups": 20 if gpu else 6,
                 "prompt_len": 512 if gpu else 64, "min_completion": 256 if gpu else 32,
                 "max_completion": 2048 if gpu else 192, "token_budget": 32768 if gpu else 1536,
                 "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}

@@ -46,3 +46,17 @@ def test_decode_step_profile_on_cpu(tmp_path):
     for engine in runs.values():
         assert engine["tokens"] == 3 * 6 and engine["decode_steps"] == 5
         assert {"schedule", "step", "record", "plan", "sample_launch", "to_host"} <= set(engine["host_ms"])
+
+
+def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
+    """The tree-packing benchmark on a tiny Gated DeltaNet hybrid: both delta rule paths, packed
+    log-probs equal to unpacked ones (float32 on CPU)."""
+    out = tmp_path / "packing.json"
+    _run("packing.py", "--device", "cpu", "--models", "tiny-hybrid", "--groups", "2", "--num-generations", "4",
+         "--prompt-len", "24", "--min-completion", "8", "--max-completion", "80", "--token-budget", "256",
+         "--warmup", "1", "--steps", "1", "--diff-samples", "4", "--out", str(out))
+    result = json.loads(out.read_text())["results"][0]
+    assert result["layouts"] == ["tree", "tree_torch", "padfree", "padded"]
+    assert result["tree_delta_rule"] == "torch"  # no fla kernel on CPU
+    assert result["tree"]["trained_tokens_per_s"] > 0 and result["speedup_vs_tree_torch"] > 0
+    assert result["packing_ratio"] > 1 and result["logprob_max_abs_diff"] < 1e-4

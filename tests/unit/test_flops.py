@@ -69,3 +69,15 @@ def test_mfu_is_the_steps_flops_over_the_peak_times_the_time_on_every_process():
     window = MetricsWindow()
     totals.record_into(window, {}, flop_model=model, peak_flops=None)
     assert "perf/fwd_bwd_mfu" not in window.reduce()
+
+
+def test_a_gated_deltanet_hybrid_counts_attention_on_its_full_layers_and_the_delta_rule_per_token():
+    config = CONFIG_MAPPING["qwen3_5_text"](
+        vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=4, num_attention_heads=HEADS,
+        num_key_value_heads=KV, head_dim=HD, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=16, layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                                "full_attention"])
+    flops = FlopModel.for_config(config, layer_params=1000)
+    assert flops.attention_per_pair == 12 * 1 * HEADS * HD
+    assert flops.recurrent_per_token == 3 * 4 * 6 * (64 * (2.5 * 8 + 1.5 * 16) + 3 * 8 * 16)
+    assert flops.step_flops(10, 0, 0) == (6 * 1000 + flops.recurrent_per_token) * 10

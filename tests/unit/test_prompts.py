@@ -48,6 +48,25 @@ def test_malformed_messages_are_rejected(prompt):
         check_prompt(prompt)
 
 
+@pytest.mark.parametrize(
+    "part,kind",
+    [({"type": "image"}, "image"), ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "image_url"),
+     ({"image": "cat.png"}, "image"), ({"type": "video", "video": "clip.mp4"}, "video"), (b"\x89PNG", "bytes")],
+)
+def test_image_content_is_refused_as_not_supported_yet(part, kind):
+    prompt = [{"role": "system", "content": "You look at pictures."},
+              {"role": "user", "content": [part, {"type": "text", "text": "What is in it?"}]}]
+    with pytest.raises(ValueError, match=rf"\[1\] holds .*{kind}.* content; images are not supported yet"):
+        validate_prompt_dataset([{"prompt": prompt}])
+    rows = [{"prompt": conv(0)}, {"prompt": prompt}]  # a later row is refused when the stream reaches it
+    with pytest.raises(ValueError, match=r"train_dataset\[1\]\['prompt'\]\[1\] holds"):
+        list(iter_prompts(rows, seed=0, shuffle=False, max_epochs=1))
+
+
+def test_text_parts_are_text():
+    check_prompt([{"role": "user", "content": [{"type": "text", "text": "2+2?"}, "and 3+3?"]}])
+
+
 def test_empty_dataset_and_reserved_columns_are_rejected():
     with pytest.raises(ValueError, match="empty"):
         validate_prompt_dataset([])

@@ -50,6 +50,17 @@ _EXTRA: dict[str, dict] = {
     "granite": {"logits_scaling": 4.0},  # the model divides its logits by this
     "cohere2": dict(_SLIDING, logit_scale=0.25),  # the model multiplies its logits by this
 }
+# Gated DeltaNet hybrids: one linear-attention and one full-attention layer (tests/unit/test_tree_deltanet.py
+# covers them in depth: float64, long segments, gradients, vision-language checkpoints)
+_DELTANET = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+             "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"]}
+_HYBRID_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+               "shared_expert_intermediate_size": 16}
+_EXTRA.update({
+    "qwen3_5_text": _DELTANET,
+    "qwen3_5_moe_text": {**_DELTANET, **_HYBRID_MOE},
+    "qwen3_next": {**_DELTANET, **_HYBRID_MOE, "decoder_sparse_step": 1, "mlp_only_layers": []},
+})
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
@@ -225,7 +236,7 @@ def test_block_mask_blocks_match_dense_rule(block_size, window):
 
 @pytest.mark.parametrize(
     "model_type,reason",
-    [("gpt_oss", "sinks"), ("qwen3_next", "Gated DeltaNet"), ("mamba", "recurrent"), ("bloom", "ALiBi"),
+    [("gpt_oss", "sinks"), ("kimi_linear", "linear-attention layers"), ("mamba", "recurrent"), ("bloom", "ALiBi"),
      ("llama4_text", "chunked attention"), ("t5", "encoder-decoder"), ("gpt2", "not been verified")],
 )
 def test_unsupported_architectures_are_refused_by_name(model_type, reason):

@@ -77,6 +77,33 @@ def check_prompt(prompt: Any, where: str = "prompt") -> None:
             raise ValueError(
                 f"{where}[{i}] is {message!r:.80}; each message must be a dict with 'role' and 'content' keys"
             )
+        media = _media_in(message["content"])
+        if media is not None:
+            raise ValueError(
+                f"{where}[{i}] holds {media} content; images are not supported yet: prompts must be text only "
+                f"(vision-language checkpoints train their text model on text-only prompts). Keep the text parts, "
+                f"e.g. {{'role': 'user', 'content': [{{'type': 'text', 'text': '...'}}]}}, or drop the rows with images"
+            )
+
+
+_MEDIA_PART_TYPES = ("image", "image_url", "input_image", "video", "video_url", "input_video")
+
+
+def _media_in(content: Any) -> str | None:
+    """What non-text a message's content holds ('image', 'video_url', ...), or None for text."""
+    if isinstance(content, str) or content is None or not isinstance(content, (list, tuple)):
+        return None
+    for part in content:
+        if isinstance(part, Mapping):
+            kind = part.get("type")
+            if kind in _MEDIA_PART_TYPES:
+                return str(kind)
+            keys = [key for key in _MEDIA_PART_TYPES if key in part]
+            if keys:
+                return keys[0]
+        elif not isinstance(part, str):
+            return f"non-text ({type(part).__name__})"
+    return None
 
 
 def _first_row(dataset: Any) -> dict[str, Any] | None:

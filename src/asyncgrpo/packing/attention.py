@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from asyncgrpo.packing.deltanet import disable_tree_deltanet, enable_tree_deltanet
 from asyncgrpo.packing.model_support import check_supported
+from asyncgrpo.packing.recurrent import DELTA_RULE_BACKENDS, RecurrentLayout
 from asyncgrpo.packing.tree import PackedRow
 
 logger = logging.getLogger(__name__)
@@ -59,25 +61,35 @@ _ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("
 
 @dataclass(eq=False)
 class TreeMask:
-    """The attention pattern of one packed row, on the device of the forward.
+    """The structure of one packed row as the model's layers see it, on the device of the forward.
 
     position_ids: [T] trie depth of each token; span_end: [T] exclusive end of the subtree of each
     token's segment. Masks are built lazily, once per sliding window, and cached on the object.
+    segment_parent / segment_start / segment_len: the row's segments ([S], `PackedRow`), which the
+    recurrent layers of hybrid models walk (`recurrent_layout`); deltanet_backend: their delta rule
+    kernel, "auto" (fla-core on CUDA where installed), "torch" or "fla".
     """
 
     position_ids: torch.Tensor
     span_end: torch.Tensor
     backend: str = "dense"
     block_size: int = 128
+    segment_parent: torch.Tensor | None = None
+    segment_start: torch.Tensor | None = None
+    segment_len: torch.Tensor | None = None
+    deltanet_backend: str = "auto"
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.backend not in ("flex", "dense"):
             raise ValueError(f"TreeMask.backend must be 'flex' or 'dense', got {self.backend!r}")
+        if self.deltanet_backend not in DELTA_RULE_BACKENDS:
+            raise ValueError(f"TreeMask.deltanet_backend must be one of {DELTA_RULE_BACKENDS}, "
+                             f"got {self.deltanet_backend!r}")
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
-                 block_size: int = 128, min_flex_tokens: int = 512) -> TreeMask:
+                 block_size: int = 128, min_flex_tokens: int = 512, deltanet_backend: str = "auto") -> TreeMask:
         """backend "auto": "flex" on CUDA for rows of at least `min_flex_tokens` tokens, else "dense".
         Short rows gain nothing from block sparsity, and compiled FlexAttention failed to lower for a
         102-token row on torch 2.11 / H200 (queries shorter than one block take its decoding path)."""
@@ -86,7 +98,19 @@ class TreeMask:
             backend = "flex" if device.type == "cuda" and row.num_tokens >= min_flex_tokens else "dense"
         span_end = row.segment_subtree_end[row.segment_ids]
         return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
-                   block_size=block_size)
+                   block_size=block_size, segment_parent=row.segment_parent, segment_start=row.segment_start,
+                   segment_len=row.segment_len, deltanet_backend=deltanet_backend)
+
+    def recurrent_layout(self, conv_width: int) -> RecurrentLayout:
+        """The index plan of the row's recurrent layers (`packing/recurrent.py`), cached per width."""
+        key = ("recurrent", conv_width)
+        if key not in self._cache:
+            if self.segment_parent is None:
+                raise ValueError("this TreeMask has no segments, which recurrent (Gated DeltaNet) layers need: "
+                                 "build it with TreeMask.from_row(row, device)")
+            self._cache[key] = RecurrentLayout.build(self.segment_parent, self.segment_start, self.segment_len,
+                                                     conv_width, self.position_ids.device)
+        return self._cache[key]
 
     @property
     def num_tokens(self) -> int:
@@ -269,7 +293,8 @@ def _pretrained_core(model: torch.nn.Module):
 
 
 def enable_tree_attention(model: torch.nn.Module) -> None:
-    """Switch a loaded model (or a PEFT wrapper of one) to tree attention, after `check_supported`."""
+    """Switch a loaded model (or a PEFT wrapper of one) to tree attention, after `check_supported`; the
+    Gated DeltaNet layers of a hybrid model get their tree-packed forward (`deltanet.py`)."""
     from transformers import AttentionInterface
 
     core = _pretrained_core(model)
@@ -287,14 +312,19 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and getattr(module, _HOOK_ATTR, None) is None:
             setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
+    text_config = core.config.get_text_config()
+    enable_tree_deltanet(model, expected=list(getattr(text_config, "layer_types", None) or ()).count(
+        "linear_attention"), active_row=_ACTIVE_MASK.get)
     logger.info("tree attention enabled for %s", type(core).__name__)
 
 
 def disable_tree_attention(model: torch.nn.Module, attn_implementation: str = "sdpa") -> None:
-    """Undo `enable_tree_attention`: remove the hook, switch to `attn_implementation`."""
+    """Undo `enable_tree_attention`: remove the hook, restore the Gated DeltaNet layers' own forwards, switch
+    to `attn_implementation`."""
     for module in model.modules():
         handle = getattr(module, _HOOK_ATTR, None)
         if handle is not None:
             handle.remove()
             setattr(module, _HOOK_ATTR, None)
+    disable_tree_deltanet(model)
     _pretrained_core(model).set_attn_implementation(attn_implementation)

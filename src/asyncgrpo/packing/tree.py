@@ -46,6 +46,7 @@ import torch
 __all__ = [
     "PackedRow",
     "Sample",
+    "concat_ranges",
     "pack_row",
     "sample_paths",
     "shared_prefix_len",
@@ -459,7 +460,7 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
                 off = sample.candidate_offsets
                 starts, sizes = off[t], off[t + 1] - off[t]
                 cand_sizes.append(sizes)
-                cand_ids.append(sample.candidate_ids[_ranges(starts, sizes)])
+                cand_ids.append(sample.candidate_ids[concat_ranges(starts, sizes)])
 
     def cat(parts, dtype):
         return torch.from_numpy(np.concatenate(parts).astype(dtype, copy=False))
@@ -506,7 +507,7 @@ def _completion_of_sample(samples) -> torch.Tensor:
                         dtype=torch.int64)
 
 
-def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+def concat_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """Concatenation of arange(start, start + size) for each pair, vectorised."""
     total = int(sizes.sum())
     if total == 0:

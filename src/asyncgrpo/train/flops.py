@@ -24,6 +24,8 @@ import torch
 
 __all__ = ["PEAK_TFLOPS", "FlopModel", "peak_flops"]
 
+DELTA_RULE_CHUNK = 64  # the chunk length of the chunked gated delta rule (fla-core and the PyTorch path)
+
 # Dense bf16/fp16 tensor-core TFLOP/s (no sparsity), by a substring of torch.cuda.get_device_name().
 # Checked in order: the first match wins.
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -64,14 +66,36 @@ class FlopModel:
     layer_params: int
     vocab_size: int
     hidden_size: int
-    attention_per_pair: int  # 12 * layers * heads * head_dim
+    attention_per_pair: int  # 12 * full-attention layers * heads * head_dim
+    recurrent_per_token: int = 0  # a hybrid's chunked gated delta rule, forward + backward
+
+    @classmethod
+    def for_config(cls, config, layer_params: int) -> FlopModel | None:
+        """The FLOP model of a (text) config whose decoder layers hold `layer_params` (active) parameters;
+        None where it does not apply (see the module docstring)."""
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        if set(layer_types) - {"full_attention", "linear_attention"}:
+            return None  # sliding-window or other mixing layers
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return None
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        recurrent = 0
+        if "linear_attention" in layer_types:
+            k, v = config.linear_key_head_dim, config.linear_value_head_dim
+            per_head = 6 * (DELTA_RULE_CHUNK * (2.5 * k + 1.5 * v) + 3 * k * v)
+            recurrent = int(layer_types.count("linear_attention") * config.linear_num_value_heads * per_head)
+        return cls(
+            layer_params=layer_params,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            attention_per_pair=12 * layer_types.count("full_attention") * config.num_attention_heads * head_dim,
+            recurrent_per_token=recurrent,
+        )
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FlopModel | None:
-        """The model's FLOP model, or None where it does not apply (see the module docstring)."""
+        """The FLOP model of a loaded model: its decoder-layer parameters counted (active experts only)."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        if not _all_layers_full_attention(config):
-            return None
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         top_k = getattr(config, "num_experts_per_tok", None)
         layer_params = 0
@@ -82,24 +106,12 @@ class FlopModel:
             if num_experts and top_k and ".experts." in name:
                 count = count * top_k // num_experts
             layer_params += count
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            layer_params=layer_params,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            attention_per_pair=12 * config.num_hidden_layers * config.num_attention_heads * head_dim,
-        )
+        return cls.for_config(config, layer_params)
 
     def step_flops(self, forwarded_tokens: int, trained_tokens: int, attention_pairs: int) -> float:
         """Forward + backward FLOPs of rows with these totals."""
         return float(
-            6 * self.layer_params * forwarded_tokens
+            (6 * self.layer_params + self.recurrent_per_token) * forwarded_tokens
             + 6 * self.vocab_size * self.hidden_size * trained_tokens
             + self.attention_per_pair * attention_pairs
         )
-
-
-def _all_layers_full_attention(config) -> bool:
-    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return False  # sliding-window, linear-attention or other mixing layers
-    return not (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))

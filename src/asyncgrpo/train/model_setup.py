@@ -4,6 +4,12 @@ The loss never asks the model for logits: `hidden_states_and_head` returns the t
 hidden states for the packed row and the LM head, and `asyncgrpo.train.logprobs` computes log-probs
 only at trained positions, chunk by chunk. `weights_for_server` yields what a weight sync sends (full
 tensors, merged adapters), gathering sharded parameters one by one.
+
+A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole, with the architecture its
+config declares (`AutoModelForImageTextToText`), so parameter names stay the checkpoint's
+(`model.language_model.layers.0...`), which is what vLLM's loader maps. Only its text model trains
+on text-only prompts: everything else (vision tower, projector) is frozen by `train_text_model_only`
+and left out of the weight sync, so the server keeps what it loaded from the checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +19,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from asyncgrpo.models import resolve_model_path
 from asyncgrpo.sync.packed import TensorMeta
@@ -24,11 +38,47 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:
-    """Load a causal LM from an id or path (bundled ids such as `asyncgrpo/tiny-chat` included)."""
+    """Load a model from an id or path (bundled ids such as `asyncgrpo/tiny-chat` included): a
+    vision-language checkpoint whole (`AutoModelForImageTextToText`), anything else as a causal LM."""
     kwargs = dict(init_kwargs or {})
     kwargs.setdefault("dtype", _DTYPES.get(kwargs.pop("torch_dtype", None) or dtype, dtype))
     kwargs.setdefault("trust_remote_code", trust_remote_code)
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(model_id), **kwargs)
+    path = resolve_model_path(model_id)
+    config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder")
+                     if key in kwargs}
+    auto_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path, **config_kwargs)) \
+        else AutoModelForCausalLM
+    return auto_class.from_pretrained(path, **kwargs)
+
+
+def is_vision_language(config: PreTrainedConfig) -> bool:
+    """Whether `config` declares a vision-language architecture (an image-text-to-text model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def train_text_model_only(model: PreTrainedModel) -> None:
+    """Freeze everything of a vision-language model outside its text model (decoder and LM head):
+    no gradients, no optimizer state (the Trainer's optimizer takes only `requires_grad` parameters).
+    A causal LM is left as it is."""
+    if not is_vision_language(model.config):
+        return
+    text = _text_parameter_ids(model)
+    frozen = 0
+    for param in model.parameters():
+        if id(param) not in text:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("%s is a vision-language model: training its text model only (%.1f%% of %d parameters frozen: vision "
+                "tower and projector, which the weight sync leaves out)", type(model).__name__,
+                100 * frozen / max(total, 1), total)
+
+
+def _text_parameter_ids(model: torch.nn.Module) -> set[int]:
+    body, head = decoder_and_head(model)
+    return {id(p) for module in (body, head) for p in module.parameters()}
 
 
 def load_tokenizer(model_id: str, *, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -129,11 +179,15 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
 
 def _server_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(checkpoint name, parameter) of every weight the server holds, in `named_parameters` order (tied
-    weights once). PEFT: adapter factors are skipped (they are merged into the base weights) and
-    wrapper names are mapped back to the checkpoint's."""
+    weights once); of a vision-language model, its text model's only. PEFT: adapter factors are
+    skipped (they are merged into the base weights) and wrapper names are mapped back to the
+    checkpoint's."""
     base = unwrap(model)
     is_peft = base is not model and hasattr(model, "merge_adapter")
+    text = _text_parameter_ids(base) if is_vision_language(base.config) else None
     for name, param in base.named_parameters():
+        if text is not None and id(param) not in text:
+            continue  # a vision-language model's vision tower and projector: frozen, the server keeps its own
         if is_peft:
             if "lora_" in name or ".original_module." in name:
                 continue  # adapter factors are merged; the trained copy replaces the original

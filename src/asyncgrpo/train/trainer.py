@@ -64,6 +64,7 @@ from asyncgrpo.train.model_setup import (
     logit_processing,
     router_aux_loss_coef,
     server_weight_metas,
+    train_text_model_only,
     weights_for_server,
 )
 from asyncgrpo.train.progress import TrainedPrompts
@@ -82,7 +83,8 @@ class AsyncGRPOTrainer(Trainer):
 
     Args:
         model: model id or path (bundled ids such as `asyncgrpo/tiny-chat` work offline), or a
-            `PreTrainedModel` (its attention is switched to the tree-attention backend).
+            `PreTrainedModel` (its attention is switched to the tree-attention backend). A
+            vision-language checkpoint is loaded whole and trains its text model only.
         reward_funcs: a reward function or a list of them (sync or `async def`, picklable).
         args: an `AsyncGRPOConfig`; default config when None.
         train_dataset: a conversational dataset with a `prompt` column; optional with a single
@@ -134,6 +136,7 @@ class AsyncGRPOTrainer(Trainer):
             raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
         check_supported(model.config)
         enable_tree_attention(model)
+        train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
         self._logit_processing = logit_processing(model.config)
         self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
         self._flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs

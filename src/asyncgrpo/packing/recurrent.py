@@ -1,0 +1,324 @@
+"""Recurrent token mixing on a tree-packed row: causal convolution and the chunked gated delta rule.
+
+A Gated DeltaNet layer mixes tokens twice: a causal depthwise convolution of width W over the
+projected q/k/v, then the gated delta rule, a linear recurrence whose state S (per head, K x V) is
+
+    S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T q_t
+
+(q and k l2-normalised, q scaled by K^-1/2). On a packed row both must follow the trie, not the
+row order (`tree.py`): segments are in depth-first order and a child attaches at the END of its
+parent, so
+
+- the convolution of a token reads the W - 1 tokens before it on its own root-to-token path: for
+  the first tokens of a segment those are the last tokens of its parent (and, when the parent is
+  shorter than W - 1, of its grandparents), never the row neighbour, which may be a sibling's
+  subtree or another sample. `RecurrentLayout.conv_index` builds a conv input in which every
+  segment is preceded by those path tokens (zeros above a root), so one plain causal convolution
+  over it is exact for every token;
+- the recurrence of a segment starts from its parent's FINAL state. Segments at the same depth of
+  the segment tree are independent given their parents, so the row runs level by level: level d
+  takes the final states of level d - 1 as initial states, one batched (or varlen) call per level.
+
+Everything here is pure: index plans from the row's segment arrays (numpy), and torch functions.
+`chunk_gated_delta_rule` is the pure-PyTorch chunked algorithm (the one transformers uses, with a
+batch of initial states); `tree_gated_delta_rule` runs it, or fla-core's Triton kernel, level by
+level.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.packing.tree import concat_ranges
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DELTA_RULE_BACKENDS",
+    "RecurrentLayout",
+    "SegmentLevel",
+    "chunk_gated_delta_rule",
+    "resolve_delta_rule_backend",
+    "tree_causal_conv1d",
+    "tree_gated_delta_rule",
+]
+
+DELTA_RULE_BACKENDS = ("auto", "torch", "fla")
+CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked delta rule
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentLevel:
+    """The segments of one depth of the segment tree (row order), as index tensors.
+
+    token_index: [N] packed index of the level's tokens, segment after segment.
+    cu_seqlens: [n + 1] int64 offsets of the n segments inside `token_index`.
+    padded_index: [n, L] packed index of each segment's tokens, padded with T (a zero row) to the
+        level's longest segment L.
+    padded_valid: [n, L] bool, False on the padding.
+    parent_slot: [n] position of each segment's parent in the previous level (None at level 0).
+    """
+
+    token_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    padded_index: torch.Tensor
+    padded_valid: torch.Tensor
+    parent_slot: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class RecurrentLayout:
+    """How recurrent layers walk one packed row of T tokens and S segments (tensors on one device).
+
+    conv_index: [T + S (W - 1)] packed index of each conv input entry: per segment, in row order,
+        the W - 1 tokens before its first token on its trie path (oldest first; T, a zero row,
+        where the path is shorter), then its own tokens.
+    conv_keep: [T] where each packed token sits in the conv input.
+    levels: the segment tree's depths, root segments first.
+    level_order_inverse: [T] position of each packed token in the concatenation of the levels'
+        `token_index` (it undoes the level order).
+    """
+
+    num_tokens: int
+    conv_width: int
+    conv_index: torch.Tensor
+    conv_keep: torch.Tensor
+    levels: tuple[SegmentLevel, ...]
+    level_order_inverse: torch.Tensor
+
+    @classmethod
+    def build(cls, segment_parent, segment_start, segment_len, conv_width: int,
+              device: torch.device | str | None = None) -> RecurrentLayout:
+        """From a row's segment arrays (`PackedRow.segment_parent/start/len`, any device)."""
+        parent = _numpy(segment_parent)
+        start = _numpy(segment_start)
+        length = _numpy(segment_len)
+        num_segments = parent.size
+        num_tokens = int(length.sum())
+        if conv_width < 1:
+            raise ValueError(f"conv_width must be >= 1, got {conv_width}")
+        if num_segments == 0 or np.any(parent >= np.arange(num_segments)):
+            raise ValueError("segments must be in depth-first order, each after its parent (see packing/tree.py)")
+        context = conv_width - 1
+        segment_of_token = np.repeat(np.arange(num_segments), length)
+        conv_keep = np.arange(num_tokens) + context * (segment_of_token + 1)
+        conv_index = np.full(num_tokens + num_segments * context, num_tokens, dtype=np.int64)
+        conv_index[conv_keep] = np.arange(num_tokens)
+        level = np.zeros(num_segments, dtype=np.int64)
+        for s in range(num_segments):
+            p = int(parent[s])
+            if p >= 0:
+                level[s] = level[p] + 1
+            if context:
+                before = _path_tail(s, context, parent, start, length)
+                base = int(start[s]) + context * s
+                conv_index[base + context - before.size: base + context] = before
+
+        levels, order, slot = [], [], np.zeros(num_segments, dtype=np.int64)
+        for depth in range(int(level.max()) + 1):
+            segments = np.flatnonzero(level == depth)
+            slot[segments] = np.arange(segments.size)
+            lens = length[segments]
+            token_index = concat_ranges(start[segments], lens)
+            cu = np.zeros(segments.size + 1, dtype=np.int64)
+            np.cumsum(lens, out=cu[1:])
+            steps = np.arange(int(lens.max()))
+            valid = steps[None, :] < lens[:, None]
+            padded = np.where(valid, start[segments, None] + steps[None, :], num_tokens)
+            parent_slot = slot[parent[segments]] if depth else None
+            order.append(token_index)
+            levels.append(SegmentLevel(
+                token_index=_tensor(token_index, device),
+                cu_seqlens=_tensor(cu, device),
+                padded_index=_tensor(padded, device),
+                padded_valid=torch.from_numpy(valid).to(device),
+                parent_slot=None if parent_slot is None else _tensor(parent_slot, device),
+            ))
+        inverse = np.empty(num_tokens, dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(num_tokens)
+        return cls(num_tokens=num_tokens, conv_width=conv_width, conv_index=_tensor(conv_index, device),
+                   conv_keep=_tensor(conv_keep, device), levels=tuple(levels),
+                   level_order_inverse=_tensor(inverse, device))
+
+
+def _numpy(values) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64)
+
+
+def _tensor(array: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+
+def _path_tail(segment: int, count: int, parent, start, length) -> np.ndarray:
+    """Packed indices of (at most) the `count` tokens before `segment` on its path, oldest first."""
+    pieces, need, p = [], count, int(parent[segment])
+    while need and p >= 0:
+        take = min(need, int(length[p]))
+        end = int(start[p] + length[p])
+        pieces.append(np.arange(end - take, end))
+        need -= take
+        p = int(parent[p])
+    return np.concatenate(pieces[::-1]) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: RecurrentLayout,
+                       activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal convolution of each token over its trie path. x [T, C], weight [C, W],
+    bias [C] or None; returns [T, C] in x's dtype (computed in weight's dtype, like transformers)."""
+    channels, width = weight.shape
+    if width != layout.conv_width:
+        raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has {width}")
+    padded = torch.cat([x, x.new_zeros(1, channels)])[layout.conv_index]  # [T + S (W - 1), C]
+    out = F.conv1d(padded.T[None].to(weight.dtype), weight[:, None, :], bias, padding=width - 1, groups=channels)
+    out = out[0, :, : padded.shape[0]].T[layout.conv_keep]
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported convolution activation {activation!r} (Gated DeltaNet layers use 'silu')")
+    return out.to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (transformers' and fla's l2norm)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                           chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in chunks (the recurrence of the module docstring), batched.
+
+    query/key [B, L, H, K] (already l2-normalised; query already scaled), value [B, L, H, V], g (log
+    decay, <= 0) and beta [B, L, H], initial_state [B, H, K, V] or None (zeros). Returns the output
+    [B, L, H, V] and the final state [B, H, K, V], both in float32 (float64 for float64 inputs).
+    Positions padded with k = v = beta = g = 0 leave the state unchanged, so a batch of sequences
+    padded at the end has exact final states.
+    """
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    batch, length, heads, _ = key.shape
+    pad = (-length) % chunk_size
+    q, k, v = (F.pad(x.transpose(1, 2).to(dtype), (0, 0, 0, pad)) for x in (query, key, value))
+    b, decay = (F.pad(x.transpose(1, 2).to(dtype), (0, pad)) for x in (beta, g))
+    num_chunks = (length + pad) // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(batch, heads, num_chunks, chunk_size, *x.shape[3:])
+
+    k_beta, v_beta = chunked(k * b[..., None]), chunked(v * b[..., None])
+    q, k = chunked(q), chunked(k)
+    cum = chunked(decay).cumsum(-1)  # log of the decay from the chunk start to each position
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    # WY form: (I + strictly_lower(beta k k^T * decay)) [u | w] = [beta v | beta k exp(cum)]
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * pair_decay
+    q_decayed = q * cum.exp()[..., None]
+    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = (torch.zeros(batch, heads, key.shape[-1], value.shape[-1], dtype=dtype, device=q.device)
+             if initial_state is None else initial_state.to(dtype))
+    outputs = []
+    for i in range(num_chunks):
+        delta = new_values[:, :, i] - state_keys[:, :, i] @ state
+        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ delta)
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ delta
+    out = torch.stack(outputs, dim=2).reshape(batch, heads, -1, value.shape[-1])[:, :, :length]
+    return out.transpose(1, 2), state
+
+
+def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
+    """"auto": fla-core's Triton kernel on CUDA where it imports, else the PyTorch path."""
+    if backend not in DELTA_RULE_BACKENDS:
+        raise ValueError(f"delta rule backend must be one of {DELTA_RULE_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return backend
+    if device.type != "cuda":
+        if backend == "fla":
+            raise ValueError("the 'fla' delta rule backend runs on CUDA only; use 'auto' or 'torch' on "
+                             f"{device.type}")
+        return "torch"
+    kernel, reason = _fla_kernel()
+    if kernel is None:
+        if backend == "fla":
+            raise ValueError(f"the 'fla' delta rule backend needs fla-core: {reason}")
+        _log_fallback_once(reason)
+        return "torch"
+    return "fla"
+
+
+@functools.cache
+def _fla_kernel():
+    """(fla's chunk_gated_delta_rule, None), or (None, why not)."""
+    if importlib.util.find_spec("fla") is None:
+        return None, "fla-core is not installed (pip install fla-core)"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except ImportError as err:  # installed without what it needs (Triton, a submodule): say why
+        return None, f"importing fla-core failed: {type(err).__name__}: {err}"
+    return kernel, None
+
+
+@functools.cache
+def _log_fallback_once(reason: str) -> None:
+    logger.warning("Gated DeltaNet layers run the pure-PyTorch chunked delta rule on CUDA (slower): %s", reason)
+
+
+def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, layout: RecurrentLayout, backend: str = "torch") -> torch.Tensor:
+    """The gated delta rule over a packed row, each segment starting from its parent's final state.
+
+    query/key [T, Hk, K] (raw: l2-normalised and scaled here), value [T, H, V] with H a multiple of
+    Hk (grouped value heads), g and beta [T, H]. backend "torch" or "fla" (a resolved backend).
+    Returns [T, H, V] in value's dtype.
+    """
+    heads = value.shape[1]
+    if key.shape[1] != heads:  # each q/k head serves H / Hk consecutive value heads
+        query, key = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (query, key))
+    if backend == "fla":
+        run_level = _fla_level
+    elif backend == "torch":
+        dtype = torch.promote_types(query.dtype, torch.float32)
+        query = l2_normalize(query.to(dtype)) * query.shape[-1] ** -0.5
+        key = l2_normalize(key.to(dtype))
+        run_level = _torch_level
+    else:
+        raise ValueError(f"tree_gated_delta_rule backend must be 'torch' or 'fla', got {backend!r}")
+    outputs, final_states = [], None
+    last = len(layout.levels) - 1
+    for depth, level in enumerate(layout.levels):
+        initial = None if level.parent_slot is None else final_states[level.parent_slot]
+        out, final_states = run_level(query, key, value, g, beta, level, initial, depth < last)
+        outputs.append(out)
+    return torch.cat(outputs)[layout.level_order_inverse].to(value.dtype)
+
+
+def _torch_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_final):
+    """One level as a padded batch [n, L]: the padding (zeros) leaves every final state exact."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[level.padded_index]
+
+    out, final = chunk_gated_delta_rule(gather(query), gather(key), gather(value), gather(g), gather(beta), initial)
+    return out[level.padded_valid], final
+
+
+def _fla_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_final):
+    """One level as varlen sequences in one fla kernel call (B = 1, cu_seqlens)."""
+    kernel, reason = _fla_kernel()
+    if kernel is None:
+        raise RuntimeError(f"the fla delta rule backend was chosen but fla-core cannot run: {reason}")
+    index = level.token_index
+    out, final = kernel(query[index][None], key[index][None], value[index][None], g[index][None], beta[index][None],
+                        initial_state=initial, output_final_state=keep_final, use_qk_l2norm_in_kernel=True,
+                        cu_seqlens=level.cu_seqlens)
+    return out[0], final
