@@ -17,7 +17,13 @@ import torch.nn.functional as F
 
 from asyncgrpo.packing import Sample, pack_row, sample_paths
 from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
-from asyncgrpo.packing.recurrent import RecurrentLayout, resolve_delta_rule_backend, tree_gated_delta_rule
+from asyncgrpo.packing.recurrent import (
+    RecurrentLayout,
+    _fla_kernel,
+    _fla_training_problem,
+    resolve_delta_rule_backend,
+    tree_gated_delta_rule,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -69,7 +75,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float32, 1e-2)])
 @pytest.mark.parametrize("key_heads,heads,dim", [(16, 16, 128), (2, 4, 64)])  # Qwen3.5-2B's; grouped values
 def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype, tol, key_heads, heads, dim):
-    assert resolve_delta_rule_backend("auto", torch.device("cuda")) == "fla", "install fla-core (module docstring)"
+    kernel, reason = _fla_kernel()
+    assert kernel is not None, f"install fla-core (module docstring): {reason}"
+    train = _fla_training_problem(torch.cuda.current_device()) is None
     row = pack_row(tree_samples(np.random.default_rng(0))).to("cuda")
     layout = RecurrentLayout.build(row.segment_parent, row.segment_start, row.segment_len, 4, "cuda")
     assert len(layout.levels) >= 3 and row.num_tokens > 4000
@@ -79,13 +87,14 @@ def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype,
     results = {}
     for backend in ("fla", "torch"):
         out = tree_gated_delta_rule(*inputs, layout, backend=backend)
-        grads = torch.autograd.grad((out.float() * weight).sum(), inputs)
+        grads = torch.autograd.grad((out.float() * weight).sum(), inputs) if train else None
         results[backend] = (out.detach(), grads)
     fla_out, fla_grads = results["fla"]
     torch_out, torch_grads = results["torch"]
     assert relative_error(fla_out, torch_out) < tol
-    for name, got, want in zip(("q", "k", "v", "g", "beta"), fla_grads, torch_grads):
-        assert relative_error(got, want) < 2 * tol, name
+    if train:
+        for name, got, want in zip(("q", "k", "v", "g", "beta"), fla_grads, torch_grads):
+            assert relative_error(got, want) < 2 * tol, name
 
     # each sample alone, plain varlen through the same kernel: the tree changes nothing on its path
     paths = sample_paths(row.to("cpu"))
@@ -94,6 +103,16 @@ def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype,
     alone_layout = RecurrentLayout.build(torch.full((len(paths),), -1), lengths[:-1], lengths.diff(), 4, "cuda")
     alone = tree_gated_delta_rule(*(x.detach()[index] for x in inputs), alone_layout, backend="fla")
     assert relative_error(fla_out[index], alone) < tol
+    if not train:
+        pytest.skip("forward checked; backward not: fla-core cannot train on this GPU "
+                    f"({_fla_training_problem(torch.cuda.current_device())})")
+
+
+def test_auto_backend_trains_with_fla_only_where_its_backward_runs():
+    """Where fla-core refuses the backward pass (Triton 3.4 to 3.7.0 on Hopper), "auto" takes the
+    PyTorch delta rule instead of failing in the first training step."""
+    problem = _fla_training_problem(torch.cuda.current_device())
+    assert resolve_delta_rule_backend("auto", torch.device("cuda")) == ("fla" if problem is None else "torch")
 
 
 def tiny_qwen35(hidden: int = 512):
@@ -125,8 +144,9 @@ def test_bf16_hybrid_model_fla_and_torch_paths_agree_with_unpacked():
     reference = torch.cat(reference)
 
     enable_tree_attention(model)
+    trainable = _fla_training_problem(torch.cuda.current_device()) is None
     results = {}
-    for backend in ("fla", "torch"):
+    for backend in ("torch", "fla") if trainable else ("torch",):
         model.zero_grad()
         with tree_attention_context(TreeMask.from_row(row, backend="dense", deltanet_backend=backend)):
             hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
@@ -137,6 +157,9 @@ def test_bf16_hybrid_model_fla_and_torch_paths_agree_with_unpacked():
         results[backend] = (lp.detach(), model.model.embed_tokens.weight.grad.float().clone(), a_log)
     for backend, (lp, _, _) in results.items():
         torch.testing.assert_close(lp, reference, atol=3e-2, rtol=0, msg=lambda m, b=backend: f"{b}: {m}")
+    if not trainable:
+        pytest.skip("the PyTorch path checked; fla-core cannot train on this GPU "
+                    f"({_fla_training_problem(torch.cuda.current_device())})")
     torch.testing.assert_close(results["fla"][0], results["torch"][0], atol=3e-2, rtol=0)
     for i in (1, 2):
         assert relative_error(results["fla"][i], results["torch"][i]) < 5e-2

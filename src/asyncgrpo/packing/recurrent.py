@@ -254,6 +254,11 @@ def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"the 'fla' delta rule backend needs fla-core: {reason}")
         _log_fallback_once(reason)
         return "torch"
+    if backend == "auto":
+        reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device())
+        if reason is not None:
+            _log_fallback_once(reason)
+            return "torch"
     return "fla"
 
 
@@ -267,6 +272,27 @@ def _fla_kernel():
     except ImportError as err:  # installed without what it needs (Triton, a submodule): say why
         return None, f"importing fla-core failed: {type(err).__name__}: {err}"
     return kernel, None
+
+
+@functools.cache
+def _fla_training_problem(device_index: int) -> str | None:
+    """Why fla-core's delta rule cannot train on this GPU, or None. fla refuses some Triton / GPU pairs
+    in the backward pass only (Triton 3.4 to 3.7.0 on Hopper miscompiles one of its kernels), so a
+    tiny forward + backward finds out once, before a training step would fail."""
+    kernel, _ = _fla_kernel()
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 80, 2, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, 80, 2, device=device, generator=gen)).requires_grad_()
+    beta = torch.rand(1, 80, 2, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    cu_seqlens = torch.tensor([0, 30, 80], device=device)
+    try:
+        out, _ = kernel(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        out.float().sum().backward()
+    except Exception as err:  # noqa: BLE001 - any failure means: use the PyTorch path, and say why
+        return f"fla-core's delta rule failed a forward + backward check on this GPU: {type(err).__name__}: {err}"
+    return None
 
 
 @functools.cache
