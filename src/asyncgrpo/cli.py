@@ -41,6 +41,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Return per-token candidate sets on the generate route, as vLLM's flag (requests then need "
         "temperature > 0 and top_k > 0).",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV of full blocks after a request ends and reuse it for requests with the same prefix "
+        "(a group's shared prompt, a conversation's history), as vLLM's flag (default: on; models with "
+        "recurrent layers are served without it).",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--parent-pid",

@@ -2,7 +2,8 @@
 
 Layout: per layer, K and V pools of shape [num_blocks, block_size, kv_heads, head_dim]. A sequence
 owns a list of blocks (its block table); token `p` of a sequence lives in block `table[p // bs]`,
-row `p % bs`. The allocator hands out and takes back whole blocks.
+row `p % bs`. `prefix_cache.BlockPool` hands out and takes back whole blocks (shared between
+sequences when they hold the same prefix).
 
 One forward pass serves every scheduled sequence: the runner flattens the step into a single row
 of T tokens (decode tokens first, one per running sequence, then the prompts being prefilled),
@@ -10,7 +11,10 @@ passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to th
 forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
 
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
-    prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal)
+    prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal);
+                  when some prompt starts after a cached prefix, every prefilled sequence attends
+                  over its whole context gathered from the paged cache (this step's keys are
+                  written there first), with a causal mask offset by its start
 
 The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
 `fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -29,27 +34,6 @@ from transformers import AttentionInterface
 from asyncgrpo.server.decode_attention import decode_attention
 
 ATTENTION_NAME = "asyncgrpo_paged"
-
-
-class BlockAllocator:
-    """Free list of KV blocks; plain Python, used by the scheduler only."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), f"asked for {n} blocks, {len(self._free)} free"
-        out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n :]
-        return out[::-1]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
 
 
 class PagedKVCache:
@@ -92,6 +76,9 @@ class AttentionMetadata:
     prefill_lens: list[int]  # host: new tokens of each prefilled sequence, in order
     pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
+    # set when some prefilled sequence starts after a cached prefix (None: prompts from token 0)
+    context_slots: torch.Tensor | None = None  # [Bp * Smax] int64 cache rows of each context, padded
+    context_mask: torch.Tensor | None = None  # [Bp, 1, Lmax, Smax] bool: key j visible to query i
 
 
 def build_metadata(
@@ -101,14 +88,21 @@ def build_metadata(
     decode_lens: Sequence[int],
     prefill_lens: list[int],
     device: torch.device,
+    prefill_starts: Sequence[int] | None = None,
+    prefill_tables: Sequence[Sequence[int]] | None = None,
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
-    (entries past a sequence's blocks are ignored through decode_lens)."""
-    block_tables = context_lens = pad_index = unpad_index = None
+    (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
+    each prefilled sequence's first new token (tokens before it are in the cache), with
+    prefill_tables its blocks; None: every prompt starts at 0."""
+    block_tables = context_lens = pad_index = unpad_index = context_slots = context_mask = None
     if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
         context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
-    if len(prefill_lens) > 1:
+    cached = prefill_starts is not None and any(prefill_starts)
+    if cached:
+        context_slots, context_mask = _context_layout(cache, prefill_lens, prefill_starts, prefill_tables, device)
+    if len(prefill_lens) > 1 or cached:
         lmax = max(prefill_lens)
         pad, unpad, start = [], [], 0
         for i, n in enumerate(prefill_lens):
@@ -127,7 +121,58 @@ def build_metadata(
         prefill_lens=list(prefill_lens),
         pad_index=pad_index,
         unpad_index=unpad_index,
+        context_slots=context_slots,
+        context_mask=context_mask,
     )
+
+
+def _context_layout(
+    cache: PagedKVCache,
+    prefill_lens: Sequence[int],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows of each prefilled sequence's whole context (positions 0 .. start + len - 1, padded
+    with the scratch block's first row) and the causal mask of its new tokens over that context."""
+    bs = cache.block_size
+    ctx = [s + n for s, n in zip(starts, prefill_lens)]
+    smax, lmax = max(ctx), max(prefill_lens)
+    slots = np.full((len(ctx), smax), cache.scratch_block * bs, dtype=np.int64)
+    for b, (n, table) in enumerate(zip(ctx, tables)):
+        p = np.arange(n)
+        slots[b, :n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+    # query i of sequence b sits at position start_b + i and sees keys 0 .. start_b + i; padded
+    # queries (i >= len_b) see a few padded keys too, which keeps their rows finite (then dropped)
+    query_pos = torch.as_tensor(starts, dtype=torch.int64)[:, None] + torch.arange(lmax)[None, :]
+    mask = torch.arange(smax)[None, None, :] <= query_pos[:, :, None]
+    return (
+        torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True),
+        mask[:, None].to(device, non_blocking=True),
+    )
+
+
+def _cached_prefill_attention(
+    q: torch.Tensor, layer: int, meta: AttentionMetadata, scaling: float
+) -> torch.Tensor:
+    """q [H, Tp, D] of the new tokens; keys/values of every context read back from the cache
+    (this step's already written). Returns [Tp, H, D]."""
+    h, _, d = q.shape
+    cache = meta.cache
+    bp, lmax = len(meta.prefill_lens), max(meta.prefill_lens)
+    smax = meta.context_mask.shape[-1]
+    flat = (-1, cache.num_kv_heads, cache.head_dim)
+
+    def context(pool: torch.Tensor) -> torch.Tensor:
+        rows = pool.view(flat).index_select(0, meta.context_slots)
+        return rows.view(bp, smax, cache.num_kv_heads, d).transpose(1, 2)
+
+    query = q.index_select(1, meta.pad_index).view(h, bp, lmax, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        query, context(cache.k[layer]), context(cache.v[layer]), attn_mask=meta.context_mask, scale=scaling,
+        enable_gqa=h != cache.num_kv_heads,
+    )
+    return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, meta.unpad_index)
 
 
 def _prefill_attention(
@@ -184,7 +229,9 @@ def paged_attention_forward(
         parts.append(decode_attention(
             q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale
         ))
-    if meta.prefill_lens:
+    if meta.context_mask is not None:
+        parts.append(_cached_prefill_attention(q[:, nd:], layer, meta, scale))
+    elif meta.prefill_lens:
         parts.append(_prefill_attention(q[:, nd:], k[:, nd:], v[:, nd:], meta, scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out[None], None

@@ -1,9 +1,10 @@
 """Model runner: one scheduled step -> one forward pass -> one sampled token per sequence.
 
-Builds the flat step (decode tokens first, then whole prompts to prefill), runs the Hugging Face
-model with the paged attention (`kv_cache.py`), keeps only the last position of each sequence for
-the LM head, applies the per-request logits processors and `sampling.sample`, and brings the
-results to the host in ONE transfer per step.
+Builds the flat step (decode tokens first, then the prompts to prefill, each from the end of its
+cached prefix: `Sequence.prefill_start`), runs the Hugging Face model with the paged attention
+(`kv_cache.py`), keeps only the last position of each sequence for the LM head, applies the
+per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
+transfer per step.
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
@@ -171,17 +172,19 @@ class ModelRunner:
         return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
     def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
-        """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
+        """Eager flat step: any mix of decode tokens and prompts. Returns logits [B, V]."""
         bs = self.cache.block_size
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
-        prefill_lens = []
+        prefill_lens, starts = [], []
         for s in prefill:
-            n = s.num_tokens
-            p = np.arange(n)
-            ids.append(np.asarray(s.all_tokens(), dtype=np.int64))
+            # tokens before prefill_start were found in the prefix cache: compute the rest only
+            n, start = s.num_tokens, s.prefill_start
+            p = np.arange(start, n)
+            ids.append(np.asarray(s.all_tokens()[start:], dtype=np.int64))
             pos.append(p)
             slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
-            prefill_lens.append(n)
+            prefill_lens.append(n - start)
+            starts.append(start)
         # non_blocking: a plain host->device copy would wait for all queued device work first
         flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
         flat = flat.to(self.device, non_blocking=True)
@@ -194,6 +197,8 @@ class ModelRunner:
             [] if dec is None else dec.context_lens,
             prefill_lens,
             self.device,
+            starts,
+            [s.blocks for s in prefill],
         )
         out = self.model(
             input_ids=flat[0][None],

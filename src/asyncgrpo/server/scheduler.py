@@ -10,6 +10,13 @@ full); when the pool runs dry the youngest running sequence is preempted (blocks
 to the front of `waiting`, it re-prefills prompt + generated tokens later). Then waiting sequences
 are admitted for prefill while there are blocks, sequence slots and token budget. Stop rules live in
 `Sequence.append`.
+
+Prefix caching (`prefix_cache.BlockPool`): an admitted sequence takes the longest cached prefix of
+its tokens (whole blocks, at most all tokens but the last, which must be computed to sample) and is
+prefilled from there (`Sequence.prefill_start`). Blocks are registered under their hash when the step
+that computes them is planned, so a sequence admitted later in the same step already shares them (a
+step writes every token's K/V before any attention reads the cache). Only sequences whose KV was all
+computed under the current weights (`cache_epoch`) register blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo.server.kv_cache import BlockAllocator
+from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,9 @@ class Sequence:
     masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
+    cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
+    prefill_start: int = 0  # tokens found in the prefix cache at admission (prefilled from there)
     row: int = -1  # row of the scheduler's block table while running
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -134,13 +144,13 @@ class Scheduler:
 
     def __init__(
         self,
-        allocator: BlockAllocator,
+        pool: BlockPool,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
-        self.allocator = allocator
+        self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -158,14 +168,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def kv_usage(self) -> float:
-        total = self.allocator.num_blocks
-        return (total - self.allocator.num_free) / total if total else 0.0
+        total = self.pool.num_blocks
+        return (total - self.pool.num_free) / total if total else 0.0
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.blocks)
+        self.pool.free(seq.blocks)
         seq.blocks = []
         if seq.row >= 0:
             self._free_rows.append(seq.row)
@@ -173,7 +183,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int) -> None:
         start = len(seq.blocks)
-        seq.blocks.extend(self.allocator.allocate(n))
+        seq.blocks.extend(self.pool.allocate(n))
         self.block_table[seq.row, start : len(seq.blocks)] = seq.blocks[start:]
 
     def preempt(self, seq: Sequence) -> None:
@@ -197,13 +207,40 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def reset_prefix_cache(self, reset_running: bool) -> tuple[bool, int]:
+        """vLLM's /reset_prefix_cache: (success, sequences preempted). Fails while sequences hold
+        blocks, unless reset_running preempts them first (they re-prefill later)."""
+        preempted = self.preempt_all() if reset_running else []
+        return self.pool.reset(), len(preempted)
+
+    def invalidate_prefix_cache(self) -> None:
+        """The weights changed: no block computed before now is found again or registered."""
+        self.pool.invalidate()
+
+    def _register(self, seq: Sequence, first_block: int, num_computed: int) -> None:
+        """Register seq's full blocks from `first_block` up to `num_computed` tokens (planned this step)."""
+        end = num_computed // self.block_size
+        if end <= first_block or seq.cache_epoch != self.pool.epoch or not self.pool.enable_caching:
+            return
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, end)
+        for i in range(first_block, end):
+            self.pool.register(seq.blocks[i], hashes[i])
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of seq's tokens, leaving at least its last token to compute."""
+        if not self.pool.enable_caching:
+            return []
+        usable = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable)
+        return self.pool.match(hashes[:usable])
+
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
         # 1. decode: one more slot for every running sequence (a new block for those whose last one
         # is full), preempting the youngest while the pool is short
         bs = self.block_size
         growing = [s for s in self.running if s.num_tokens > len(s.blocks) * bs]
-        while len(growing) > self.allocator.num_free:
+        while len(growing) > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
             preempted.append(victim)
@@ -212,6 +249,10 @@ class Scheduler:
         for s in growing:
             self._grow(s, self._blocks_for(s.num_tokens) - len(s.blocks))
         decode = list(self.running)
+        if self.pool.enable_caching:
+            for s in decode:  # this step computes token num_tokens - 1: its block fills at a boundary
+                if s.num_tokens % bs == 0:
+                    self._register(s, s.num_tokens // bs - 1, s.num_tokens)
         # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
         prefill: list[Sequence] = []
         budget = self.max_num_batched_tokens - len(decode)
@@ -220,13 +261,22 @@ class Scheduler:
             if preempted and seq in preempted:
                 break  # do not re-admit what this step just evicted
             n = seq.num_tokens
-            blocks = self._blocks_for(n)
-            if blocks > self.allocator.num_free or (prefill and n > budget):
+            hit = self._cached_prefix(seq)
+            new = n - len(hit) * bs
+            need = self._blocks_for(n) - len(hit)
+            if need + self.pool.num_evictable(hit) > self.pool.num_free or (prefill and new > budget):
                 break
             self.waiting.popleft()
+            self.pool.record_query(n, len(hit) * bs)
+            self.pool.touch(hit)
+            seq.blocks = list(hit)
             seq.row = self._free_rows.pop()
-            self._grow(seq, blocks)
+            self.block_table[seq.row, : len(hit)] = hit
+            self._grow(seq, need)
+            seq.prefill_start = len(hit) * bs
+            seq.cache_epoch = self.pool.epoch
+            self._register(seq, len(hit), n)
             self.running.append(seq)
             prefill.append(seq)
-            budget -= n
+            budget -= new
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
