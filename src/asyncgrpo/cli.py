@@ -28,7 +28,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU).",
+        help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU); longer "
+        "prompts are prefilled in chunks, mixed with the running decodes.",
     )
     p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
     p.add_argument(

@@ -2,7 +2,8 @@
 
 Two real server subprocesses share a random tiny Qwen3 (built here, no hub):
 - `main`: sampling masks on, room for 64 concurrent sequences;
-- `small`: max_model_len 64, a KV cache of 128 tokens (forces preemption), an API key, masks off.
+- `small`: max_model_len 64, a KV cache of 128 tokens (forces preemption), 16 tokens per step (prompts
+  are prefilled in chunks), an API key, masks off.
 Log-probs, top-K lists and candidate sets are checked against the Hugging Face model run directly
 on prompt + generated tokens with a plain per-position loop.
 
@@ -140,7 +141,8 @@ def main(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(model_dir, tmp_path_factory):
     server = Server(model_dir, tmp_path_factory.mktemp("logs") / "small.log", "--max-model-len", "64",
-                    "--kv-cache-tokens", "128", "--max-num-seqs", "8", "--api-key", "sekrit")
+                    "--kv-cache-tokens", "128", "--max-num-seqs", "8", "--api-key", "sekrit",
+                    "--max-num-batched-tokens", "16")
     yield server
     server.stop()
 

@@ -1,7 +1,8 @@
-"""Scheduler + model runner with prefix caching on, against the same work with it off (CPU, float32):
-the same seeds give the same tokens, and log-probs agree to float tolerance, for groups that share a
-prompt (admitted in one step, or after the first group ended), multi-turn prompts that extend an
-earlier request, preemption, and a weight change (which must drop every cached prefix)."""
+"""Scheduler + model runner with prefix caching on and chunked prefill, against the same work with
+caching off and whole prompts (CPU, float32): the same seeds give the same tokens, and log-probs agree
+to float tolerance, for groups that share a prompt (admitted in one step, or after the first group
+ended), multi-turn prompts that extend an earlier request, preemption, chunks of any size, and a
+weight change (which must drop every cached prefix)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def model():
 class Harness:
     """An engine without its thread: schedule, run, record, release finished sequences."""
 
-    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8) -> None:
+    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096) -> None:
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, torch.device("cpu"))
-        self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, 4096, MAX_LEN)
+        self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN)
         self.runner = ModelRunner(model, cache, torch.device("cpu"), VOCAB, self.sched.block_table)
         self.num_ids = 0
         self.num_preempted = 0
+        self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
 
     def run(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
         seqs = []
@@ -53,7 +55,9 @@ class Harness:
         while any(not s.finished for s in seqs):
             plan = self.sched.schedule()
             self.num_preempted += len(plan.preempted)
-            scheduled = plan.decode + plan.prefill
+            self.plans.append(([s.seq_id for s in plan.decode],
+                               [(s.seq_id, s.prefill_start, s.prefill_end) for s in plan.prefill]))
+            scheduled = plan.sampled
             self.runner.step(plan.decode, plan.prefill).record(scheduled, "v")
             for s in scheduled:
                 if s.finished:
@@ -138,10 +142,27 @@ def test_blocks_of_a_sequence_that_outlived_a_weight_change_are_never_cached(mod
     old = Sequence(100, "old", 0, prompt, SeqParams(**{**params.__dict__, "max_tokens": 40}), MAX_LEN)
     on.sched.add(old)
     plan = on.sched.schedule()
-    on.runner.step(plan.decode, plan.prefill).record(plan.prefill, "v")
+    on.runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
     on.sched.invalidate_prefix_cache()
     while not old.finished:
         plan = on.sched.schedule()
-        on.runner.step(plan.decode, plan.prefill).record(plan.decode, "v")
+        on.runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
     on.sched.remove(old)
     assert on.sched.pool.num_cached == 0
+
+
+@pytest.mark.parametrize("budget", [7, 16, 40])
+def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget):
+    long_prompt, short = _prompt(8, 120), _prompt(9, 10)
+    # a short request decodes while a long prompt, a second sample of it and an extension of it prefill
+    work = [(short, 1), (long_prompt, 2), (long_prompt, 3), (short + long_prompt, 4)]
+    chunked = Harness(model, caching=True, budget=budget)
+    _assert_same(chunked.run(work, max_tokens=20), Harness(model, caching=False).run(work, max_tokens=20))
+    chunks = [c for _, prefill in chunked.plans for c in prefill]
+    assert all(end - start <= budget for _, start, end in chunks)
+    assert sum(1 for seq_id, _, _ in chunks if seq_id == 1) > 1  # the long prompt took several steps
+    # the short request (id 0) got one token in every step from its first to its last, while the
+    # long prompts were prefilled in the same steps
+    decoding = [i for i, (decode, _) in enumerate(chunked.plans) if 0 in decode]
+    assert decoding == list(range(decoding[0], decoding[0] + 19))
+    assert sum(1 for i in decoding if chunked.plans[i][1]) >= min(len(decoding), 120 // budget)

@@ -45,7 +45,7 @@ def _params(seed: int, max_tokens: int) -> SeqParams:
 def _step(sched, runner) -> None:
     """One engine step: schedule, run, record the outputs, release finished sequences."""
     plan = sched.schedule()
-    scheduled = plan.decode + plan.prefill
+    scheduled = plan.sampled
     runner.step(plan.decode, plan.prefill).record(scheduled, "v")
     for s in scheduled:
         if s.finished:

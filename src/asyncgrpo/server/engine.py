@@ -255,24 +255,24 @@ class Engine:
         if plan.size == 0:
             self._notify()
             return
-        seqs = plan.decode + plan.prefill
+        seqs = plan.sampled
         try:
             out = self.runner.step(plan.decode, plan.prefill)
         except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
             msg = traceback.format_exc()
-            logger.error("forward pass failed; failing %d sequences:\n%s", len(seqs), msg)
+            logger.error("forward pass failed; failing %d sequences:\n%s", plan.size, msg)
             # blocks registered for this step may hold partial KV: nobody may find them again
             self.scheduler.invalidate_prefix_cache()
             events = []
-            for seq in seqs:
+            for seq in plan.decode + plan.prefill:
                 self.scheduler.remove(seq)
                 seq.error = "internal error in the forward pass; see the server log"
                 events.append((seq, len(seq.output), len(seq.output), True))
             self._deliver(events)
             return
         self.stats.num_steps += 1
-        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(seqs))
-        self.stats.prompt_tokens += sum(len(s.prompt) for s in plan.prefill if not s.output)
+        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
+        self.stats.prompt_tokens += sum(len(s.prompt) for s in seqs if not s.output)
         self.stats.generation_tokens += len(seqs)
         out.record(seqs, self.weight_version)
         events = []
@@ -300,6 +300,6 @@ def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> N
     try:
         while not seq.finished:
             plan = scheduler.schedule()
-            runner.step(plan.decode, plan.prefill).record([seq], "warm-up")
+            runner.step(plan.decode, plan.prefill).record(plan.sampled, "warm-up")
     finally:
         scheduler.remove(seq)

@@ -11,10 +11,10 @@ passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to th
 forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
 
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
-    prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal);
-                  when some prompt starts after a cached prefix, every prefilled sequence attends
-                  over its whole context gathered from the paged cache (this step's keys are
-                  written there first), with a causal mask offset by its start
+    prefill part  q of each prompt from token 0 attends causally over its own fresh keys (SDPA
+                  is_causal); chunks that continue after cached tokens (a cached prefix, earlier
+                  chunks) attend over their whole context read back from the cache
+                  (`context_attention.py`)
 
 The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
 `fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
@@ -26,11 +26,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from asyncgrpo.server.context_attention import (
+    ContinuedPrefill,
+    continued_attention,
+    continued_layout,
+    pad_indices,
+)
 from asyncgrpo.server.decode_attention import decode_attention
 
 ATTENTION_NAME = "asyncgrpo_paged"
@@ -73,12 +78,11 @@ class AttentionMetadata:
     num_decode: int  # host: the first num_decode tokens are decode tokens, one per sequence
     block_tables: torch.Tensor | None  # [Bd, nb] int64 blocks of the decode sequences (0-padded)
     context_lens: torch.Tensor | None  # [Bd] int64: cached tokens incl. the new one
-    prefill_lens: list[int]  # host: new tokens of each prefilled sequence, in order
+    prefill_lens: list[int]  # host: new tokens of each prompt prefilled from token 0, in order
     pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
-    # set when some prefilled sequence starts after a cached prefix (None: prompts from token 0)
-    context_slots: torch.Tensor | None = None  # [Bp * Smax] int64 cache rows of each context, padded
-    context_mask: torch.Tensor | None = None  # [Bp, 1, Lmax, Smax] bool: key j visible to query i
+    # chunks that continue after cached tokens, after the prompts from token 0 (None: there are none)
+    continued: ContinuedPrefill | None = None
 
 
 def build_metadata(
@@ -93,23 +97,25 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
     (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
-    each prefilled sequence's first new token (tokens before it are in the cache), with
-    prefill_tables its blocks; None: every prompt starts at 0."""
-    block_tables = context_lens = pad_index = unpad_index = context_slots = context_mask = None
+    each prefilled sequence's first new token (tokens before it are in the cache; those starting at
+    0 come first), with prefill_tables their blocks; None: every prompt starts at 0."""
+    block_tables = context_lens = pad_index = unpad_index = continued = None
     if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
         context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
-    cached = prefill_starts is not None and any(prefill_starts)
-    if cached:
-        context_slots, context_mask = _context_layout(cache, prefill_lens, prefill_starts, prefill_tables, device)
-    if len(prefill_lens) > 1 or cached:
-        lmax = max(prefill_lens)
-        pad, unpad, start = [], [], 0
-        for i, n in enumerate(prefill_lens):
-            pad.extend(range(start, start + n))
-            pad.extend([0] * (lmax - n))
-            unpad.extend(range(i * lmax, i * lmax + n))
-            start += n
+    prefill_lens = list(prefill_lens)
+    num_fresh = len(prefill_lens)
+    if prefill_starts is not None:
+        num_fresh = sum(1 for s in prefill_starts if s == 0)
+        assert not any(prefill_starts[:num_fresh]), "prompts from token 0 must come first"
+    if num_fresh < len(prefill_lens):
+        continued = continued_layout(
+            cache.block_size, cache.scratch_block * cache.block_size, prefill_lens[num_fresh:],
+            prefill_starts[num_fresh:], prefill_tables[num_fresh:], device,
+        )
+        prefill_lens = prefill_lens[:num_fresh]
+    if len(prefill_lens) > 1:
+        pad, unpad = pad_indices(prefill_lens)
         pad_index = torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True)
         unpad_index = torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True)
     return AttentionMetadata(
@@ -118,61 +124,11 @@ def build_metadata(
         num_decode=len(decode_lens),
         block_tables=block_tables,
         context_lens=context_lens,
-        prefill_lens=list(prefill_lens),
+        prefill_lens=prefill_lens,
         pad_index=pad_index,
         unpad_index=unpad_index,
-        context_slots=context_slots,
-        context_mask=context_mask,
+        continued=continued,
     )
-
-
-def _context_layout(
-    cache: PagedKVCache,
-    prefill_lens: Sequence[int],
-    starts: Sequence[int],
-    tables: Sequence[Sequence[int]],
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache rows of each prefilled sequence's whole context (positions 0 .. start + len - 1, padded
-    with the scratch block's first row) and the causal mask of its new tokens over that context."""
-    bs = cache.block_size
-    ctx = [s + n for s, n in zip(starts, prefill_lens)]
-    smax, lmax = max(ctx), max(prefill_lens)
-    slots = np.full((len(ctx), smax), cache.scratch_block * bs, dtype=np.int64)
-    for b, (n, table) in enumerate(zip(ctx, tables)):
-        p = np.arange(n)
-        slots[b, :n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
-    # query i of sequence b sits at position start_b + i and sees keys 0 .. start_b + i; padded
-    # queries (i >= len_b) see a few padded keys too, which keeps their rows finite (then dropped)
-    query_pos = torch.as_tensor(starts, dtype=torch.int64)[:, None] + torch.arange(lmax)[None, :]
-    mask = torch.arange(smax)[None, None, :] <= query_pos[:, :, None]
-    return (
-        torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True),
-        mask[:, None].to(device, non_blocking=True),
-    )
-
-
-def _cached_prefill_attention(
-    q: torch.Tensor, layer: int, meta: AttentionMetadata, scaling: float
-) -> torch.Tensor:
-    """q [H, Tp, D] of the new tokens; keys/values of every context read back from the cache
-    (this step's already written). Returns [Tp, H, D]."""
-    h, _, d = q.shape
-    cache = meta.cache
-    bp, lmax = len(meta.prefill_lens), max(meta.prefill_lens)
-    smax = meta.context_mask.shape[-1]
-    flat = (-1, cache.num_kv_heads, cache.head_dim)
-
-    def context(pool: torch.Tensor) -> torch.Tensor:
-        rows = pool.view(flat).index_select(0, meta.context_slots)
-        return rows.view(bp, smax, cache.num_kv_heads, d).transpose(1, 2)
-
-    query = q.index_select(1, meta.pad_index).view(h, bp, lmax, d).transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        query, context(cache.k[layer]), context(cache.v[layer]), attn_mask=meta.context_mask, scale=scaling,
-        enable_gqa=h != cache.num_kv_heads,
-    )
-    return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, meta.unpad_index)
 
 
 def _prefill_attention(
@@ -229,10 +185,11 @@ def paged_attention_forward(
         parts.append(decode_attention(
             q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale
         ))
-    if meta.context_mask is not None:
-        parts.append(_cached_prefill_attention(q[:, nd:], layer, meta, scale))
-    elif meta.prefill_lens:
-        parts.append(_prefill_attention(q[:, nd:], k[:, nd:], v[:, nd:], meta, scale))
+    nf = nd + sum(meta.prefill_lens)
+    if meta.prefill_lens:
+        parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale))
+    if meta.continued is not None:
+        parts.append(continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out[None], None
 

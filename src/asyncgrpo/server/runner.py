@@ -1,8 +1,8 @@
 """Model runner: one scheduled step -> one forward pass -> one sampled token per sequence.
 
-Builds the flat step (decode tokens first, then the prompts to prefill, each from the end of its
-cached prefix: `Sequence.prefill_start`), runs the Hugging Face model with the paged attention
-(`kv_cache.py`), keeps only the last position of each sequence for the LM head, applies the
+Builds the flat step (decode tokens first, then the chunks of prompts to prefill, each after what
+the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model with the paged
+attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
 per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
 transfer per step.
 
@@ -146,17 +146,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
-        """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
+        """Run one forward pass over `decode` + `prefill` (in that order) and sample for decode and
+        the prefills whose chunk reaches their last token (the scheduler's `StepPlan.sampled`)."""
         if prefill:
-            self.params.admit(prefill)
-        seqs = decode + prefill
+            self.params.admit(prefill)  # again at every chunk: cheap, and rows never change mid-prompt
+        done = [s for s in prefill if s.prefill_end == s.num_tokens]
+        seqs = decode + done
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         dec = None
         if decode:
             nd = len(decode)
-            last = np.fromiter((s.output[-1] for s in decode), dtype=np.int64, count=nd)
+            # last_token: a prompt whose last chunk stopped one token short computes it as a decode
+            last = np.fromiter((s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
+        if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
+            self._forward(dec, prefill)
+            return StepOutput([], [], [], None, None, None)
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
         if prefill or self.graphs is None:
@@ -177,19 +183,21 @@ class ModelRunner:
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
         prefill_lens, starts = [], []
         for s in prefill:
-            # tokens before prefill_start were found in the prefix cache: compute the rest only
-            n, start = s.num_tokens, s.prefill_start
-            p = np.arange(start, n)
-            ids.append(np.asarray(s.all_tokens()[start:], dtype=np.int64))
+            # tokens before prefill_start are in the cache (a cached prefix or earlier chunks)
+            start, end = s.prefill_start, s.prefill_end
+            p = np.arange(start, end)
+            ids.append(np.asarray(s.all_tokens()[start:end], dtype=np.int64))
             pos.append(p)
             slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
-            prefill_lens.append(n - start)
+            prefill_lens.append(end - start)
             starts.append(start)
         # non_blocking: a plain host->device copy would wait for all queued device work first
         flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
         flat = flat.to(self.device, non_blocking=True)
         num_decode = 0 if dec is None else len(dec.token_ids)
-        last = np.concatenate([np.arange(num_decode), num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1])
+        ends = num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1
+        sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
+        last = np.concatenate([np.arange(num_decode), ends[sampled]])
         meta = build_metadata(
             self.cache,
             np.concatenate(slots),

@@ -5,18 +5,27 @@ State (touched only by the engine thread):
     waiting  deque  FCFS; new sequences and preempted ones (at the front, re-prefilled later)
     running  list   sequences with their KV in the cache, in admission order (youngest last)
 
-Each step: every running sequence decodes one token (a new block is taken when its last one is
-full); when the pool runs dry the youngest running sequence is preempted (blocks freed, pushed back
-to the front of `waiting`, it re-prefills prompt + generated tokens later). Then waiting sequences
-are admitted for prefill while there are blocks, sequence slots and token budget. Stop rules live in
-`Sequence.append`.
+Each step spends at most `max_num_batched_tokens` tokens:
+
+    1. decode    every running sequence whose prompt is in the cache computes one token (a new block
+                 is taken when its last one is full); when the pool runs dry the youngest running
+                 sequence is preempted (blocks freed, pushed back to the front of `waiting`, it
+                 re-prefills prompt + generated tokens later)
+    2. chunks    running sequences still prefilling (oldest first) compute their next chunk
+    3. admit     waiting sequences enter while there are blocks, sequence slots and budget; a prompt
+                 longer than what is left of the budget is prefilled in chunks over the next steps
+                 (chunked prefill: one long prompt never stalls the running decodes)
+
+A sequence's state is `num_computed`, the tokens whose KV the planned steps put in the cache; a
+prefill entry of a step computes tokens [prefill_start, prefill_end) and samples only when that
+reaches the last token (`StepPlan.sampled`). Stop rules live in `Sequence.append`.
 
 Prefix caching (`prefix_cache.BlockPool`): an admitted sequence takes the longest cached prefix of
 its tokens (whole blocks, at most all tokens but the last, which must be computed to sample) and is
-prefilled from there (`Sequence.prefill_start`). Blocks are registered under their hash when the step
-that computes them is planned, so a sequence admitted later in the same step already shares them (a
-step writes every token's K/V before any attention reads the cache). Only sequences whose KV was all
-computed under the current weights (`cache_epoch`) register blocks.
+prefilled from there. Blocks are registered under their hash when the step that computes them is
+planned, so a sequence admitted later in the same step already shares them (a step writes every
+token's K/V before any attention reads the cache). Only sequences whose KV was all computed under
+the current weights (`cache_epoch`) register blocks.
 """
 
 from __future__ import annotations
@@ -77,7 +86,9 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
     cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
-    prefill_start: int = 0  # tokens found in the prefix cache at admission (prefilled from there)
+    num_computed: int = 0  # tokens whose KV is in the cache once the planned steps ran
+    prefill_start: int = 0  # while prefilling: this step computes tokens [prefill_start, prefill_end)
+    prefill_end: int = 0
     row: int = -1  # row of the scheduler's block table while running
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -130,9 +141,13 @@ class Sequence:
 
 @dataclass
 class StepPlan:
+    """One step: `decode` sequences compute one token each, `prefill` ones a chunk of their prompt
+    (those starting at token 0 first); `sampled` = decode + the prefills that reach their last token."""
+
     decode: list[Sequence]
     prefill: list[Sequence]
     preempted: list[Sequence]
+    sampled: list[Sequence] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -190,6 +205,7 @@ class Scheduler:
         """Free a running sequence's KV and queue it (first) for a fresh prefill."""
         self.running.remove(seq)
         self._release(seq)
+        seq.num_computed = 0
         self.waiting.appendleft(seq)
 
     def preempt_all(self) -> list[Sequence]:
@@ -234,10 +250,19 @@ class Scheduler:
         hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable)
         return self.pool.match(hashes[:usable])
 
+    def _plan_chunk(self, seq: Sequence, budget: int) -> int:
+        """Plan seq's next prefill chunk within `budget` tokens (> 0); returns its size."""
+        start = seq.num_computed
+        end = min(seq.num_tokens, start + budget)
+        seq.prefill_start, seq.prefill_end = start, end
+        self._register(seq, start // self.block_size, end)
+        seq.num_computed = end
+        return end - start
+
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
-        # 1. decode: one more slot for every running sequence (a new block for those whose last one
-        # is full), preempting the youngest while the pool is short
+        # 1. decode: one more slot for every running sequence past its prompt (a new block for those
+        # whose last one is full), preempting the youngest while the pool is short
         bs = self.block_size
         growing = [s for s in self.running if s.num_tokens > len(s.blocks) * bs]
         while len(growing) > self.pool.num_free:
@@ -248,35 +273,41 @@ class Scheduler:
                 growing.pop()
         for s in growing:
             self._grow(s, self._blocks_for(s.num_tokens) - len(s.blocks))
-        decode = list(self.running)
-        if self.pool.enable_caching:
-            for s in decode:  # this step computes token num_tokens - 1: its block fills at a boundary
-                if s.num_tokens % bs == 0:
-                    self._register(s, s.num_tokens // bs - 1, s.num_tokens)
-        # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
-        prefill: list[Sequence] = []
+        decode = [s for s in self.running if s.num_computed == s.num_tokens - 1]
+        for s in decode:
+            s.num_computed = s.num_tokens
+            if s.num_tokens % bs == 0:  # this step computes token num_tokens - 1, the last of its block
+                self._register(s, s.num_tokens // bs - 1, s.num_tokens)
         budget = self.max_num_batched_tokens - len(decode)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # 2. chunks of the prompts still being prefilled, oldest first
+        prefill: list[Sequence] = []
+        for s in self.running:
+            if budget <= 0:
+                break
+            if s.num_computed < s.num_tokens:  # not decoding: a prompt whose chunks are not done
+                budget -= self._plan_chunk(s, budget)
+                prefill.append(s)
+        # 3. admit FCFS while slots, blocks and the token budget allow
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if preempted and seq in preempted:
                 break  # do not re-admit what this step just evicted
-            n = seq.num_tokens
             hit = self._cached_prefix(seq)
-            new = n - len(hit) * bs
-            need = self._blocks_for(n) - len(hit)
-            if need + self.pool.num_evictable(hit) > self.pool.num_free or (prefill and new > budget):
+            need = self._blocks_for(seq.num_tokens) - len(hit)
+            if need + self.pool.num_evictable(hit) > self.pool.num_free:
                 break
             self.waiting.popleft()
-            self.pool.record_query(n, len(hit) * bs)
+            self.pool.record_query(seq.num_tokens, len(hit) * bs)
             self.pool.touch(hit)
             seq.blocks = list(hit)
             seq.row = self._free_rows.pop()
             self.block_table[seq.row, : len(hit)] = hit
             self._grow(seq, need)
-            seq.prefill_start = len(hit) * bs
+            seq.num_computed = len(hit) * bs
             seq.cache_epoch = self.pool.epoch
-            self._register(seq, len(hit), n)
+            budget -= self._plan_chunk(seq, budget)
             self.running.append(seq)
             prefill.append(seq)
-            budget -= new
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
+        prefill.sort(key=lambda s: s.prefill_start > 0)  # the attention takes prompts from token 0 first
+        sampled = decode + [s for s in prefill if s.prefill_end == s.num_tokens]
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, sampled=sampled)
