@@ -91,7 +91,7 @@ def generate(scheduler: Scheduler, runner: ModelRunner, prompts, params: SeqPara
             last = [np.array(x) for x in zip(*((s.row, s.num_tokens, s.output[-1]) for s in plan.decode))]
         out = runner.step(plan.decode, plan.prefill)
         t2 = time.perf_counter()
-        stepped = plan.decode + plan.prefill
+        stepped = plan.sampled
         out.record(stepped, "v")
         for s in stepped:
             if s.finished:
