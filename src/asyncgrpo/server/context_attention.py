@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from asyncgrpo.server.attention_math import attend, in_window
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ContinuedPrefill:
     mask: torch.Tensor  # [B, 1, Lmax, Smax] bool: key j visible to query i
     pad_index: torch.Tensor  # [B * Lmax] int64 into this part's tokens (0 where padding)
     unpad_index: torch.Tensor  # [T] int64 into the padded [B * Lmax] layout
+    query_pos: torch.Tensor  # [B, Lmax] int64 position of each (padded) query
 
     @property
     def num_tokens(self) -> int:
@@ -74,14 +76,21 @@ def continued_layout(
         mask=mask[:, None].to(device, non_blocking=True),
         pad_index=torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True),
         unpad_index=torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True),
+        query_pos=query_pos.to(device, non_blocking=True),
     )
 
 
 def continued_attention(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, part: ContinuedPrefill, scaling: float
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    part: ContinuedPrefill,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [H, T, D] of the continued chunks; pools [num_blocks, block_size, kv_heads, D] of one layer
-    (this step's keys already written). Returns [T, H, D]."""
+    (this step's keys already written); the layer's sliding window and soft-cap. Returns [T, H, D]."""
     h, _, d = q.shape
     kvh = k_pool.shape[2]
     b, lmax = len(part.lens), max(part.lens)
@@ -91,8 +100,10 @@ def continued_attention(
         rows = pool.view(-1, kvh, d).index_select(0, part.context_slots)
         return rows.view(b, smax, kvh, d).transpose(1, 2)
 
+    mask = part.mask
+    if window is not None:
+        key_pos = torch.arange(smax, device=q.device)
+        mask = mask & in_window(part.query_pos[:, None, :, None], key_pos, window)
     query = q.index_select(1, part.pad_index).view(h, b, lmax, d).transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        query, context(k_pool), context(v_pool), attn_mask=part.mask, scale=scaling, enable_gqa=h != kvh
-    )
+    out = attend(query, context(k_pool), context(v_pool), mask, scaling, softcap)
     return out.transpose(1, 2).reshape(b * lmax, h, d).index_select(0, part.unpad_index)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from asyncgrpo.server.attention_math import attend, in_window
 from asyncgrpo.server.context_attention import (
     ContinuedPrefill,
     continued_attention,
@@ -132,15 +133,24 @@ def build_metadata(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [H, Tp, D], k/v [KVH, Tp, D] of whole prompts -> [Tp, H, D] (causal within each prompt)."""
+    """q [H, Tp, D], k/v [KVH, Tp, D] of prompts from token 0 -> [Tp, H, D] (causal within each
+    prompt, and within the layer's sliding window)."""
     h, _, d = q.shape
     gqa = h != k.shape[0]
+    plain = window is None and not softcap
     if len(meta.prefill_lens) == 1:
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=gqa
-        )
+        if plain:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            out = attend(q[None], k[None], v[None], _causal(q.shape[1], window, q.device), scaling, softcap)
         return out[0].transpose(0, 1)
     bp, lmax = len(meta.prefill_lens), max(meta.prefill_lens)
 
@@ -148,8 +158,17 @@ def _prefill_attention(
         return x.index_select(1, meta.pad_index).view(x.shape[0], bp, lmax, d).transpose(0, 1)
 
     # padding sits after each prompt, so the causal mask alone keeps real queries off it
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scaling, enable_gqa=gqa)
+    if plain:
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        out = attend(pad(q), pad(k), pad(v), _causal(lmax, window, q.device), scaling, softcap)
     return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, meta.unpad_index)
+
+
+def _causal(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: query i sees keys j <= i inside its window."""
+    pos = torch.arange(n, device=device)
+    return (pos[None, :] <= pos[:, None]) & in_window(pos[:, None], pos[None, :], window)
 
 
 def paged_attention_forward(
@@ -180,16 +199,21 @@ def paged_attention_forward(
         cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.transpose(0, 1))
     nd = meta.num_decode
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # per layer, from the model's attention module (Mistral, Qwen2, Gemma 2/3, Cohere2, ...)
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     parts = []
     if nd:
         parts.append(decode_attention(
-            q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale
+            q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale,
+            window, softcap,
         ))
     nf = nd + sum(meta.prefill_lens)
     if meta.prefill_lens:
-        parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale))
+        parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale, window, softcap))
     if meta.continued is not None:
-        parts.append(continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale))
+        parts.append(
+            continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale, window, softcap)
+        )
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out[None], None
 
