@@ -42,8 +42,9 @@ from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, w
 from asyncgrpo.server import decode_attention as attention
 from asyncgrpo.server import fused_layers, kv_cache
 from asyncgrpo.server.decode_graphs import DecodeGraphs
-from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
+from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device
+from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampling import sample
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
@@ -90,7 +91,7 @@ def generate(scheduler: Scheduler, runner: ModelRunner, prompts, params: SeqPara
             last = [np.array(x) for x in zip(*((s.row, s.num_tokens, s.output[-1]) for s in plan.decode))]
         out = runner.step(plan.decode, plan.prefill)
         t2 = time.perf_counter()
-        stepped = plan.decode + plan.prefill
+        stepped = plan.sampled
         out.record(stepped, "v")
         for s in stepped:
             if s.finished:
@@ -147,7 +148,7 @@ def run_engine(served, args, prompts, impl: str) -> dict:
     max_len = args.prompt_len + args.max_tokens + 16
     cache = PagedKVCache(served.num_layers, len(prompts) * max_len // BLOCK_SIZE, BLOCK_SIZE,
                          served.num_kv_heads, served.head_dim, served.dtype, served.device)
-    scheduler = Scheduler(BlockAllocator(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
+    scheduler = Scheduler(BlockPool(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
     cuda = served.device.type == "cuda"
     graphs = DecodeGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda,
                           served.vocab_size)

@@ -15,8 +15,26 @@ baselines then return scores and take the top K of their log-softmax).
     python bench/serve_throughput.py --random-qwen3 0.6b --device cuda --logprobs 8 \
         --prompt-len 128 --max-tokens 256 --model-dir /tmp/qwen3-0.6b-random [--vllm-url URL]
 
+Request shapes, as the trainer sends them (every request its own seed):
+
+    distinct     C different prompts (the default)
+    groups       `--group-size G`: C / G prompts, each sent G times (GRPO's num_generations); a server
+                 with prefix caching computes each prompt once
+    multi-turn   `--turns T`: C conversations; turn t+1 sends turn t's prompt + its completion +
+                 `--turn-tokens` new tokens (a tool result or user message), as agent rollouts do;
+                 tokens/s count every turn's completion (the transformers baselines are skipped)
+
+The warm-up wave of a level uses other prompts than the timed one (and the same shape), so that no
+server finds the timed prompts in its prefix cache.
+
 `--model-dir` keeps the random model so that vLLM can serve the same weights
 (`--build-only` writes it and exits). Writes bench/results/serve_throughput_<device>.json.
+
+    # the issue's rows: 8 samples of 32 2048-token prompts; a 4-turn conversation
+    python bench/serve_throughput.py --random-qwen3 8b --device cuda --logprobs 8 --concurrency 256 \
+        --prompt-len 2048 --group-size 8 --vllm-url URL
+    python bench/serve_throughput.py --random-qwen3 0.6b --device cuda --logprobs 8 --concurrency 64 \
+        --prompt-len 512 --turns 4 --turn-tokens 64 --vllm-url URL
 """
 
 from __future__ import annotations
@@ -38,6 +56,8 @@ import torch
 SHAPES = {
     "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
 }
@@ -54,19 +74,27 @@ def build_random_qwen3(shape: str, path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
     torch.manual_seed(0)
-    config = Qwen3Config(**cfg, max_position_embeddings=4096, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
+    config = Qwen3Config(**cfg, max_position_embeddings=40960, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     fast.save_pretrained(path)
     GenerationConfig(eos_token_id=0, pad_token_id=0).save_pretrained(path)
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0, group_size: int = 1) -> list[list[int]]:
+    """n prompts of `length` random tokens: n / group_size distinct ones, each repeated group_size
+    times in a row (a GRPO group)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n, length), generator=g).tolist()
+    distinct = torch.randint(2, vocab, (-(-n // group_size), length), generator=g).tolist()
+    return [p for p in distinct for _ in range(group_size)][:n]
 
 
-async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, logprobs, seed0=0) -> dict:
+async def server_wave(
+    url: str, model: str | None, prompts, max_tokens, top_k, logprobs, seed0=0, turns: int = 1,
+    turn_tokens=None,
+) -> dict:
+    """All prompts at once; with turns > 1 each prompt starts a conversation whose next turn extends the
+    previous prompt and completion with turn_tokens[i][t] (a list per prompt and turn)."""
     import aiohttp
 
     sampling = {"temperature": 1.0, "top_k": top_k, "max_tokens": max_tokens, "ignore_eos": True}
@@ -75,20 +103,31 @@ async def server_wave(url: str, model: str | None, prompts, max_tokens, top_k, l
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
 
-        async def one(i: int, prompt, params: dict) -> int:
-            body = {"token_ids": prompt, "sampling_params": {**params, "seed": seed0 + i}}
+        async def request(prompt, params: dict, seed: int) -> list[int]:
+            body = {"token_ids": prompt, "sampling_params": {**params, "seed": seed}}
             if model:
                 body["model"] = model
             async with session.post(f"{url}/inference/v1/generate", json=body) as resp:
                 data = await resp.json()
                 if resp.status != 200:
                     raise RuntimeError(f"{url}: HTTP {resp.status}: {data}")
-            return sum(len(c["token_ids"]) for c in data["choices"])
+            return [t for c in data["choices"] for t in c["token_ids"]]
 
-        # warm-up wave of the same shape (connections, graph captures), few tokens
-        await asyncio.gather(*(one(i, p, {**sampling, "max_tokens": 4}) for i, p in enumerate(prompts)))
+        async def conversation(i: int, prompt, params: dict) -> int:
+            tokens = 0
+            for t in range(turns):
+                out = await request(prompt, params, seed0 + i * turns + t)
+                tokens += len(out)
+                if t + 1 < turns:
+                    prompt = prompt + out + turn_tokens[i][t]
+            return tokens
+
+        # warm-up wave of the same shape (connections, graph captures), few tokens, on the prompts
+        # reversed: groups stay groups, and nothing of the timed prompts gets into a prefix cache
+        warm = [p[::-1] for p in prompts]
+        await asyncio.gather(*(request(p, {**sampling, "max_tokens": 4}, i) for i, p in enumerate(warm)))
         start = time.perf_counter()
-        counts = await asyncio.gather(*(one(i, p, sampling) for i, p in enumerate(prompts)))
+        counts = await asyncio.gather(*(conversation(i, p, sampling) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
     tokens = sum(counts)
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
@@ -212,15 +251,16 @@ def run_hf(path: str, args, levels, prompts) -> dict:
     return results
 
 
-def run_server(url: str, model: str | None, label: str, args, levels, prompts, warm_prompts) -> dict:
+def run_server(url: str, model: str | None, label: str, args, levels, prompts, warm_prompts, extras) -> dict:
     """Each level timed on its second wave, as `generate` is: the first wave of a level (other prompts of
     the same shape, so that a prefix cache cannot help the timed one) meets the server's one-time costs,
     e.g. capturing the CUDA graphs of new batch sizes; its rate is kept as `first_wave_tokens_per_s`."""
     results = {}
     for k in args.logprob_passes:
         for c in levels:
-            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k))
-            r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k))
+            shape = {"turns": args.turns, "turn_tokens": extras}
+            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape))
+            r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape))
             results[f"{k}:{c}"] = {**r, "first_wave_tokens_per_s": first["tokens_per_s"]}
             print(f"  {label:<15} logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s "
                   f"(first wave {first['tokens_per_s']:.1f})", flush=True)
@@ -237,6 +277,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,16,64,256", help="Comma-separated concurrency levels.")
     p.add_argument("--prompt-len", type=int, default=None, help="Default: 128 on CUDA, 16 on CPU.")
     p.add_argument("--max-tokens", type=int, default=None, help="Default: 256 on CUDA, 32 on CPU.")
+    p.add_argument("--group-size", type=int, default=1, help="Requests per distinct prompt (GRPO group).")
+    p.add_argument("--turns", type=int, default=1, help="Turns per conversation (multi-turn shape).")
+    p.add_argument("--turn-tokens", type=int, default=32, help="New tokens each later turn adds.")
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--logprobs", type=int, default=0, help="Also measure with this many top log-probs.")
     p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM (same model).")
@@ -251,6 +294,10 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (256 if cuda else 32)
     args.logprob_passes = [0] + ([args.logprobs] if args.logprobs else [])
     levels = [int(x) for x in args.concurrency.split(",")]
+    if args.group_size < 1 or args.turns < 1:
+        raise SystemExit("--group-size and --turns must be >= 1")
+    if args.turns > 1:
+        args.skip_hf = True  # generate has no multi-turn equivalent worth timing
 
     model_path, tmp = prepare_model(args)
     if args.build_only:
@@ -258,8 +305,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    prompts = make_prompts(max(levels), args.prompt_len, vocab)
-    warm_prompts = make_prompts(max(levels), args.prompt_len, vocab, seed=1)
+    prompts = make_prompts(max(levels), args.prompt_len, vocab, group_size=args.group_size)
+    warm_prompts = make_prompts(max(levels), args.prompt_len, vocab, seed=1, group_size=args.group_size)
+    extras = [make_prompts(max(args.turns - 1, 1), args.turn_tokens, vocab, seed=2 + i) for i in range(max(levels))]
     results: dict = {"config": {k: v for k, v in vars(args).items() if k != "logprob_passes"}, "levels": levels}
     results["config"]["model_path"] = model_path
     results["host"] = {"platform": platform.platform(), "torch": torch.__version__,
@@ -270,15 +318,15 @@ def main() -> None:
 
     from asyncgrpo.launch import EmbeddedServer
 
-    kv_tokens = max(levels) * (args.prompt_len + args.max_tokens + 16)
-    max_len = args.prompt_len + args.max_tokens + 16
+    max_len = args.prompt_len + args.turns * args.max_tokens + (args.turns - 1) * args.turn_tokens + 16
+    kv_tokens = max(levels) * max_len
     serve_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(levels)),
                   "--kv-cache-tokens", str(kv_tokens), *args.server_arg]
     log = Path(tempfile.gettempdir()) / "serve_throughput_server.log"
     print(f"embedded server (log: {log}):", flush=True)
     with EmbeddedServer(model_path, device=args.device, extra_args=serve_args, log_path=log,
                         startup_timeout_s=600) as server:
-        results["embedded"] = run_server(server.url, None, "embedded", args, levels, prompts, warm_prompts)
+        results["embedded"] = run_server(server.url, None, "embedded", args, levels, prompts, warm_prompts, extras)
     if args.vllm_url:
         import urllib.request
 
@@ -286,7 +334,7 @@ def main() -> None:
         with urllib.request.urlopen(f"{args.vllm_url}/v1/models") as r:
             vllm_model = json.loads(r.read())["data"][0]["id"]
         print(f"vLLM at {args.vllm_url} ({vllm_model}):", flush=True)
-        results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts, warm_prompts)
+        results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts, warm_prompts, extras)
 
     print()
     head = f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf batch':>10} {'x batch':>7} {'hf loop':>9} {'x loop':>7}"

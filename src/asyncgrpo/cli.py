@@ -28,7 +28,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU).",
+        help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU); longer "
+        "prompts are prefilled in chunks, mixed with the running decodes.",
     )
     p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
     p.add_argument(
@@ -40,6 +41,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         default=False,
         help="Return per-token candidate sets on the generate route, as vLLM's flag (requests then need "
         "temperature > 0 and top_k > 0).",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV of full blocks after a request ends and reuse it for requests with the same prefix "
+        "(a group's shared prompt, a conversation's history), as vLLM's flag (default: on; models with "
+        "recurrent layers are served without it).",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(

@@ -76,6 +76,8 @@ ROLLOUT_VLLM_KV_CACHE_USAGE_FRAC = "rollout/vllm_kv_cache_usage_frac"
 ROLLOUT_VLLM_RUNNING_REQUESTS = "rollout/vllm_running_requests"
 ROLLOUT_VLLM_QUEUED_REQUESTS = "rollout/vllm_queued_requests"
 ROLLOUT_VLLM_PREEMPTION_COUNT = "rollout/vllm_preemption_count"  # record increments, not totals
+# prompt tokens found in the server's prefix cache / prompt tokens looked up, between two polls
+ROLLOUT_VLLM_PREFIX_CACHE_HIT_FRAC = "rollout/vllm_prefix_cache_hit_frac"
 
 # -- tools and environments -------------------------------------------------------------------------
 TOOLS_LATENCY_S = "tools/latency_s"

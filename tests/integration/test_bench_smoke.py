@@ -34,6 +34,21 @@ def test_serve_throughput_side_by_side_on_cpu(tmp_path):
     assert result["hf_generate"]["0:loop"]["tokens"] == 4
 
 
+def test_serve_throughput_group_shape_on_cpu(tmp_path):
+    out = tmp_path / "groups.json"
+    _run("serve_throughput.py", "--concurrency", "4", "--prompt-len", "40", "--max-tokens", "3",
+         "--group-size", "2", "--skip-hf", "--output", str(out))
+    assert json.loads(out.read_text())["embedded"]["0:4"]["tokens"] == 4 * 3
+
+
+def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
+    out = tmp_path / "turns.json"
+    _run("serve_throughput.py", "--concurrency", "2", "--prompt-len", "20", "--max-tokens", "3", "--turns", "3",
+         "--turn-tokens", "5", "--output", str(out))
+    result = json.loads(out.read_text())
+    assert result["embedded"]["0:2"]["tokens"] == 2 * 3 * 3 and "hf_generate" not in result
+
+
 def test_decode_step_profile_on_cpu(tmp_path):
     out = tmp_path / "decode_step.json"
     proc = _run("decode_step.py", "--device", "cpu", "--batch", "3", "--prompt-len", "8", "--max-tokens", "6",

@@ -2,7 +2,8 @@
 
 Two real server subprocesses share a random tiny Qwen3 (built here, no hub):
 - `main`: sampling masks on, room for 64 concurrent sequences;
-- `small`: max_model_len 64, a KV cache of 128 tokens (forces preemption), an API key, masks off.
+- `small`: max_model_len 64, a KV cache of 128 tokens (forces preemption), 16 tokens per step (prompts
+  are prefilled in chunks), an API key, masks off.
 Log-probs, top-K lists and candidate sets are checked against the Hugging Face model run directly
 on prompt + generated tokens with a plain per-position loop.
 
@@ -140,7 +141,8 @@ def main(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(model_dir, tmp_path_factory):
     server = Server(model_dir, tmp_path_factory.mktemp("logs") / "small.log", "--max-model-len", "64",
-                    "--kv-cache-tokens", "128", "--max-num-seqs", "8", "--api-key", "sekrit")
+                    "--kv-cache-tokens", "128", "--max-num-seqs", "8", "--api-key", "sekrit",
+                    "--max-num-batched-tokens", "16")
     yield server
     server.stop()
 
@@ -257,7 +259,7 @@ def test_metrics_series_and_labels(main):
     assert status == 200
     labels = f'engine="0",model_name="{main.call("GET", "/v1/models")[1]["data"][0]["id"]}"'
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total"):
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
         assert f"{name}{{{labels}}} " in text, name
     assert "# TYPE vllm:num_preemptions_total counter" in text or "# TYPE vllm:num_preemptions counter" in text
 
@@ -578,6 +580,47 @@ def test_preemption_keeps_outputs_identical(small, hf_model):
         alone = small.gen(prompts[i], headers=AUTH, seed=i, **sp)[1]
         assert body["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
         _check_against_reference(hf_model, prompts[i], body["choices"][0], sp)
+
+
+# --- prefix caching -------------------------------------------------------------------------------
+
+
+def _prefix_counters(server) -> tuple[float, float]:
+    return _metric(server, "vllm:prefix_cache_queries_total"), _metric(server, "vllm:prefix_cache_hits_total")
+
+
+def test_groups_and_next_turns_reuse_cached_prefixes_with_exact_logprobs(main, hf_model):
+    info = main.call("GET", "/server_info?config_format=json")[1]
+    assert info["vllm_config"]["cache_config"]["enable_prefix_caching"] is True
+    sp = {"temperature": 1.0, "top_k": 20, "logprobs": 5}
+    prompt = list(range(20, 60))  # 2 full blocks + 8 tokens, used by no other test
+    queries, hits = _prefix_counters(main)
+    status, body = main.gen(prompt, max_tokens=10, seed=3, ignore_eos=True, n=4, **sp)
+    assert status == 200, body
+    for choice in body["choices"]:  # one group: the 3 later children share the first one's blocks
+        _check_against_reference(hf_model, prompt, choice, sp)
+    assert _prefix_counters(main) == (queries + 4 * 40, hits + 3 * 32)
+    # the next turn of a conversation: the whole first request plus new tokens
+    turn2 = prompt + body["choices"][0]["token_ids"] + [7, 8, 9, 10, 11]
+    status, body = main.gen(turn2, max_tokens=10, seed=4, ignore_eos=True, **sp)
+    _check_against_reference(hf_model, turn2, body["choices"][0], sp)
+    assert _prefix_counters(main)[1] == hits + 3 * 32 + 48  # 49 tokens with KV: 3 whole blocks
+
+
+def test_reset_prefix_cache_forgets_prompts_and_fails_while_blocks_are_held(main):
+    prompt = list(range(100, 140))
+    assert main.gen(prompt, top_k=5, max_tokens=2, seed=0)[0] == 200
+    assert main.call("POST", "/reset_prefix_cache") == (200, {"success": True})
+    hits = _prefix_counters(main)[1]
+    assert main.gen(prompt, top_k=5, max_tokens=2, seed=0)[0] == 200
+    assert _prefix_counters(main)[1] == hits
+    reference = main.gen(PROMPT, top_k=20, seed=9, max_tokens=220, ignore_eos=True, logprobs=0)[1]
+    pool, fut = _start_long_request(main)
+    assert main.call("POST", "/reset_prefix_cache") == (200, {"success": False})
+    assert main.call("POST", "/reset_prefix_cache?reset_running_requests=true") == (200, {"success": True})
+    status, body = fut.result(timeout=60)  # preempted, prefilled again, same tokens
+    assert status == 200 and body["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+    pool.shutdown()
 
 
 def test_weight_routes_state_machine_and_versions(main):

@@ -12,7 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from asyncgrpo.server.decode_attention import choose_splits
 from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.fused_layers import fuse_layers
-from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, build_metadata, register_attention
+from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
+from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import decode_inputs
 
 
@@ -59,7 +60,7 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     reference, paged = models
     cache = PagedKVCache(2, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
                          device=torch.device("cpu"))
-    alloc = BlockAllocator(12)
+    alloc = BlockPool(12)
     g = torch.Generator().manual_seed(1)
     seqs = {}
 
@@ -105,16 +106,6 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     got = _step(paged, cache, seqs, ["a", "c"], [])  # the padded row wrote only the scratch block
     torch.testing.assert_close(got, expected(["a", "c"]), atol=1e-5, rtol=1e-5)
     assert alloc.num_free == 12 - sum(len(b) for _, b in seqs.values())
-
-
-def test_block_allocator_round_trip():
-    alloc = BlockAllocator(5)
-    a = alloc.allocate(2)
-    b = alloc.allocate(3)
-    assert sorted(a + b) == [0, 1, 2, 3, 4] and alloc.num_free == 0
-    alloc.free(a)
-    assert alloc.num_free == 2 and sorted(alloc.allocate(2)) == sorted(a)
-    assert alloc.allocate(0) == []
 
 
 def test_buckets():

@@ -323,3 +323,16 @@ def test_error_message_shapes(cases):
     assert error_message('{"error": "engine dead"}') == "engine dead"
     assert error_message('{"detail": "Not Found"}') == "Not Found"
     assert error_message("plain text") == "plain text"
+
+
+def test_prefix_cache_counters_are_read_when_exported():
+    assert parse_metrics((FIXTURES / "metrics-0.33.0.txt").read_text()).prefix_cache_queries is None
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 640.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 360.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 512.0\n'
+    )
+    m = parse_metrics(text)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (1000.0, 512.0)

@@ -10,7 +10,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import warm_up
-from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache, register_attention
+from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
+from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
 
@@ -28,7 +29,7 @@ def _model():
 
 def _engine(model, static: bool):
     cache = PagedKVCache(2, 40, 16, 2, 16, torch.float32, torch.device("cpu"))
-    sched = Scheduler(BlockAllocator(40), 16, 8, 4096, MAX_LEN)
+    sched = Scheduler(BlockPool(40), 16, 8, 4096, MAX_LEN)
     graphs = DecodeGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, False, 101) if static else None
     runner = ModelRunner(model, cache, torch.device("cpu"), 101, sched.block_table, graphs)
     warm_up(runner, sched)
@@ -44,7 +45,7 @@ def _params(seed: int, max_tokens: int) -> SeqParams:
 def _step(sched, runner) -> None:
     """One engine step: schedule, run, record the outputs, release finished sequences."""
     plan = sched.schedule()
-    scheduled = plan.decode + plan.prefill
+    scheduled = plan.sampled
     runner.step(plan.decode, plan.prefill).record(scheduled, "v")
     for s in scheduled:
         if s.finished:
@@ -62,7 +63,7 @@ def _run(model, static: bool) -> list[Sequence]:
             sched.add(pending.pop(0))
         _step(sched, runner)
         steps += 1
-    assert sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.pool.num_free == sched.pool.num_blocks
     return seqs
 
 

@@ -389,12 +389,18 @@ class ServerMetrics:
     num_requests_running: float | None
     num_requests_waiting: float | None
     num_preemptions: float | None
+    # prompt tokens looked up in the prefix cache and, of those, found cached (counters; None
+    # when the server runs without prefix caching metrics)
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
 
 _METRIC_SUMS = {
     "vllm:num_requests_running": "num_requests_running",
     "vllm:num_requests_waiting": "num_requests_waiting",
     "vllm:num_preemptions_total": "num_preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
 }
 
 
@@ -413,6 +419,8 @@ def parse_metrics(text: str) -> ServerMetrics:
         num_requests_running=values.get("num_requests_running"),
         num_requests_waiting=values.get("num_requests_waiting"),
         num_preemptions=values.get("num_preemptions"),
+        prefix_cache_queries=values.get("prefix_cache_queries"),
+        prefix_cache_hits=values.get("prefix_cache_hits"),
     )
 
 

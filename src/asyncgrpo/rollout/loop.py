@@ -373,6 +373,7 @@ class AsyncRolloutLoop:
 
     async def _poll_server_metrics(self) -> None:
         last_preemptions: float | None = None
+        last_prefix: tuple[float, float] | None = None
         while True:
             await asyncio.sleep(SERVER_POLL_S)
             snapshot = await self._client.metrics()
@@ -385,6 +386,12 @@ class AsyncRolloutLoop:
                 if last_preemptions is not None:
                     self._record(M.ROLLOUT_VLLM_PREEMPTION_COUNT, max(snapshot.num_preemptions - last_preemptions, 0))
                 last_preemptions = snapshot.num_preemptions
+            if snapshot.prefix_cache_queries is not None and snapshot.prefix_cache_hits is not None:
+                prefix = (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits)
+                if last_prefix is not None and prefix[0] > last_prefix[0]:
+                    hit_frac = (prefix[1] - last_prefix[1]) / (prefix[0] - last_prefix[0])
+                    self._record(M.ROLLOUT_VLLM_PREFIX_CACHE_HIT_FRAC, hit_frac)
+                last_prefix = prefix
             if snapshot.kv_cache_usage_frac is not None:
                 self._kv_cap.on_server_load(snapshot.kv_cache_usage_frac, int(snapshot.num_requests_waiting or 0))
             self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)

@@ -4,9 +4,12 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
     protocol.py           request validation and response bodies (vLLM shapes)
     engine.py             engine thread: commands, pause modes, delivery to the event loop
-    scheduler.py          admission, block accounting, preemption, stop rules
+    scheduler.py          admission, chunked prefill, prefix reuse, preemption, stop rules
     runner.py             one step -> one forward pass -> sampled tokens (one host transfer)
     kv_cache.py           paged K/V pools and the attention function registered with transformers
+    prefix_cache.py       block pool: reference counts, content-addressed full blocks, LRU eviction
+    context_attention.py  chunks that continue after cached tokens attend over the paged cache
+    attention_math.py     masked attention with sliding windows and logit soft-capping
     decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
     weights.py            weight-transfer state machine and in-place loading by checkpoint name

@@ -34,9 +34,10 @@ from asyncgrpo.server import protocol as P
 from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
-from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
+from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
@@ -103,8 +104,9 @@ class Server(ControlRoutes):
             served.num_layers, kv_tokens // BLOCK_SIZE, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
             served.dtype, served.device,
         )
+        caching = prefix_caching_enabled(args.enable_prefix_caching, served.model.config.get_text_config())
         self.scheduler = Scheduler(
-            BlockAllocator(self.cache.num_blocks), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
+            BlockPool(self.cache.num_blocks, caching), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
             served.max_model_len,
         )
         graphs = None
@@ -154,7 +156,7 @@ class Server(ControlRoutes):
 
     def _on_engine_update(self, engine: Engine) -> None:
         s = self.scheduler
-        self.metrics.update(len(s.running), len(s.waiting), s.kv_usage(), engine.stats)
+        self.metrics.update(len(s.running), len(s.waiting), s.kv_usage(), engine.stats, s.pool.stats)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

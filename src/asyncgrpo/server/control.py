@@ -45,7 +45,8 @@ class ControlRoutes:
             },
             "cache_config": {
                 "block_size": self.cache.block_size, "num_gpu_blocks": self.cache.num_blocks, "cache_dtype": "auto",
-                "kv_cache_size_tokens": self.kv_tokens, "enable_prefix_caching": False,
+                "kv_cache_size_tokens": self.kv_tokens,
+                "enable_prefix_caching": self.scheduler.pool.enable_caching,
             },
             "parallel_config": {
                 "pipeline_parallel_size": 1, "tensor_parallel_size": 1, "data_parallel_size": 1,
@@ -101,17 +102,17 @@ class ControlRoutes:
         return _json({"status": "aborted", "aborted": await self.engine.abort(ids)})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        """There is no prefix cache; like vLLM, the reset fails while requests hold KV blocks unless
-        reset_running_requests=true, which preempts them."""
+        """As vLLM: forget every cached prefix; fails while requests hold KV blocks unless
+        reset_running_requests=true, which preempts them (they re-prefill later)."""
         try:
             reset_running = _query_bool(request, "reset_running_requests", False)
         except ValueError as exc:
             return _json({"error": str(exc)}, 400)
 
         def reset() -> bool:
-            if reset_running and self.scheduler.running:
-                self.engine.stats.num_preemptions += len(self.scheduler.preempt_all())
-            return not self.scheduler.running
+            success, num_preempted = self.scheduler.reset_prefix_cache(reset_running)
+            self.engine.stats.num_preemptions += num_preempted
+            return success
 
         return _json({"success": await self.engine.call(reset)})
 
@@ -145,8 +146,16 @@ class ControlRoutes:
         if "update_info" not in body:
             raise P.ApiError(400, "the body needs update_info", param="update_info")
         with self.metrics.operation("update"):
-            await self.engine.call(lambda: self.transfer.update(body["update_info"]))
+            await self.engine.call(lambda: self._load_weights(body["update_info"]))
         return _json({"message": "Weights updated"})
+
+    def _load_weights(self, update_info) -> int:
+        """Engine thread: receive and load; cached prefixes of the old weights are dropped even when
+        loading fails half way (some tensors may already have changed)."""
+        try:
+            return self.transfer.update(update_info)
+        finally:
+            self.scheduler.invalidate_prefix_cache()
 
     async def finish_update(self, request: web.Request) -> web.Response:
         body = await self._body(request, required=False)

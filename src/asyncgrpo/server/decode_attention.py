@@ -22,7 +22,8 @@ import functools
 import logging
 
 import torch
-import torch.nn.functional as F
+
+from asyncgrpo.server.attention_math import attend, in_window
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,13 @@ def decode_attention_gather(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, D]; pools [num_blocks, block_size, kv_heads, D]; block_tables [B, nb] int64 (entries
-    past a sequence's blocks may hold any valid block); context_lens [B] int64. Returns [B, H, D]."""
+    past a sequence's blocks may hold any valid block); context_lens [B] int64; window: the layer's
+    sliding window (keys p - window < j <= p for the query at p), softcap: its logit soft-cap.
+    Returns [B, H, D]."""
     bd, h, d = q.shape
     _, block_size, kvh, _ = k_pool.shape
     group = h // kvh
@@ -46,8 +51,9 @@ def decode_attention_gather(
     values = v_pool.index_select(0, flat_tables).view(bd, length, kvh, d).transpose(1, 2)
     # the query heads sharing a kv head act as `group` queries of that head: no repeat needed
     query = q.reshape(bd, kvh, group, d)
-    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    pos = torch.arange(length, device=q.device)[None, :]
+    valid = (pos < context_lens[:, None]) & in_window(context_lens[:, None] - 1, pos, window)
+    out = attend(query, keys, values, valid[:, None, None, :], scale, softcap)
     return out.reshape(bd, h, d)
 
 
@@ -242,12 +248,16 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention with the best implementation for the device (see the module docstring)."""
+    """Decode attention with the best implementation for the device (see the module docstring); layers
+    with a sliding window or a logit soft-cap take the gather path (the Triton kernel has neither)."""
     d = q.shape[-1]
-    if q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype):
+    plain = window is None and not softcap
+    if plain and q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype):
         return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale)
-    return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale, window, softcap)
 
 
 @functools.cache

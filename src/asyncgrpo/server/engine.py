@@ -69,6 +69,7 @@ class Engine:
         self._on_update = on_update
         self._commands: queue.Queue = queue.Queue()
         self._wait_futures: list[asyncio.Future] = []
+        self._clear_after_wait = False  # pause(wait, clear_cache=True): reset the prefix cache once drained
         self._thread = threading.Thread(target=self._run, name="asyncgrpo-engine", daemon=True)
         self._stopping = False
         self.dead: str | None = None  # traceback text once the thread died
@@ -154,6 +155,8 @@ class Engine:
         try:
             while not self._stopping:
                 if self.pause_mode == "wait" and not self.scheduler.has_work():
+                    if self._wait_futures and self._clear_after_wait:
+                        self.scheduler.pool.reset()
                     for fut in self._wait_futures:
                         self._resolve(fut)
                     self._wait_futures.clear()
@@ -213,8 +216,11 @@ class Engine:
             seqs = self.scheduler.preempt_all()
             self.stats.num_preemptions += len(seqs)
         if mode == "wait" and self.scheduler.has_work():
+            self._clear_after_wait = clear_cache  # the prefix cache is reset once drained (see _run)
             self._wait_futures.append(fut)
         else:
+            if clear_cache:  # as vLLM: a paused server with clear_cache keeps no cached prefix
+                self.scheduler.pool.reset()
             self._resolve(fut)
         self._notify()
 
@@ -249,22 +255,24 @@ class Engine:
         if plan.size == 0:
             self._notify()
             return
-        seqs = plan.decode + plan.prefill
+        seqs = plan.sampled
         try:
             out = self.runner.step(plan.decode, plan.prefill)
         except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
             msg = traceback.format_exc()
-            logger.error("forward pass failed; failing %d sequences:\n%s", len(seqs), msg)
+            logger.error("forward pass failed; failing %d sequences:\n%s", plan.size, msg)
+            # blocks registered for this step may hold partial KV: nobody may find them again
+            self.scheduler.invalidate_prefix_cache()
             events = []
-            for seq in seqs:
+            for seq in plan.decode + plan.prefill:
                 self.scheduler.remove(seq)
                 seq.error = "internal error in the forward pass; see the server log"
                 events.append((seq, len(seq.output), len(seq.output), True))
             self._deliver(events)
             return
         self.stats.num_steps += 1
-        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(seqs))
-        self.stats.prompt_tokens += sum(len(s.prompt) for s in plan.prefill if not s.output)
+        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
+        self.stats.prompt_tokens += sum(len(s.prompt) for s in seqs if not s.output)
         self.stats.generation_tokens += len(seqs)
         out.record(seqs, self.weight_version)
         events = []
@@ -292,6 +300,6 @@ def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> N
     try:
         while not seq.finished:
             plan = scheduler.schedule()
-            runner.step(plan.decode, plan.prefill).record([seq], "warm-up")
+            runner.step(plan.decode, plan.prefill).record(plan.sampled, "warm-up")
     finally:
         scheduler.remove(seq)

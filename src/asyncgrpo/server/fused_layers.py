@@ -173,6 +173,14 @@ class _Attention:
     triton: bool
 
 
+def _sliding_window(module: torch.nn.Module) -> int | None:
+    """The window the module's own forward passes: its attribute (Qwen2, Gemma: None on full layers),
+    else the config's (Mistral reads config.sliding_window in its forward)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
 def _attention_forward(
     module: torch.nn.Module,
     fused: _Attention,
@@ -210,7 +218,7 @@ def _attention_forward(
     attend: Callable = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
     out, weights = attend(
         module, heads_first(q), heads_first(k), heads_first(v), attention_mask,
-        dropout=0.0, scaling=module.scaling, sliding_window=getattr(module, "sliding_window", None), **kwargs,
+        dropout=0.0, scaling=module.scaling, sliding_window=_sliding_window(module), **kwargs,
     )
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 

@@ -2,7 +2,8 @@
 
 Layout: per layer, K and V pools of shape [num_blocks, block_size, kv_heads, head_dim]. A sequence
 owns a list of blocks (its block table); token `p` of a sequence lives in block `table[p // bs]`,
-row `p % bs`. The allocator hands out and takes back whole blocks.
+row `p % bs`. `prefix_cache.BlockPool` hands out and takes back whole blocks (shared between
+sequences when they hold the same prefix).
 
 One forward pass serves every scheduled sequence: the runner flattens the step into a single row
 of T tokens (decode tokens first, one per running sequence, then the prompts being prefilled),
@@ -10,7 +11,10 @@ passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to th
 forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
 
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
-    prefill part  q of each new prompt attends causally over its own fresh keys (SDPA is_causal)
+    prefill part  q of each prompt from token 0 attends causally over its own fresh keys (SDPA
+                  is_causal); chunks that continue after cached tokens (a cached prefix, earlier
+                  chunks) attend over their whole context read back from the cache
+                  (`context_attention.py`)
 
 The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
 `fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
@@ -26,30 +30,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from asyncgrpo.server.attention_math import attend, in_window
+from asyncgrpo.server.context_attention import (
+    ContinuedPrefill,
+    continued_attention,
+    continued_layout,
+    pad_indices,
+)
 from asyncgrpo.server.decode_attention import decode_attention
 
 ATTENTION_NAME = "asyncgrpo_paged"
-
-
-class BlockAllocator:
-    """Free list of KV blocks; plain Python, used by the scheduler only."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), f"asked for {n} blocks, {len(self._free)} free"
-        out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n :]
-        return out[::-1]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
 
 
 class PagedKVCache:
@@ -89,9 +79,11 @@ class AttentionMetadata:
     num_decode: int  # host: the first num_decode tokens are decode tokens, one per sequence
     block_tables: torch.Tensor | None  # [Bd, nb] int64 blocks of the decode sequences (0-padded)
     context_lens: torch.Tensor | None  # [Bd] int64: cached tokens incl. the new one
-    prefill_lens: list[int]  # host: new tokens of each prefilled sequence, in order
+    prefill_lens: list[int]  # host: new tokens of each prompt prefilled from token 0, in order
     pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
+    # chunks that continue after cached tokens, after the prompts from token 0 (None: there are none)
+    continued: ContinuedPrefill | None = None
 
 
 def build_metadata(
@@ -101,21 +93,30 @@ def build_metadata(
     decode_lens: Sequence[int],
     prefill_lens: list[int],
     device: torch.device,
+    prefill_starts: Sequence[int] | None = None,
+    prefill_tables: Sequence[Sequence[int]] | None = None,
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
-    (entries past a sequence's blocks are ignored through decode_lens)."""
-    block_tables = context_lens = pad_index = unpad_index = None
+    (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
+    each prefilled sequence's first new token (tokens before it are in the cache; those starting at
+    0 come first), with prefill_tables their blocks; None: every prompt starts at 0."""
+    block_tables = context_lens = pad_index = unpad_index = continued = None
     if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
         context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
+    prefill_lens = list(prefill_lens)
+    num_fresh = len(prefill_lens)
+    if prefill_starts is not None:
+        num_fresh = sum(1 for s in prefill_starts if s == 0)
+        assert not any(prefill_starts[:num_fresh]), "prompts from token 0 must come first"
+    if num_fresh < len(prefill_lens):
+        continued = continued_layout(
+            cache.block_size, cache.scratch_block * cache.block_size, prefill_lens[num_fresh:],
+            prefill_starts[num_fresh:], prefill_tables[num_fresh:], device,
+        )
+        prefill_lens = prefill_lens[:num_fresh]
     if len(prefill_lens) > 1:
-        lmax = max(prefill_lens)
-        pad, unpad, start = [], [], 0
-        for i, n in enumerate(prefill_lens):
-            pad.extend(range(start, start + n))
-            pad.extend([0] * (lmax - n))
-            unpad.extend(range(i * lmax, i * lmax + n))
-            start += n
+        pad, unpad = pad_indices(prefill_lens)
         pad_index = torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True)
         unpad_index = torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True)
     return AttentionMetadata(
@@ -124,22 +125,32 @@ def build_metadata(
         num_decode=len(decode_lens),
         block_tables=block_tables,
         context_lens=context_lens,
-        prefill_lens=list(prefill_lens),
+        prefill_lens=prefill_lens,
         pad_index=pad_index,
         unpad_index=unpad_index,
+        continued=continued,
     )
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [H, Tp, D], k/v [KVH, Tp, D] of whole prompts -> [Tp, H, D] (causal within each prompt)."""
+    """q [H, Tp, D], k/v [KVH, Tp, D] of prompts from token 0 -> [Tp, H, D] (causal within each
+    prompt, and within the layer's sliding window)."""
     h, _, d = q.shape
     gqa = h != k.shape[0]
+    plain = window is None and not softcap
     if len(meta.prefill_lens) == 1:
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=gqa
-        )
+        if plain:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            out = attend(q[None], k[None], v[None], _causal(q.shape[1], window, q.device), scaling, softcap)
         return out[0].transpose(0, 1)
     bp, lmax = len(meta.prefill_lens), max(meta.prefill_lens)
 
@@ -147,8 +158,17 @@ def _prefill_attention(
         return x.index_select(1, meta.pad_index).view(x.shape[0], bp, lmax, d).transpose(0, 1)
 
     # padding sits after each prompt, so the causal mask alone keeps real queries off it
-    out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scaling, enable_gqa=gqa)
+    if plain:
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        out = attend(pad(q), pad(k), pad(v), _causal(lmax, window, q.device), scaling, softcap)
     return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, meta.unpad_index)
+
+
+def _causal(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: query i sees keys j <= i inside its window."""
+    pos = torch.arange(n, device=device)
+    return (pos[None, :] <= pos[:, None]) & in_window(pos[:, None], pos[None, :], window)
 
 
 def paged_attention_forward(
@@ -179,13 +199,21 @@ def paged_attention_forward(
         cache.v[layer].view(flat).index_copy_(0, meta.slot_mapping, v.transpose(0, 1))
     nd = meta.num_decode
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # per layer, from the model's attention module (Mistral, Qwen2, Gemma 2/3, Cohere2, ...)
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     parts = []
     if nd:
         parts.append(decode_attention(
-            q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale
+            q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale,
+            window, softcap,
         ))
+    nf = nd + sum(meta.prefill_lens)
     if meta.prefill_lens:
-        parts.append(_prefill_attention(q[:, nd:], k[:, nd:], v[:, nd:], meta, scale))
+        parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale, window, softcap))
+    if meta.continued is not None:
+        parts.append(
+            continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale, window, softcap)
+        )
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out[None], None
 

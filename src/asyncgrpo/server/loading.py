@@ -80,8 +80,6 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
 
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config()
-    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
-        raise ValueError(f"{name}: sliding-window attention is not supported by the embedded server")
     dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     model = load_causal_lm(name, dtype=dtype, device=device)
     model.set_attn_implementation(register_attention())

@@ -5,6 +5,8 @@ Series (labels `model_name` = served name, `engine` = "0"):
     vllm:kv_cache_usage_perc                                gauge, a fraction 0..1
     vllm:num_preemptions_total                              counter (declared vllm:num_preemptions)
     vllm:prompt_tokens_total, vllm:generation_tokens_total  counters
+    vllm:prefix_cache_queries_total                         counter: prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits_total                            counter: of those, tokens found cached
     vllm:rl_weight_update_operation_duration_seconds        histogram, label `operation`
     vllm:rl_weight_update_operations_in_flight              gauge, label `operation`
     asyncgrpo:max_num_seqs_per_step                         gauge: most sequences in one forward
@@ -48,6 +50,13 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=reg
         ).labels(**values)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
+            registry=reg,
+        ).labels(**values)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=reg
+        ).labels(**values)
         self.max_batch = Gauge(
             "asyncgrpo:max_num_seqs_per_step",
             "Most sequences served by one forward pass since start.",
@@ -68,10 +77,11 @@ class ServerMetrics:
             registry=reg,
         )
         self._values = values
-        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._seen = {"preemptions": 0, "prompt": 0, "generation": 0, "queries": 0, "hits": 0}
 
-    def update(self, num_running: int, num_waiting: int, kv_usage: float, stats) -> None:
-        """Refresh from the engine (called by the engine thread after each step/state change)."""
+    def update(self, num_running: int, num_waiting: int, kv_usage: float, stats, prefix_stats) -> None:
+        """Refresh from the engine (called by the engine thread after each step/state change);
+        `stats` are the engine's counters, `prefix_stats` the block pool's (`PrefixCacheStats`)."""
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -80,6 +90,8 @@ class ServerMetrics:
             ("preemptions", self.preemptions, stats.num_preemptions),
             ("prompt", self.prompt_tokens, stats.prompt_tokens),
             ("generation", self.generation_tokens, stats.generation_tokens),
+            ("queries", self.prefix_queries, prefix_stats.queries),
+            ("hits", self.prefix_hits, prefix_stats.hits),
         ):
             if total > self._seen[key]:
                 counter.inc(total - self._seen[key])

@@ -1,9 +1,10 @@
 """Model runner: one scheduled step -> one forward pass -> one sampled token per sequence.
 
-Builds the flat step (decode tokens first, then whole prompts to prefill), runs the Hugging Face
-model with the paged attention (`kv_cache.py`), keeps only the last position of each sequence for
-the LM head, applies the per-request logits processors and `sampling.sample`, and brings the
-results to the host in ONE transfer per step.
+Builds the flat step (decode tokens first, then the chunks of prompts to prefill, each after what
+the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model with the paged
+attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
+per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
+transfer per step.
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
@@ -145,17 +146,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
-        """Run one forward pass over `decode` + `prefill` (in that order) and sample."""
+        """Run one forward pass over `decode` + `prefill` (in that order) and sample for decode and
+        the prefills whose chunk reaches their last token (the scheduler's `StepPlan.sampled`)."""
         if prefill:
-            self.params.admit(prefill)
-        seqs = decode + prefill
+            self.params.admit(prefill)  # again at every chunk: cheap, and rows never change mid-prompt
+        done = [s for s in prefill if s.prefill_end == s.num_tokens]
+        seqs = decode + done
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         dec = None
         if decode:
             nd = len(decode)
-            last = np.fromiter((s.output[-1] for s in decode), dtype=np.int64, count=nd)
+            # last_token: a prompt whose last chunk stopped one token short computes it as a decode
+            last = np.fromiter((s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
+        if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
+            self._forward(dec, prefill)
+            return StepOutput([], [], [], None, None, None)
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
         if prefill or self.graphs is None:
@@ -171,22 +178,26 @@ class ModelRunner:
         return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
     def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
-        """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
+        """Eager flat step: any mix of decode tokens and prompts. Returns logits [B, V]."""
         bs = self.cache.block_size
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
-        prefill_lens = []
+        prefill_lens, starts = [], []
         for s in prefill:
-            n = s.num_tokens
-            p = np.arange(n)
-            ids.append(np.asarray(s.all_tokens(), dtype=np.int64))
+            # tokens before prefill_start are in the cache (a cached prefix or earlier chunks)
+            start, end = s.prefill_start, s.prefill_end
+            p = np.arange(start, end)
+            ids.append(np.asarray(s.all_tokens()[start:end], dtype=np.int64))
             pos.append(p)
             slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
-            prefill_lens.append(n)
+            prefill_lens.append(end - start)
+            starts.append(start)
         # non_blocking: a plain host->device copy would wait for all queued device work first
         flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
         flat = flat.to(self.device, non_blocking=True)
         num_decode = 0 if dec is None else len(dec.token_ids)
-        last = np.concatenate([np.arange(num_decode), num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1])
+        ends = num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1
+        sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
+        last = np.concatenate([np.arange(num_decode), ends[sampled]])
         meta = build_metadata(
             self.cache,
             np.concatenate(slots),
@@ -194,6 +205,8 @@ class ModelRunner:
             [] if dec is None else dec.context_lens,
             prefill_lens,
             self.device,
+            starts,
+            [s.blocks for s in prefill],
         )
         out = self.model(
             input_ids=flat[0][None],

@@ -5,11 +5,27 @@ State (touched only by the engine thread):
     waiting  deque  FCFS; new sequences and preempted ones (at the front, re-prefilled later)
     running  list   sequences with their KV in the cache, in admission order (youngest last)
 
-Each step: every running sequence decodes one token (a new block is taken when its last one is
-full); when the pool runs dry the youngest running sequence is preempted (blocks freed, pushed back
-to the front of `waiting`, it re-prefills prompt + generated tokens later). Then waiting sequences
-are admitted for prefill while there are blocks, sequence slots and token budget. Stop rules live in
-`Sequence.append`.
+Each step spends at most `max_num_batched_tokens` tokens:
+
+    1. decode    every running sequence whose prompt is in the cache computes one token (a new block
+                 is taken when its last one is full); when the pool runs dry the youngest running
+                 sequence is preempted (blocks freed, pushed back to the front of `waiting`, it
+                 re-prefills prompt + generated tokens later)
+    2. chunks    running sequences still prefilling (oldest first) compute their next chunk
+    3. admit     waiting sequences enter while there are blocks, sequence slots and budget; a prompt
+                 longer than what is left of the budget is prefilled in chunks over the next steps
+                 (chunked prefill: one long prompt never stalls the running decodes)
+
+A sequence's state is `num_computed`, the tokens whose KV the planned steps put in the cache; a
+prefill entry of a step computes tokens [prefill_start, prefill_end) and samples only when that
+reaches the last token (`StepPlan.sampled`). Stop rules live in `Sequence.append`.
+
+Prefix caching (`prefix_cache.BlockPool`): an admitted sequence takes the longest cached prefix of
+its tokens (whole blocks, at most all tokens but the last, which must be computed to sample) and is
+prefilled from there. Blocks are registered under their hash when the step that computes them is
+planned, so a sequence admitted later in the same step already shares them (a step writes every
+token's K/V before any attention reads the cache). Only sequences whose KV was all computed under
+the current weights (`cache_epoch`) register blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo.server.kv_cache import BlockAllocator
+from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,11 @@ class Sequence:
     masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
+    cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
+    num_computed: int = 0  # tokens whose KV is in the cache once the planned steps ran
+    prefill_start: int = 0  # while prefilling: this step computes tokens [prefill_start, prefill_end)
+    prefill_end: int = 0
     row: int = -1  # row of the scheduler's block table while running
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -120,9 +141,13 @@ class Sequence:
 
 @dataclass
 class StepPlan:
+    """One step: `decode` sequences compute one token each, `prefill` ones a chunk of their prompt
+    (those starting at token 0 first); `sampled` = decode + the prefills that reach their last token."""
+
     decode: list[Sequence]
     prefill: list[Sequence]
     preempted: list[Sequence]
+    sampled: list[Sequence] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -134,13 +159,13 @@ class Scheduler:
 
     def __init__(
         self,
-        allocator: BlockAllocator,
+        pool: BlockPool,
         block_size: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
-        self.allocator = allocator
+        self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -158,14 +183,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def kv_usage(self) -> float:
-        total = self.allocator.num_blocks
-        return (total - self.allocator.num_free) / total if total else 0.0
+        total = self.pool.num_blocks
+        return (total - self.pool.num_free) / total if total else 0.0
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.blocks)
+        self.pool.free(seq.blocks)
         seq.blocks = []
         if seq.row >= 0:
             self._free_rows.append(seq.row)
@@ -173,13 +198,14 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, n: int) -> None:
         start = len(seq.blocks)
-        seq.blocks.extend(self.allocator.allocate(n))
+        seq.blocks.extend(self.pool.allocate(n))
         self.block_table[seq.row, start : len(seq.blocks)] = seq.blocks[start:]
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it (first) for a fresh prefill."""
         self.running.remove(seq)
         self._release(seq)
+        seq.num_computed = 0
         self.waiting.appendleft(seq)
 
     def preempt_all(self) -> list[Sequence]:
@@ -197,13 +223,49 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def reset_prefix_cache(self, reset_running: bool) -> tuple[bool, int]:
+        """vLLM's /reset_prefix_cache: (success, sequences preempted). Fails while sequences hold
+        blocks, unless reset_running preempts them first (they re-prefill later)."""
+        preempted = self.preempt_all() if reset_running else []
+        return self.pool.reset(), len(preempted)
+
+    def invalidate_prefix_cache(self) -> None:
+        """The weights changed: no block computed before now is found again or registered."""
+        self.pool.invalidate()
+
+    def _register(self, seq: Sequence, first_block: int, num_computed: int) -> None:
+        """Register seq's full blocks from `first_block` up to `num_computed` tokens (planned this step)."""
+        end = num_computed // self.block_size
+        if end <= first_block or seq.cache_epoch != self.pool.epoch or not self.pool.enable_caching:
+            return
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, end)
+        for i in range(first_block, end):
+            self.pool.register(seq.blocks[i], hashes[i])
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of seq's tokens, leaving at least its last token to compute."""
+        if not self.pool.enable_caching:
+            return []
+        usable = (seq.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable)
+        return self.pool.match(hashes[:usable])
+
+    def _plan_chunk(self, seq: Sequence, budget: int) -> int:
+        """Plan seq's next prefill chunk within `budget` tokens (> 0); returns its size."""
+        start = seq.num_computed
+        end = min(seq.num_tokens, start + budget)
+        seq.prefill_start, seq.prefill_end = start, end
+        self._register(seq, start // self.block_size, end)
+        seq.num_computed = end
+        return end - start
+
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
-        # 1. decode: one more slot for every running sequence (a new block for those whose last one
-        # is full), preempting the youngest while the pool is short
+        # 1. decode: one more slot for every running sequence past its prompt (a new block for those
+        # whose last one is full), preempting the youngest while the pool is short
         bs = self.block_size
         growing = [s for s in self.running if s.num_tokens > len(s.blocks) * bs]
-        while len(growing) > self.allocator.num_free:
+        while len(growing) > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
             preempted.append(victim)
@@ -211,22 +273,41 @@ class Scheduler:
                 growing.pop()
         for s in growing:
             self._grow(s, self._blocks_for(s.num_tokens) - len(s.blocks))
-        decode = list(self.running)
-        # 2. prefill: admit FCFS while slots, blocks and the token budget allow (one at least)
-        prefill: list[Sequence] = []
+        decode = [s for s in self.running if s.num_computed == s.num_tokens - 1]
+        for s in decode:
+            s.num_computed = s.num_tokens
+            if s.num_tokens % bs == 0:  # this step computes token num_tokens - 1, the last of its block
+                self._register(s, s.num_tokens // bs - 1, s.num_tokens)
         budget = self.max_num_batched_tokens - len(decode)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # 2. chunks of the prompts still being prefilled, oldest first
+        prefill: list[Sequence] = []
+        for s in self.running:
+            if budget <= 0:
+                break
+            if s.num_computed < s.num_tokens:  # not decoding: a prompt whose chunks are not done
+                budget -= self._plan_chunk(s, budget)
+                prefill.append(s)
+        # 3. admit FCFS while slots, blocks and the token budget allow
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if preempted and seq in preempted:
                 break  # do not re-admit what this step just evicted
-            n = seq.num_tokens
-            blocks = self._blocks_for(n)
-            if blocks > self.allocator.num_free or (prefill and n > budget):
+            hit = self._cached_prefix(seq)
+            need = self._blocks_for(seq.num_tokens) - len(hit)
+            if need + self.pool.num_evictable(hit) > self.pool.num_free:
                 break
             self.waiting.popleft()
+            self.pool.record_query(seq.num_tokens, len(hit) * bs)
+            self.pool.touch(hit)
+            seq.blocks = list(hit)
             seq.row = self._free_rows.pop()
-            self._grow(seq, blocks)
+            self.block_table[seq.row, : len(hit)] = hit
+            self._grow(seq, need)
+            seq.num_computed = len(hit) * bs
+            seq.cache_epoch = self.pool.epoch
+            budget -= self._plan_chunk(seq, budget)
             self.running.append(seq)
             prefill.append(seq)
-            budget -= n
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
+        prefill.sort(key=lambda s: s.prefill_start > 0)  # the attention takes prompts from token 0 first
+        sampled = decode + [s for s in prefill if s.prefill_end == s.num_tokens]
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, sampled=sampled)
