@@ -37,6 +37,7 @@ from asyncgrpo.server.engine import Engine, warm_up
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
 from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
@@ -101,20 +102,24 @@ class Server(ControlRoutes):
         self.metrics = ServerMetrics(self.name)
         self.cache = PagedKVCache(
             served.num_layers, kv_tokens // BLOCK_SIZE, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
-            served.dtype, served.device,
+            served.dtype, served.device, served.attention_layers,
         )
+        self.recurrent = RecurrentState.for_model(served.model, args.max_num_seqs, served.device)
         self.scheduler = Scheduler(
             BlockAllocator(self.cache.num_blocks), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
             served.max_model_len,
         )
         graphs = None
-        if served.device.type == "cuda" and not args.enforce_eager:
+        if self.recurrent is not None and served.device.type == "cuda" and not args.enforce_eager:
+            logger.info("decode steps run eagerly: the Gated DeltaNet layers' state is not captured in CUDA graphs")
+        elif served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
                 served.vocab_size,
             )
         self.runner = ModelRunner(
-            served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs
+            served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
+            self.recurrent,
         )
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
         self.engine: Engine | None = None

@@ -20,6 +20,7 @@ import torch
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
+from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
 from asyncgrpo.server.sampling import (
     SamplingPlan,
     apply_repetition_penalty,
@@ -133,13 +134,16 @@ class ModelRunner:
         vocab_size: int,
         block_table: np.ndarray,
         graphs: DecodeGraphs | None = None,
+        recurrent: RecurrentState | None = None,
     ) -> None:
+        assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
         self.model = model
         self.cache = cache
         self.device = device
         self.vocab_size = vocab_size
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
+        self.recurrent = recurrent  # the DeltaNet layers' per-row state of a hybrid model
         self.params = RowParams(block_table.shape[0])
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
@@ -159,7 +163,7 @@ class ModelRunner:
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
         if prefill or self.graphs is None:
-            logits = self._forward(dec, prefill)
+            logits = self._forward(dec, prefill, rows)
         else:
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
@@ -170,8 +174,9 @@ class ModelRunner:
         ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
         return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
-    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
-        """Eager flat step: any mix of decode tokens and whole prompts. Returns logits [B, V]."""
+    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence], rows: np.ndarray) -> torch.Tensor:
+        """Eager flat step: any mix of decode tokens and whole prompts (`rows`: their scheduler rows).
+        Returns logits [B, V]."""
         bs = self.cache.block_size
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
         prefill_lens = []
@@ -195,12 +200,16 @@ class ModelRunner:
             prefill_lens,
             self.device,
         )
+        extra = {}
+        if self.recurrent is not None:
+            extra[STEP_KWARG] = self.recurrent.step(rows, num_decode, prefill_lens)
         out = self.model(
             input_ids=flat[0][None],
             position_ids=flat[1][None],
             use_cache=False,
             logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
             kv_meta=meta,
+            **extra,
         )
         return out.logits[0]
 
