@@ -22,6 +22,7 @@ from asyncgrpo.server.loading import prepare_model
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.weights import WeightLoader
 
 MAX_LEN = 256
 CPU = torch.device("cpu")
@@ -125,3 +126,20 @@ def test_preempted_sequences_rebuild_their_recurrent_state():
     assert run(sched, runner, seqs, join_every=1) > 0
     for s in seqs:
         check_against_forward(reference, s)
+
+
+def test_weights_pushed_into_the_server_land_in_the_deltanet_layers():
+    """After every parameter of another model is loaded by name (what a weight sync does), the
+    server's log-probs are that model's: the DeltaNet layers read the pushed conv, decay, gate and
+    projection weights."""
+    model = sensitive_hybrid("qwen3_5_text")
+    pushed = tiny_hybrid("qwen3_5_text", seed=7)
+    sched, runner = serve(model)
+    names = WeightLoader(model).names()
+    assert any(".linear_attn.A_log" in n for n in names) and any(".linear_attn.conv1d.weight" in n for n in names)
+    WeightLoader(model).load_all(pushed.named_parameters())
+    seqs = [Sequence(i, f"w{i}", 0, [(11 * i + j) % 96 for j in range(4 + 5 * i)], params(i, 12), MAX_LEN)
+            for i in range(3)]
+    run(sched, runner, seqs, join_every=2)
+    for s in seqs:
+        check_against_forward(pushed, s)

@@ -98,6 +98,7 @@ class Server(ControlRoutes):
             return_sampling_mask=args.return_sampling_mask,
             eos_token_id=served.eos_token_id,
             extra_eos_ids=served.extra_eos_ids,
+            media_token_ids=served.media_token_ids,
         )
         self.metrics = ServerMetrics(self.name)
         self.cache = PagedKVCache(
@@ -277,6 +278,7 @@ class Server(ControlRoutes):
         if body.get("output_mode", "tokens") not in (None, "tokens"):
             raise P.ApiError(400, "output_mode must be 'tokens' on the embedded server", param="output_mode")
         prompt = P.token_id_list(body.get("token_ids"), self.spec, "token_ids")
+        P.check_text_only(body, [prompt], self.spec, "token_ids")
         params = P.parse_sampling(
             body.get("sampling_params") or {}, self.spec, len(prompt), route="generate", draw_seed=self._draw_seed
         )
@@ -337,6 +339,7 @@ class Server(ControlRoutes):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
         prompts = self._prompts(body.get("prompt"))
+        P.check_text_only(body, prompts, self.spec, "prompt")
         rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
         all_seqs = []
         for i, prompt in enumerate(prompts):
