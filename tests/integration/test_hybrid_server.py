@@ -26,7 +26,7 @@ from asyncgrpo.packing.deltanet import deltanet_layers
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 MEDIA = {"image_token_id": 491, "video_token_id": 492, "vision_start_token_id": 493, "vision_end_token_id": 494}
-_TEXT = {"vocab_size": 495, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
          "eos_token_id": 484, "pad_token_id": 482, "tie_word_embeddings": False, "linear_num_key_heads": 2,
          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -35,11 +35,15 @@ _VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 
            "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 16}
 
 
-def save_hybrid_vision_language(folder) -> str:
-    """A tiny random Qwen3.5 checkpoint with the bundled tokenizer. Its DeltaNet layers decay slowly
-    and weigh on the output (a random model's decay forgets the state within a few tokens), so a
-    recurrent state not carried between steps shows far beyond the tolerances."""
-    config = CONFIG_MAPPING["qwen3_5"](text_config=_TEXT, vision_config=_VISION, tie_word_embeddings=False, **MEDIA)
+def save_hybrid_vision_language(folder, media: bool = True) -> str:
+    """A tiny random Qwen3.5 checkpoint with the bundled tokenizer; `media`: image/video placeholder
+    ids inside its vocabulary (`MEDIA`, past the tokenizer's 491 tokens), else the family's defaults
+    (outside it, so a sampled token is always text). Its DeltaNet layers decay slowly and weigh on
+    the output (a random model's decay forgets the state within a few tokens), so a recurrent state
+    not carried between steps shows far beyond the tolerances."""
+    text = dict(_TEXT, vocab_size=495 if media else 491)
+    config = CONFIG_MAPPING["qwen3_5"](text_config=text, vision_config=_VISION, tie_word_embeddings=False,
+                                       **(MEDIA if media else {}))
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config)
     gen = torch.Generator().manual_seed(1)
