@@ -7,9 +7,11 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     scheduler.py          admission, block accounting, preemption, stop rules
     runner.py             one step -> one forward pass -> sampled tokens (one host transfer)
     kv_cache.py           paged K/V pools and the attention function registered with transformers
+    recurrent_state.py    per-sequence state of a hybrid's Gated DeltaNet layers and their step forward
     decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
     weights.py            weight-transfer state machine and in-place loading by checkpoint name
     metrics.py            Prometheus series with vLLM's names
-    loading.py            model, dtype, context length, EOS ids, KV-cache size
+    loading.py            model (a vision-language checkpoint's text model), dtype, context length, EOS
+                          ids, KV-cache size; refuses what it would serve wrongly
 """
