@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DELTANET_CLASSES", "deltanet_layers", "disable_tree_deltanet", "enable_tree_deltanet",
-           "tree_deltanet_forward"]
+__all__ = ["DELTANET_CLASSES", "delta_rule_inputs", "deltanet_layers", "deltanet_output", "deltanet_projections",
+           "disable_tree_deltanet", "enable_tree_deltanet", "tree_deltanet_forward"]
 
 DELTANET_CLASSES = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
 """Layer classes whose tree forward was checked against forwarding samples alone (transformers >= 5.15)."""
@@ -97,28 +97,42 @@ def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, t
         raise ValueError(f"a Gated DeltaNet layer runs one packed row of {tree_mask.num_tokens} tokens, got hidden "
                          f"states of batch {batch} x {num_tokens} tokens; pass input_ids/position_ids of shape [1, T]")
     layout = tree_mask.recurrent_layout(layer.conv_kernel_size)
-    mixed_qkv, z, b, a = _projections(layer, hidden_states)
-    mixed_qkv = tree_causal_conv1d(mixed_qkv[0], layer.conv1d.weight[:, 0], layer.conv1d.bias, layout, layer.activation)
+    mixed_qkv, z, b, a = deltanet_projections(layer, hidden_states[0])
+    mixed_qkv = tree_causal_conv1d(mixed_qkv, layer.conv1d.weight[:, 0], layer.conv1d.bias, layout, layer.activation)
+    query, key, value, g, beta = delta_rule_inputs(layer, mixed_qkv, b, a)
+    backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device)
+    core = tree_gated_delta_rule(query, key, value, g, beta, layout, backend=backend)
+    return deltanet_output(layer, core, z)[None]
+
+
+def deltanet_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
+    """The layer's input projections of hidden_states [T, hidden], either layout: (mixed q|k|v
+    [T, conv_dim], the convolution's input; z [T, H, V]; b [T, H]; a [T, H])."""
+    x = hidden_states[None]
+    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: q/k/v/z and b/a interleaved per key head group
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)], dim=-1)
+        return mixed[0], z[0], b[0], a[0]
+    z = layer.in_proj_z(x)[0]
+    return layer.in_proj_qkv(x)[0], z.reshape(z.shape[0], -1, layer.head_v_dim), layer.in_proj_b(x)[0], \
+        layer.in_proj_a(x)[0]
+
+
+def delta_rule_inputs(layer: torch.nn.Module, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+    """(query [T, Hk, K], key [T, Hk, K], value [T, H, V], g [T, H], beta [T, H]) from the
+    convolution's output [T, conv_dim] and the b/a projections, as the layer's own forward makes them."""
+    num_tokens = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(num_tokens, -1, layer.head_k_dim)
     key = key.reshape(num_tokens, -1, layer.head_k_dim)
     value = value.reshape(num_tokens, -1, layer.head_v_dim)
-    beta = b[0].sigmoid()
     # float32 as in the layer's own forward (an fp16 A_log.exp() may overflow)
-    g = -layer.A_log.float().exp() * F.softplus(a[0].float() + layer.dt_bias)
-    backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device)
-    core = tree_gated_delta_rule(query, key, value, g, beta, layout, backend=backend)
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+    return query, key, value, g, b.sigmoid()
+
+
+def deltanet_output(layer: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The gated norm and output projection of the delta rule's output core [T, H, V] -> [T, hidden]."""
+    num_tokens = core.shape[0]
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(core.reshape(1, num_tokens, -1))
-
-
-def _projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
-    """(mixed q|k|v [1, T, conv_dim], z [1, T, H, V], b [1, T, H], a [1, T, H]) of either layout."""
-    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: q/k/v/z and b/a interleaved per key head group
-        query, key, value, z, b, a = layer.fix_query_key_value_ordering(
-            layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states))
-        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)
-        return mixed, z, b, a
-    z = layer.in_proj_z(hidden_states)
-    z = z.reshape(z.shape[0], z.shape[1], -1, layer.head_v_dim)
-    return layer.in_proj_qkv(hidden_states), z, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+    return layer.out_proj(core.reshape(num_tokens, -1))

@@ -44,7 +44,9 @@ __all__ = [
     "DELTA_RULE_BACKENDS",
     "RecurrentLayout",
     "SegmentLevel",
+    "causal_conv1d_at",
     "chunk_gated_delta_rule",
+    "normalized_query_key",
     "resolve_delta_rule_backend",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",
@@ -178,18 +180,42 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if width != layout.conv_width:
         raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has {width}")
     padded = torch.cat([x, x.new_zeros(1, channels)])[layout.conv_index]  # [T + S (W - 1), C]
+    return causal_conv1d_at(padded, layout.conv_keep, weight, bias, activation)
+
+
+def causal_conv1d_at(padded: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal convolution over `padded` [N, C], a concatenation in which each output
+    position in `keep` [T] is preceded by the W - 1 inputs its window reads; returns those T
+    outputs [T, C] in padded's dtype (computed in weight's dtype, like transformers)."""
+    channels, width = weight.shape
     out = F.conv1d(padded.T[None].to(weight.dtype), weight[:, None, :], bias, padding=width - 1, groups=channels)
-    out = out[0, :, : padded.shape[0]].T[layout.conv_keep]
+    out = out[0, :, : padded.shape[0]].T[keep]
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
         raise ValueError(f"unsupported convolution activation {activation!r} (Gated DeltaNet layers use 'silu')")
-    return out.to(x.dtype)
+    return out.to(padded.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (transformers' and fla's l2norm)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def grouped_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """query/key [..., Hk, K] repeated to the H value heads (each q/k head serves H / Hk consecutive ones)."""
+    if key.shape[-2] != heads:
+        query, key = (x.repeat_interleave(heads // x.shape[-2], dim=-2) for x in (query, key))
+    return query, key
+
+
+def normalized_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw query/key [..., Hk, K] as `chunk_gated_delta_rule` takes them: repeated to the H value
+    heads, l2-normalised, query scaled by K^-1/2, in float32 (float64 stays float64)."""
+    query, key = grouped_query_key(query, key, heads)
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    return l2_normalize(query.to(dtype)) * query.shape[-1] ** -0.5, l2_normalize(key.to(dtype))
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
@@ -308,15 +334,11 @@ def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Hk (grouped value heads), g and beta [T, H]. backend "torch" or "fla" (a resolved backend).
     Returns [T, H, V] in value's dtype.
     """
-    heads = value.shape[1]
-    if key.shape[1] != heads:  # each q/k head serves H / Hk consecutive value heads
-        query, key = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (query, key))
     if backend == "fla":
+        query, key = grouped_query_key(query, key, value.shape[-2])
         run_level = _fla_level
     elif backend == "torch":
-        dtype = torch.promote_types(query.dtype, torch.float32)
-        query = l2_normalize(query.to(dtype)) * query.shape[-1] ** -0.5
-        key = l2_normalize(key.to(dtype))
+        query, key = normalized_query_key(query, key, value.shape[-2])
         run_level = _torch_level
     else:
         raise ValueError(f"tree_gated_delta_rule backend must be 'torch' or 'fla', got {backend!r}")

@@ -10,9 +10,11 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     prefix_cache.py       block pool: reference counts, content-addressed full blocks, LRU eviction
     context_attention.py  chunks that continue after cached tokens attend over the paged cache
     attention_math.py     masked attention with sliding windows and logit soft-capping
+    recurrent_state.py    per-sequence state of a hybrid's Gated DeltaNet layers and their step forward
     decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
     weights.py            weight-transfer state machine and in-place loading by checkpoint name
     metrics.py            Prometheus series with vLLM's names
-    loading.py            model, dtype, context length, EOS ids, KV-cache size
+    loading.py            model (a vision-language checkpoint's text model), dtype, context length, EOS
+                          ids, KV-cache size; refuses what it would serve wrongly
 """

@@ -38,6 +38,7 @@ from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
+from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
@@ -98,25 +99,30 @@ class Server(ControlRoutes):
             return_sampling_mask=args.return_sampling_mask,
             eos_token_id=served.eos_token_id,
             extra_eos_ids=served.extra_eos_ids,
+            media_token_ids=served.media_token_ids,
         )
         self.metrics = ServerMetrics(self.name)
         self.cache = PagedKVCache(
             served.num_layers, kv_tokens // BLOCK_SIZE, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
-            served.dtype, served.device,
+            served.dtype, served.device, served.attention_layers,
         )
         caching = prefix_caching_enabled(args.enable_prefix_caching, served.model.config.get_text_config())
+        self.recurrent = RecurrentState.for_model(served.model, args.max_num_seqs, served.device)
         self.scheduler = Scheduler(
             BlockPool(self.cache.num_blocks, caching), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
             served.max_model_len,
         )
         graphs = None
-        if served.device.type == "cuda" and not args.enforce_eager:
+        if self.recurrent is not None and served.device.type == "cuda" and not args.enforce_eager:
+            logger.info("decode steps run eagerly: the Gated DeltaNet layers' state is not captured in CUDA graphs")
+        elif served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
                 served.vocab_size,
             )
         self.runner = ModelRunner(
-            served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs
+            served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
+            self.recurrent,
         )
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
         self.engine: Engine | None = None
@@ -274,6 +280,7 @@ class Server(ControlRoutes):
         if body.get("output_mode", "tokens") not in (None, "tokens"):
             raise P.ApiError(400, "output_mode must be 'tokens' on the embedded server", param="output_mode")
         prompt = P.token_id_list(body.get("token_ids"), self.spec, "token_ids")
+        P.check_text_only(body, [prompt], self.spec, "token_ids")
         params = P.parse_sampling(
             body.get("sampling_params") or {}, self.spec, len(prompt), route="generate", draw_seed=self._draw_seed
         )
@@ -334,6 +341,7 @@ class Server(ControlRoutes):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
         prompts = self._prompts(body.get("prompt"))
+        P.check_text_only(body, prompts, self.spec, "prompt")
         rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
         all_seqs = []
         for i, prompt in enumerate(prompts):

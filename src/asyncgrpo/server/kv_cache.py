@@ -55,10 +55,13 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        attention_layers: Sequence[int] | None = None,
     ) -> None:
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # a hybrid's recurrent layers (attention_layers leaves them out) keep no keys/values: empty pools
+        keep = set(range(num_layers) if attention_layers is None else attention_layers)
+        self.k = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device) for i in range(num_layers)]
+        self.v = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device) for i in range(num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.block_size = block_size

@@ -1,4 +1,11 @@
-"""Loading the served model: device and dtype choice, context length, EOS ids, KV-cache size."""
+"""Loading the served model: device and dtype choice, context length, EOS ids, KV-cache size.
+
+A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole, as the trainer loads it
+(`train/model_setup.load_policy`), so parameter names, and with them the weight pushes, are the
+checkpoint's (`model.language_model.layers.0...`); only its text model runs (token ids in, no image
+features), and prompts holding its image or video placeholder tokens are refused. A hybrid's Gated
+DeltaNet layers keep a per-sequence recurrent state (`recurrent_state.py`) instead of KV-cache rows.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.models import load_causal_lm, load_tokenizer, resolve_model_path
+from asyncgrpo.models import load_tokenizer, resolve_model_path
+from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
 from asyncgrpo.server.decode_attention import triton_works_on
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
+from asyncgrpo.server.recurrent_state import RecurrentState, serve_deltanet_layers
+from asyncgrpo.train.model_setup import is_vision_language, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +45,8 @@ class ServedModel:
     num_kv_heads: int
     head_dim: int
     fused_layers: FusedLayers
+    attention_layers: tuple[int, ...]  # the layers with keys/values in the KV cache (all but DeltaNet ones)
+    media_token_ids: frozenset[int]  # a vision-language checkpoint's image/video placeholders (refused)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,21 +86,54 @@ def _eos_ids(path: str, tokenizer) -> tuple[int | None, frozenset[int]]:
     return primary, frozenset(i for i in ids if i != primary)
 
 
-def load_served_model(name: str, device: torch.device, dtype_name: str, max_model_len: int | None) -> ServedModel:
-    path = resolve_model_path(name)
-    from transformers import AutoConfig
+_MEDIA_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_SERVED_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
 
-    config = AutoConfig.from_pretrained(path)
+
+def _check_servable(name: str, config) -> None:
+    """Refuse what the embedded server would serve wrongly: layer types other than (sliding-window)
+    attention and Gated DeltaNet, vision-language families whose text model was not verified."""
     text = config.get_text_config()
-    dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
-    model = load_causal_lm(name, dtype=dtype, device=device)
+    if text is not config and config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        raise ValueError(f"{name}: model type {config.model_type!r} is a multimodal model the embedded server does not "
+                         f"serve (vision-language checkpoints it serves the text model of: "
+                         f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); serve it with vLLM")
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    if layer_types - _SERVED_LAYER_TYPES:
+        raise ValueError(f"{name}: layers of type {sorted(layer_types - _SERVED_LAYER_TYPES)} are not supported by the "
+                         "embedded server (it runs full and sliding-window attention and Gated DeltaNet layers); serve it with vLLM")
+
+
+def prepare_model(model: torch.nn.Module, device: torch.device) -> FusedLayers:
+    """Make a loaded model the server's (in place): paged attention, Gated DeltaNet layers reading
+    the per-sequence recurrent state, no gradients, fused attention/MLP blocks (and norms on CUDA)."""
     model.set_attn_implementation(register_attention())
     model.requires_grad_(False)
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    num_recurrent = serve_deltanet_layers(model, expected=layer_types.count("linear_attention"))
+    if num_recurrent:
+        logger.info("%d Gated DeltaNet layers keep a per-sequence recurrent state", num_recurrent)
     fused = fuse_layers(model, triton=device.type == "cuda")
     logger.info("%d attention and %d MLP blocks run fused (%d with Triton kernels)", fused.attention, fused.mlp,
                 fused.with_triton)
     if device.type == "cuda":
         logger.info("%d norm layers run as one kernel each", fuse_rms_norms(model))
+    return fused
+
+
+def load_served_model(name: str, device: torch.device, dtype_name: str, max_model_len: int | None) -> ServedModel:
+    path = resolve_model_path(name)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    _check_servable(name, config)
+    text = config.get_text_config()
+    dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
+    # a vision-language checkpoint whole (its names are what the trainer pushes), else a causal LM
+    model = load_policy(name, dtype=dtype, init_kwargs=None, trust_remote_code=False).to(device).eval()
+    logger.info("loaded %s from %s", type(model).__name__, path)
+    fused = prepare_model(model, device)
+    if device.type == "cuda":
         triton_works_on(device, dtype)  # checked here, before any CUDA graph is captured
     try:
         tokenizer = load_tokenizer(name)
@@ -104,6 +149,8 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
         logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
     heads = text.num_attention_heads
     eos, extra = _eos_ids(path, tokenizer)
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    media = {getattr(config, key, None) for key in _MEDIA_TOKENS} if is_vision_language(config) else set()
     return ServedModel(
         model=model,
         tokenizer=tokenizer,
@@ -119,6 +166,8 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
         fused_layers=fused,
+        attention_layers=tuple(i for i, kind in enumerate(layer_types) if kind != "linear_attention"),
+        media_token_ids=frozenset(int(t) for t in media if t is not None),
     )
 
 
@@ -126,16 +175,19 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
     """KV-cache size in tokens (a multiple of block_size).
 
     Default: room for max_num_seqs full-length sequences, capped on CUDA at 80 % of the memory
-    free after loading and on CPU at 30 % of the available RAM.
+    free after loading and on CPU at 30 % of the available RAM, less a hybrid's recurrent state
+    (max_num_seqs slots, allocated beside the cache).
     """
-    per_token = PagedKVCache.bytes_per_token(served.num_layers, served.num_kv_heads, served.head_dim, served.dtype)
+    per_token = PagedKVCache.bytes_per_token(len(served.attention_layers), served.num_kv_heads, served.head_dim,
+                                             served.dtype)
     if requested is None:
         want = max_num_seqs * served.max_model_len
         if served.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(served.device)
-            cap = int(0.8 * free) // per_token
+            budget = int(0.8 * free)
         else:
-            cap = int(0.3 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // per_token
+            budget = int(0.3 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        cap = max(budget - max_num_seqs * RecurrentState.bytes_per_sequence(served.model), 0) // per_token
         tokens = min(want, cap)
     else:
         tokens = requested

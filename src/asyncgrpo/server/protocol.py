@@ -57,6 +57,7 @@ class ServerSpec:
     return_sampling_mask: bool
     eos_token_id: int | None
     extra_eos_ids: frozenset[int]
+    media_token_ids: frozenset[int] = frozenset()  # image/video placeholders of a vision-language checkpoint
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -91,6 +92,23 @@ def token_id_list(value: Any, spec: ServerSpec, key: str) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < spec.vocab_size:
             raise _bad(f"{key} holds {t!r}, not a token id in [0, {spec.vocab_size})", key)
     return list(value)
+
+
+_MEDIA_FIELDS = ("features", "multi_modal_data", "mm_features")
+_NO_IMAGES = ("images are not supported yet: the embedded server runs the text model of a vision-language "
+              "checkpoint; send text-only prompts")
+
+
+def check_text_only(body: dict, prompts: list[list[int]], spec: ServerSpec, key: str) -> None:
+    """400 for image or video content: a multimodal field of the request, or a prompt holding the
+    checkpoint's image/video placeholder tokens (which would need the vision tower's features)."""
+    for field_name in _MEDIA_FIELDS:
+        if body.get(field_name) is not None:
+            raise _bad(f"{field_name}: {_NO_IMAGES}", field_name)
+    for prompt in prompts:
+        media = sorted(set(prompt) & spec.media_token_ids)
+        if media:
+            raise _bad(f"{key} holds image/video placeholder token ids {media}; {_NO_IMAGES}", key)
 
 
 def check_model(model: Any, spec: ServerSpec) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
+from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
 from asyncgrpo.server.sampling import (
     SamplingPlan,
     apply_repetition_penalty,
@@ -134,13 +135,16 @@ class ModelRunner:
         vocab_size: int,
         block_table: np.ndarray,
         graphs: DecodeGraphs | None = None,
+        recurrent: RecurrentState | None = None,
     ) -> None:
+        assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
         self.model = model
         self.cache = cache
         self.device = device
         self.vocab_size = vocab_size
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
+        self.recurrent = recurrent  # the DeltaNet layers' per-row state of a hybrid model
         self.params = RowParams(block_table.shape[0])
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
@@ -161,12 +165,12 @@ class ModelRunner:
             last = np.fromiter((s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
         if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
-            self._forward(dec, prefill)
+            self._forward(dec, prefill, rows[: len(decode)])
             return StepOutput([], [], [], None, None, None)
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
         if prefill or self.graphs is None:
-            logits = self._forward(dec, prefill)
+            logits = self._forward(dec, prefill, rows[: len(decode)])
         else:
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
@@ -177,8 +181,9 @@ class ModelRunner:
         ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
         return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
-    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence]) -> torch.Tensor:
-        """Eager flat step: any mix of decode tokens and prompts. Returns logits [B, V]."""
+    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence], decode_rows: np.ndarray) -> torch.Tensor:
+        """Eager flat step: any mix of decode tokens (of the scheduler rows `decode_rows`) and prompt
+        chunks. Returns logits [B, V]."""
         bs = self.cache.block_size
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
         prefill_lens, starts = [], []
@@ -208,12 +213,17 @@ class ModelRunner:
             starts,
             [s.blocks for s in prefill],
         )
+        extra = {}
+        if self.recurrent is not None:
+            rows = np.concatenate([decode_rows, np.fromiter((s.row for s in prefill), np.int64, len(prefill))])
+            extra[STEP_KWARG] = self.recurrent.step(rows, len(decode_rows), prefill_lens, starts)
         out = self.model(
             input_ids=flat[0][None],
             position_ids=flat[1][None],
             use_cache=False,
             logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
             kv_meta=meta,
+            **extra,
         )
         return out.logits[0]
 
