@@ -621,12 +621,7 @@ class AsyncRolloutLoop:
         group = pending.group
         scores = await score_group(group, self.reward_funcs, self._reward_names)
         group.rewards = np.asarray(scores.totals, dtype=np.float64)
-        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        if advantages.shape != (len(group),):
-            raise ValueError(
-                f"compute_advantages returned shape {advantages.shape} for a group of {len(group)} rollouts; "
-                "return one advantage per rollout"
-            )
+        advantages = adv.check_advantages(self.compute_advantages(group), len(group))
         dropped = adv.is_zero_std(group.rewards)
         self._record_reward_metrics(group, scores, dropped)
         num_samples = 0

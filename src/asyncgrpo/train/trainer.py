@@ -67,6 +67,7 @@ from asyncgrpo.train.model_setup import (
     train_text_model_only,
     weights_for_server,
 )
+from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
@@ -207,6 +208,8 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
         self._peak_flops: float | None = None
+        self._nonfinite = NonFiniteGuard()
+        self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise ValueError(
@@ -445,7 +448,17 @@ class AsyncGRPOTrainer(Trainer):
         t_bwd = time.perf_counter()
         self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
+        self._nonfinite.add_loss(loss)
         return loss.detach()
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        # the Trainer calls this between clipping and optimizer.step(): the last point to keep an
+        # inf/NaN loss or gradient out of the weights (and so out of the server)
+        self._step_skipped = not self._nonfinite.step_is_finite(grad_norm, step=self.state.global_step + 1)
+        if self._step_skipped:
+            drop_gradients(model)
+        return grad_norm
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._drain_worker_metrics()
@@ -512,7 +525,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._channel is not None:  # what the whole step consumed, every process's rows
             self._channel.token_allowance.value = token_allowance(args.max_staleness, max(step_totals.raw_tokens, 1))
         sync_s: dict[str, float] = {}
-        if self.state.global_step % args.weight_sync_steps == 0:
+        self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
+        if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             sync_s = self._sync_weights()
             self.model_version += 1
             if self._channel is not None:
