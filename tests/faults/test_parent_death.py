@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 SCRIPT = Path(__file__).with_name("train_until_killed.py")
+PROBE = Path(__file__).with_name("orphan_probe.py")
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -27,6 +28,28 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+@pytest.mark.parametrize("mechanism", ["prctl", "watchdog"])
+def test_a_child_that_exits_with_its_parent_dies_when_the_parent_is_sigkilled(mechanism):
+    parent = subprocess.Popen([sys.executable, str(PROBE), mechanism], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert parent.stdout.readline().strip() == "armed"
+        assert _alive([child])
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while _alive([child]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive([child]), f"the child outlived its SIGKILLed parent ({mechanism})"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and _alive([child]):
+            child.kill()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
-import os
 import queue as queue_lib
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from asyncgrpo.rollout.concurrency import initial_tokens_per_step, token_allowan
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
+from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.logprobs import token_logprobs
@@ -210,6 +210,7 @@ class AsyncGRPOTrainer(Trainer):
         self._peak_flops: float | None = None
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
+        self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise ValueError(
@@ -227,6 +228,8 @@ class AsyncGRPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
+        if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
+            resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
         start_position, self.model_version = self._rollout_state(resume_from_checkpoint)
         user_max_steps = args.max_steps
         try:
@@ -267,20 +270,11 @@ class AsyncGRPOTrainer(Trainer):
              "environment_factory": self.environment_factory, "config": self.args},
         )
 
-    def _rollout_state(self, resume_from_checkpoint: str | bool | None) -> tuple[int, int]:
-        if not resume_from_checkpoint:
+    def _rollout_state(self, checkpoint: str | None) -> tuple[int, int]:
+        if not checkpoint:
             return 0, 0
-        path = resume_from_checkpoint
-        if path is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            path = get_last_checkpoint(self.args.output_dir)
-            if path is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
-        state = read_rollout_state(path)
-        if state is None:
-            logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_FILE)
-            return 0, 0
+        state = read_rollout_state(checkpoint)
+        assert state is not None, f"{checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
         return state.trained_position, state.model_version
 
     def _training_dtype(self) -> torch.dtype:
@@ -508,14 +502,32 @@ class AsyncGRPOTrainer(Trainer):
                 return
             self._window.add(record)
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if not self.is_world_process_zero() or self._progress is None:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._checkpoint_staging is not None:  # the Trainer writes the checkpoint there
+            return str(self._checkpoint_staging)
+        return super()._get_output_dir(trial=trial)
 
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        write_rollout_state(folder, RolloutState(self._progress.trained_position, self.model_version))
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint plus rollout_state.json, written to a staging folder and renamed
+        into place when complete (a full disk: `CheckpointDiskFullError` naming the path)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        main = self.is_world_process_zero()
+        with staged_checkpoint(run_dir, folder, is_main=main, barrier=self.accelerator.wait_for_everyone) as staging:
+            self._checkpoint_staging = staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._checkpoint_staging = None
+            if main and self._progress is not None:
+                write_rollout_state(staging / folder, RolloutState(self._progress.trained_position, self.model_version))
+        if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
