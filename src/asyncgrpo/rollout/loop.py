@@ -137,6 +137,7 @@ class AsyncRolloutLoop:
         score_queue_maxsize: int = 16,
         lora_name: str | None = None,
         dataset_start_index: int = 0,
+        dataset_skip_positions: Sequence[int] = (),
     ) -> None:
         if dataset is None and environment_factory is None:
             raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() returns the prompt")
@@ -153,6 +154,7 @@ class AsyncRolloutLoop:
         self.score_queue_maxsize = score_queue_maxsize
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
+        self.dataset_skip_positions = frozenset(dataset_skip_positions)  # trained before a resume
         self.num_generations = int(config.num_generations)
         self.max_concurrent_rollouts = int(config.max_concurrent_rollouts)
         self._environments = EnvironmentPool.from_argument(environment_factory)
@@ -479,10 +481,12 @@ class AsyncRolloutLoop:
                 start_position=self.dataset_start_index,
                 filter_prompt=self.filter_prompt,
                 prompt_required=self._environments is None,
+                skip_positions=self.dataset_skip_positions,
             )
             return
         for position in itertools.count(self.dataset_start_index):
-            yield PromptItem(position, 0, position, {}, bool(self.filter_prompt(position, {}, 0)))
+            skip = position in self.dataset_skip_positions
+            yield PromptItem(position, 0, position, {}, not skip and bool(self.filter_prompt(position, {}, 0)))
 
     async def _dispatch(self) -> None:
         """Admit, then take the next accepted prompt (so `filter_prompt` sees the latest scores)."""

@@ -230,7 +230,8 @@ class AsyncGRPOTrainer(Trainer):
         args = self.args
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
-        start_position, self.model_version = self._rollout_state(resume_from_checkpoint)
+        resumed = self._rollout_state(resume_from_checkpoint)
+        start_position, self.model_version = resumed.trained_position, resumed.model_version
         user_max_steps = args.max_steps
         try:
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
@@ -243,7 +244,7 @@ class AsyncGRPOTrainer(Trainer):
                 self._server.init_weight_transfer(args.device)
             self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
             if self._server is not None:
-                self._start_rollout(info, start_position)  # the rollout process sees the user's max_steps
+                self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
                 if total_positions is None:
                     raise ValueError("a streaming train_dataset has no length to count epochs: set `max_steps`")
@@ -270,12 +271,12 @@ class AsyncGRPOTrainer(Trainer):
              "environment_factory": self.environment_factory, "config": self.args},
         )
 
-    def _rollout_state(self, checkpoint: str | None) -> tuple[int, int]:
+    def _rollout_state(self, checkpoint: str | None) -> RolloutState:
         if not checkpoint:
-            return 0, 0
+            return RolloutState()
         state = read_rollout_state(checkpoint)
         assert state is not None, f"{checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
-        return state.trained_position, state.model_version
+        return state
 
     def _training_dtype(self) -> torch.dtype:
         """The precision of the training matmuls: the mixed-precision dtype, else the weights'."""
@@ -313,7 +314,7 @@ class AsyncGRPOTrainer(Trainer):
             return None  # a stream: it ends when the rollout process runs out of prompts
         return math.ceil(self.args.num_train_epochs * n)
 
-    def _start_rollout(self, info: Any, start_position: int) -> None:
+    def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
         ctx = mp.get_context("spawn")
         initial = token_allowance(
@@ -333,7 +334,8 @@ class AsyncGRPOTrainer(Trainer):
             "eos_token_ids": eos_token_ids(self.model, self.processing_class),
             "tools": self.tools,
             "environment_factory": self.environment_factory,
-            "dataset_start_index": start_position,
+            "dataset_start_index": resumed.trained_position,
+            "dataset_skip_positions": resumed.trained_above,
         }
         self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
         self._worker.start()
@@ -522,7 +524,9 @@ class AsyncGRPOTrainer(Trainer):
             finally:
                 self._checkpoint_staging = None
             if main and self._progress is not None:
-                write_rollout_state(staging / folder, RolloutState(self._progress.trained_position, self.model_version))
+                progress = self._progress
+                state = RolloutState(progress.trained_position, self.model_version, progress.trained_above)
+                write_rollout_state(staging / folder, state)
         if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
             rotate_checkpoints(
                 output_dir=run_dir, save_total_limit=self.args.save_total_limit,
