@@ -59,6 +59,7 @@ from asyncgrpo.rollout.channel import (
     TrainerView,
 )
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
+from asyncgrpo.rollout.dropped_groups import DroppedGroupsWatch
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     generation_records,
@@ -182,6 +183,7 @@ class AsyncRolloutLoop:
         self._last_position = _last_position(config, dataset)
         self._tokens_started_at_version = 0.0
         self._reward_names = reward_func_names(self.reward_funcs)
+        self._dropped_watch = DroppedGroupsWatch()
         self._kv_cap: ConcurrencyCap | None = None
         self._warned_candidates = False
         self._next_group_id = 0
@@ -216,6 +218,7 @@ class AsyncRolloutLoop:
             max_iterations=getattr(self.config, "max_tool_calling_iterations", None),
             executor=self._executor,
             record=self.channel.metrics.put,
+            tool_timeout_s=self.config.tool_call_timeout,
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
@@ -627,6 +630,9 @@ class AsyncRolloutLoop:
         group.rewards = np.asarray(scores.totals, dtype=np.float64)
         advantages = adv.check_advantages(self.compute_advantages(group), len(group))
         dropped = adv.is_zero_std(group.rewards)
+        warning = self._dropped_watch.observe(group.rewards, kept=not dropped)
+        if warning is not None:
+            logger.warning(warning)
         self._record_reward_metrics(group, scores, dropped)
         num_samples = 0
         if not dropped:

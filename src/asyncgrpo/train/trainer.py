@@ -73,6 +73,7 @@ from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.sharded_weights import push_sharded_weights
 from asyncgrpo.train.step_metrics import StepTotals
+from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +259,14 @@ class AsyncGRPOTrainer(Trainer):
 
     def _connect(self) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
-        self._server = ServerLink(self.args.vllm_server_base_url, timeout_s=self.args.vllm_server_timeout)
-        info = self._server.connect()
+        url, timeout_s = self.args.vllm_server_base_url, self.args.vllm_server_timeout
+        self._server = ServerLink(url, timeout_s=timeout_s)
+        with notice_while_waiting(lambda waited: (
+            f"waiting for the inference server at {url} ({waited:.0f} s so far; giving up after "
+            f"vllm_server_timeout={timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
+            "or fix vllm_server_base_url"
+        )):
+            info = self._server.connect()
         self._warn_dtype(info)
         return info
 
