@@ -2,12 +2,15 @@
 
 Saved beside every checkpoint:
 
-    {"trained_position": <int>, "model_version": <int>}
+    {"trained_position": <int>, "model_version": <int>, "trained_above": [<int>, ...]}
 
 `trained_position` is the index of the first prompt (in the rollout process's prompt stream,
 epoch * len(dataset) + index in that epoch's order) not yet trained: the trained position, not the
-generator's, so that nothing generated-but-untrained is skipped on resume. `model_version` is the
-number of weight syncs so far; versions keep increasing across a resume.
+generator's, so that nothing generated-but-untrained is skipped on resume. `trained_above` lists the
+prompts above it that are already trained (they finished out of order; at most a few steps' worth):
+the resumed rollout skips them, so every prompt is trained exactly once per epoch. `model_version` is
+the number of weight syncs so far; versions keep increasing across a resume. A file without
+`trained_above` (an older version) reads as an empty list.
 """
 
 from __future__ import annotations
@@ -27,15 +30,23 @@ class RolloutState:
 
     trained_position: int = 0
     model_version: int = 0
+    trained_above: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("trained_position", "model_version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RolloutState.{name} must be a non-negative int, got {value!r}")
+        above = self.trained_above
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p > self.trained_position for p in above):
+            raise ValueError(
+                f"RolloutState.trained_above must hold ints above trained_position={self.trained_position}, "
+                f"got {list(above)!r}"
+            )
+        object.__setattr__(self, "trained_above", tuple(sorted(set(above))))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        return json.dumps({**asdict(self), "trained_above": list(self.trained_above)}, indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str = ROLLOUT_STATE_FILE) -> RolloutState:
@@ -50,8 +61,14 @@ class RolloutState:
             raise ValueError(
                 f"{source} must hold a JSON object with keys {list(keys)}; missing {missing} in {text[:80]!r}"
             )
+        above = data.get("trained_above", [])
+        if not isinstance(above, list):
+            raise ValueError(f"{source}: trained_above must be a list of prompt positions, got {above!r}")  # noqa: TRY004 -- a malformed file, as above
         try:
-            return cls(trained_position=data["trained_position"], model_version=data["model_version"])
+            return cls(
+                trained_position=data["trained_position"], model_version=data["model_version"],
+                trained_above=tuple(above),
+            )
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
 

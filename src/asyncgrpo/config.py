@@ -78,6 +78,10 @@ class AsyncGRPOConfig(TrainingArguments):
             `{"enable_thinking": false}`.
         max_tool_calling_iterations (`int`, optional): Maximum tool-calling turns of a rollout. None:
             no limit, a rollout ends with the first assistant turn that calls no tool.
+        tool_call_timeout (`float`, defaults to 300.0): Seconds one tool call (a `tools` function or an
+            environment method) may run; a call that takes longer is reported to the model as a tool
+            error and counted as a failed call (`tools/failure_frequency`). A sync tool's thread cannot
+            be stopped: it keeps one of the `max_concurrent_rollouts` tool threads until it returns.
 
     Parameters that control the inference server:
         vllm_server_base_url (`str`, defaults to "http://localhost:8000"): Base URL of the vLLM (or
@@ -203,6 +207,10 @@ class AsyncGRPOConfig(TrainingArguments):
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={"help": "Maximum tool-calling turns of a rollout; None means no limit."},
+    )
+    tool_call_timeout: float = field(
+        default=300.0,
+        metadata={"help": "Seconds one tool call may run before it is reported to the model as a tool error."},
     )
 
     # -- inference server --------------------------------------------------------------------------
@@ -401,6 +409,11 @@ def _validate(args: AsyncGRPOConfig) -> None:
     _require(
         args.max_tool_calling_iterations is None or args.max_tool_calling_iterations >= 0,
         f"max_tool_calling_iterations={args.max_tool_calling_iterations} must be >= 0, or None for no limit",
+    )
+    _require(
+        args.tool_call_timeout > 0,
+        f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise hang "
+        "its rollout forever); use a large value for slow tools",
     )
     _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
     _require(

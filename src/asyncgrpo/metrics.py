@@ -128,6 +128,9 @@ PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S = "perf/wall_clock_trained_tokens_per_s"
 PERF_FWD_BWD_MFU = "perf/fwd_bwd_mfu"
 PERF_WALL_CLOCK_MFU = "perf/wall_clock_mfu"
 
+# -- faults -----------------------------------------------------------------------------------------
+OPTIMIZER_NONFINITE_STEP_COUNT = "optimizer/nonfinite_step_count"  # steps skipped: inf/NaN loss or gradient
+
 
 # -- names with a part chosen at run time -----------------------------------------------------------
 def reward_mean(reward_name: str) -> str:

@@ -204,6 +204,7 @@ def iter_prompts(
     filter_prompt: FilterPrompt | None = None,
     max_epochs: int | None = None,
     prompt_required: bool = True,
+    skip_positions: Collection[int] = (),
 ) -> Iterator[PromptItem]:
     """Yield the prompt stream from `start_position` on (endless unless `max_epochs` is given).
 
@@ -216,6 +217,8 @@ def iter_prompts(
         filter_prompt: `(row_index, row, epoch) -> bool`; False rejects the prompt for this epoch.
         max_epochs: Stop after this many epochs (counted from epoch 0).
         prompt_required: Check every row's prompt is conversational (see `validate_prompt_dataset`).
+        skip_positions: Positions already trained (`rollout_state.json`'s `trained_above`): yielded as
+            not accepted, without calling `filter_prompt`, so a resumed run trains each prompt once.
 
     Raises:
         ValueError: a row's prompt is malformed, the dataset is empty, or `filter_prompt` rejected
@@ -226,6 +229,9 @@ def iter_prompts(
     rows = _iter_rows(dataset, seed=seed, start_position=start_position, shuffle=shuffle, max_epochs=max_epochs)
     epoch, accepted, seen, whole_epoch = -1, 0, 0, False
     for position, ep, row_index, row, epoch_start in rows:
+        if position in skip_positions:
+            yield PromptItem(position=position, epoch=ep, row_index=row_index, row=row, accepted=False)
+            continue
         if ep != epoch:
             _check_epoch_not_all_rejected(epoch, seen, accepted, whole_epoch)
             epoch, accepted, seen, whole_epoch = ep, 0, 0, epoch_start

@@ -69,3 +69,20 @@ def scored_mean(rewards: np.ndarray | Sequence[float | None]) -> float:
     r = _as_rewards(rewards)
     values = r[~np.isnan(r)]
     return float(values.mean()) if values.size else float("nan")
+
+
+def check_advantages(advantages: np.ndarray, num_rollouts: int) -> np.ndarray:
+    """`compute_advantages`' result as float64, checked: one finite value per rollout (an inf or NaN
+    advantage would make the loss, and then every weight, NaN)."""
+    advantages = np.asarray(advantages, dtype=np.float64)
+    if advantages.shape != (num_rollouts,):
+        raise ValueError(
+            f"compute_advantages returned shape {advantages.shape} for a group of {num_rollouts} rollouts; "
+            "return one advantage per rollout"
+        )
+    if not np.isfinite(advantages).all():
+        raise ValueError(
+            f"compute_advantages returned non-finite advantages {advantages.tolist()}; return finite values "
+            "(0 for a rollout that should not be trained)"
+        )
+    return advantages

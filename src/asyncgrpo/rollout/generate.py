@@ -93,16 +93,27 @@ async def call_maybe_async(fn: Callable, executor: Executor, *args: Any, **kwarg
 
 
 async def execute_tool_call(
-    name: str, arguments: dict[str, Any], tools_by_name: Mapping[str, Callable], executor: Executor
+    name: str,
+    arguments: dict[str, Any],
+    tools_by_name: Mapping[str, Callable],
+    executor: Executor,
+    *,
+    timeout_s: float | None = None,
 ) -> ToolResult:
-    """Run one call `name(**arguments)`; every failure becomes a `ToolResult` with `failed=True`."""
+    """Run one call `name(**arguments)`; every failure, a call running past `timeout_s` included,
+    becomes a `ToolResult` with `failed=True`."""
     start = time.perf_counter()
     tool = tools_by_name.get(name)
     if tool is None:
         known = ", ".join(sorted(tools_by_name)) or "none"
         return ToolResult(name, f"Error: unknown tool {name!r}; available tools: {known}.", True, True, 0.0)
     try:
-        result = await call_maybe_async(tool, executor, **arguments)
+        result = await asyncio.wait_for(call_maybe_async(tool, executor, **arguments), timeout_s)
+    except asyncio.TimeoutError:  # a sync tool's thread runs on; the rollout does not wait for it
+        logger.warning("tool %s did not return within tool_call_timeout=%gs; reported to the model as an error", name, timeout_s)
+        return ToolResult(
+            name, f"Error: the tool {name!r} timed out after {timeout_s:g} s.", True, False, time.perf_counter() - start
+        )
     except Exception as exc:  # noqa: BLE001 -- a raising tool is the policy's problem, reported to it
         logger.debug("tool %s raised %r", name, exc)
         return ToolResult(name, f"Error: {type(exc).__name__}: {exc}", True, False, time.perf_counter() - start)
@@ -270,12 +281,14 @@ async def run_tool_loop(
     max_iterations: int | None,
     executor: Executor,
     record: Callable[[M.MetricRecord], None],
+    tool_timeout_s: float | None = None,
 ) -> Rollout:
     """The multi-turn tool loop of `AsyncRolloutLoop.generate_one`.
 
     Each turn renders the whole conversation, samples with `generate_turn` and runs the tool calls
-    of the answer in order; it stops at an answer without calls, or when `max_iterations` tool-calling
-    turns ran and the model still calls tools (`tools/loop_exhausted_frac`). Without tools: one turn.
+    of the answer in order (each bounded by `tool_timeout_s`); it stops at an answer without calls,
+    or when `max_iterations` tool-calling turns ran and the model still calls tools
+    (`tools/loop_exhausted_frac`). Without tools: one turn.
     """
     messages = [dict(m) for m in prompt]
     completion: list[dict[str, Any]] = []
@@ -301,7 +314,10 @@ async def run_tool_loop(
         iterations += 1
         record(M.metric(M.TOOLS_PARALLEL_CALLS_MEAN, len(calls) + len(parse_errors)))
         results = [
-            await execute_tool_call(call["function"]["name"], call["function"]["arguments"], tools_by_name, executor)
+            await execute_tool_call(
+                call["function"]["name"], call["function"]["arguments"], tools_by_name, executor,
+                timeout_s=tool_timeout_s,
+            )
             for call in calls  # in the order the model wrote them
         ] + [parse_error_result(error) for error in parse_errors]
         for result in results:

@@ -59,6 +59,7 @@ from asyncgrpo.rollout.channel import (
     TrainerView,
 )
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
+from asyncgrpo.rollout.dropped_groups import DroppedGroupsWatch
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     generation_records,
@@ -137,6 +138,7 @@ class AsyncRolloutLoop:
         score_queue_maxsize: int = 16,
         lora_name: str | None = None,
         dataset_start_index: int = 0,
+        dataset_skip_positions: Sequence[int] = (),
     ) -> None:
         if dataset is None and environment_factory is None:
             raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() returns the prompt")
@@ -153,6 +155,7 @@ class AsyncRolloutLoop:
         self.score_queue_maxsize = score_queue_maxsize
         self.lora_name = lora_name
         self.dataset_start_index = dataset_start_index
+        self.dataset_skip_positions = frozenset(dataset_skip_positions)  # trained before a resume
         self.num_generations = int(config.num_generations)
         self.max_concurrent_rollouts = int(config.max_concurrent_rollouts)
         self._environments = EnvironmentPool.from_argument(environment_factory)
@@ -180,6 +183,7 @@ class AsyncRolloutLoop:
         self._last_position = _last_position(config, dataset)
         self._tokens_started_at_version = 0.0
         self._reward_names = reward_func_names(self.reward_funcs)
+        self._dropped_watch = DroppedGroupsWatch()
         self._kv_cap: ConcurrencyCap | None = None
         self._warned_candidates = False
         self._next_group_id = 0
@@ -214,6 +218,7 @@ class AsyncRolloutLoop:
             max_iterations=getattr(self.config, "max_tool_calling_iterations", None),
             executor=self._executor,
             record=self.channel.metrics.put,
+            tool_timeout_s=self.config.tool_call_timeout,
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
@@ -486,10 +491,12 @@ class AsyncRolloutLoop:
                 start_position=self.dataset_start_index,
                 filter_prompt=self.filter_prompt,
                 prompt_required=self._environments is None,
+                skip_positions=self.dataset_skip_positions,
             )
             return
         for position in itertools.count(self.dataset_start_index):
-            yield PromptItem(position, 0, position, {}, bool(self.filter_prompt(position, {}, 0)))
+            skip = position in self.dataset_skip_positions
+            yield PromptItem(position, 0, position, {}, not skip and bool(self.filter_prompt(position, {}, 0)))
 
     async def _dispatch(self) -> None:
         """Admit, then take the next accepted prompt (so `filter_prompt` sees the latest scores)."""
@@ -628,13 +635,11 @@ class AsyncRolloutLoop:
         group = pending.group
         scores = await score_group(group, self.reward_funcs, self._reward_names)
         group.rewards = np.asarray(scores.totals, dtype=np.float64)
-        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        if advantages.shape != (len(group),):
-            raise ValueError(
-                f"compute_advantages returned shape {advantages.shape} for a group of {len(group)} rollouts; "
-                "return one advantage per rollout"
-            )
+        advantages = adv.check_advantages(self.compute_advantages(group), len(group))
         dropped = adv.is_zero_std(group.rewards)
+        warning = self._dropped_watch.observe(group.rewards, kept=not dropped)
+        if warning is not None:
+            logger.warning(warning)
         self._record_reward_metrics(group, scores, dropped)
         num_samples = 0
         if not dropped:

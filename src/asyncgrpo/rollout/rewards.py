@@ -8,7 +8,9 @@ Reward functions are called concurrently, once per group, with the keyword argum
 `completions`, `completion_ids` and every other column of the prompt's dataset row (one value per
 rollout). Each returns one float, or None ("not applicable"), per rollout. A rollout's total is the
 sum of the values that are not None (NaN counts as None); a rollout that no source scored gets NaN,
-which `compute_advantages` excludes from the group statistics.
+which `compute_advantages` excludes from the group statistics. An infinite value is an error like a
+raising function (`RewardFunctionError` naming the source and the value): standardised within the
+group it would turn every advantage into NaN and, through the loss, every weight.
 """
 
 from __future__ import annotations
@@ -151,6 +153,18 @@ def _optional_values(values: Sequence[float | None]) -> np.ndarray:
     return np.array([math.nan if v is None else float(v) for v in values], dtype=np.float64)
 
 
+def check_finite_rewards(values: np.ndarray, source: str) -> None:
+    """Raise `RewardFunctionError` when `source` gave an infinite reward (NaN means "not applicable")."""
+    bad = np.flatnonzero(np.isinf(values))
+    if bad.size:
+        i = int(bad[0])
+        raise RewardFunctionError(
+            f"{source} returned {values[i]} for completion {i} of its group ({bad.size} infinite value(s) in "
+            "the group): rewards must be finite floats, or None (or NaN) when the reward does not apply; an "
+            "infinite reward would make every advantage of the group NaN. Clip the reward or return None"
+        )
+
+
 async def score_group(
     group: RolloutGroup,
     reward_funcs: Sequence[Callable[..., Any]],
@@ -181,5 +195,9 @@ async def score_group(
         if key in names:
             key = f"{key}_env"
         per_source.setdefault(key, np.full(n, np.nan))[i] = math.nan if value is None else float(value)
-    sources = list(per_source.values()) + [_optional_values(group.rollout_rewards)]
+    rollout_rewards = _optional_values(group.rollout_rewards)
+    for name, values in per_source.items():
+        check_finite_rewards(values, f"reward function {name!r}" if name in names else f"{name}.get_reward")
+    check_finite_rewards(rollout_rewards, "Rollout.reward (set by generate_one)")
+    sources = [*per_source.values(), rollout_rewards]
     return GroupRewards(totals=sum_rewards(sources, n), per_source=per_source)

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel, WorkerError
+from asyncgrpo.rollout.parent_death import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +139,18 @@ def _report_error(channel: RolloutChannel, exc: BaseException) -> None:
         channel.failed_event.set()
 
 
-def run_rollout_process(loop_cls: type, loop_kwargs: dict[str, Any], channel: RolloutChannel) -> None:
+def run_rollout_process(
+    loop_cls: type, loop_kwargs: dict[str, Any], channel: RolloutChannel, parent_pid: int | None = None
+) -> None:
     """Entry point of the spawned process: build the loop, run it, report any failure.
 
     Exits with code 0 after a requested stop and 1 after an error (reported on `channel.errors`).
+    With `parent_pid` (the trainer's), it also exits as soon as that process is gone.
     """
     import asyncio
+
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -213,7 +220,7 @@ class RolloutWorker:
         ctx = mp.get_context("spawn")
         process = ctx.Process(
             target=run_rollout_process,
-            args=(self.loop_cls, self.loop_kwargs, self.channel),
+            args=(self.loop_cls, self.loop_kwargs, self.channel, os.getpid()),
             name=ROLLOUT_PROCESS_NAME,
             daemon=True,
         )

@@ -27,6 +27,11 @@ class TrainedPrompts:
         """Index of the first prompt that is not fully trained yet."""
         return self._next_position
 
+    @property
+    def trained_above(self) -> tuple[int, ...]:
+        """The done positions above `trained_position` (finished out of order), sorted."""
+        return tuple(sorted(p for p in self._done if p > self._next_position))
+
     def on_sample_consumed(self, position: int) -> None:
         """A sample of `position` was trained or dropped."""
         self._remaining[position] = self._remaining.get(position, 0) - 1

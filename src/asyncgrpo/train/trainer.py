@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
-import os
 import queue as queue_lib
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from asyncgrpo.rollout.concurrency import initial_tokens_per_step, token_allowan
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
+from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.logprobs import token_logprobs
@@ -67,11 +67,13 @@ from asyncgrpo.train.model_setup import (
     train_text_model_only,
     weights_for_server,
 )
+from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.sharded_weights import push_sharded_weights
 from asyncgrpo.train.step_metrics import StepTotals
+from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +209,9 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
         self._peak_flops: float | None = None
+        self._nonfinite = NonFiniteGuard()
+        self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
+        self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
         fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
         if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
             raise ValueError(
@@ -224,7 +229,10 @@ class AsyncGRPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
-        start_position, self.model_version = self._rollout_state(resume_from_checkpoint)
+        if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
+            resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
+        resumed = self._rollout_state(resume_from_checkpoint)
+        start_position, self.model_version = resumed.trained_position, resumed.model_version
         user_max_steps = args.max_steps
         try:
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
@@ -237,7 +245,7 @@ class AsyncGRPOTrainer(Trainer):
                 self._server.init_weight_transfer(args.device)
             self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
             if self._server is not None:
-                self._start_rollout(info, start_position)  # the rollout process sees the user's max_steps
+                self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
                 if total_positions is None:
                     raise ValueError("a streaming train_dataset has no length to count epochs: set `max_steps`")
@@ -251,8 +259,14 @@ class AsyncGRPOTrainer(Trainer):
 
     def _connect(self) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
-        self._server = ServerLink(self.args.vllm_server_base_url, timeout_s=self.args.vllm_server_timeout)
-        info = self._server.connect()
+        url, timeout_s = self.args.vllm_server_base_url, self.args.vllm_server_timeout
+        self._server = ServerLink(url, timeout_s=timeout_s)
+        with notice_while_waiting(lambda waited: (
+            f"waiting for the inference server at {url} ({waited:.0f} s so far; giving up after "
+            f"vllm_server_timeout={timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
+            "or fix vllm_server_base_url"
+        )):
+            info = self._server.connect()
         self._warn_dtype(info)
         return info
 
@@ -264,21 +278,12 @@ class AsyncGRPOTrainer(Trainer):
              "environment_factory": self.environment_factory, "config": self.args},
         )
 
-    def _rollout_state(self, resume_from_checkpoint: str | bool | None) -> tuple[int, int]:
-        if not resume_from_checkpoint:
-            return 0, 0
-        path = resume_from_checkpoint
-        if path is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            path = get_last_checkpoint(self.args.output_dir)
-            if path is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint")
-        state = read_rollout_state(path)
-        if state is None:
-            logger.warning("%s has no %s: the rollout restarts from the first prompt", path, ROLLOUT_STATE_FILE)
-            return 0, 0
-        return state.trained_position, state.model_version
+    def _rollout_state(self, checkpoint: str | None) -> RolloutState:
+        if not checkpoint:
+            return RolloutState()
+        state = read_rollout_state(checkpoint)
+        assert state is not None, f"{checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
+        return state
 
     def _training_dtype(self) -> torch.dtype:
         """The precision of the training matmuls: the mixed-precision dtype, else the weights'."""
@@ -316,7 +321,7 @@ class AsyncGRPOTrainer(Trainer):
             return None  # a stream: it ends when the rollout process runs out of prompts
         return math.ceil(self.args.num_train_epochs * n)
 
-    def _start_rollout(self, info: Any, start_position: int) -> None:
+    def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
         ctx = mp.get_context("spawn")
         initial = token_allowance(
@@ -336,7 +341,8 @@ class AsyncGRPOTrainer(Trainer):
             "eos_token_ids": eos_token_ids(self.model, self.processing_class),
             "tools": self.tools,
             "environment_factory": self.environment_factory,
-            "dataset_start_index": start_position,
+            "dataset_start_index": resumed.trained_position,
+            "dataset_skip_positions": resumed.trained_above,
         }
         self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
         self._worker.start()
@@ -445,7 +451,17 @@ class AsyncGRPOTrainer(Trainer):
         t_bwd = time.perf_counter()
         self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
+        self._nonfinite.add_loss(loss)
         return loss.detach()
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        # the Trainer calls this between clipping and optimizer.step(): the last point to keep an
+        # inf/NaN loss or gradient out of the weights (and so out of the server)
+        self._step_skipped = not self._nonfinite.step_is_finite(grad_norm, step=self.state.global_step + 1)
+        if self._step_skipped:
+            drop_gradients(model)
+        return grad_norm
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self._drain_worker_metrics()
@@ -495,14 +511,34 @@ class AsyncGRPOTrainer(Trainer):
                 return
             self._window.add(record)
 
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        if not self.is_world_process_zero() or self._progress is None:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._checkpoint_staging is not None:  # the Trainer writes the checkpoint there
+            return str(self._checkpoint_staging)
+        return super()._get_output_dir(trial=trial)
 
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        write_rollout_state(folder, RolloutState(self._progress.trained_position, self.model_version))
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint plus rollout_state.json, written to a staging folder and renamed
+        into place when complete (a full disk: `CheckpointDiskFullError` naming the path)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        main = self.is_world_process_zero()
+        with staged_checkpoint(run_dir, folder, is_main=main, barrier=self.accelerator.wait_for_everyone) as staging:
+            self._checkpoint_staging = staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._checkpoint_staging = None
+            if main and self._progress is not None:
+                progress = self._progress
+                state = RolloutState(progress.trained_position, self.model_version, progress.trained_above)
+                write_rollout_state(staging / folder, state)
+        if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
@@ -512,7 +548,8 @@ class AsyncGRPOTrainer(Trainer):
         if self._channel is not None:  # what the whole step consumed, every process's rows
             self._channel.token_allowance.value = token_allowance(args.max_staleness, max(step_totals.raw_tokens, 1))
         sync_s: dict[str, float] = {}
-        if self.state.global_step % args.weight_sync_steps == 0:
+        self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
+        if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             sync_s = self._sync_weights()
             self.model_version += 1
             if self._channel is not None:
