@@ -35,7 +35,13 @@ from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
-from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
+from asyncgrpo.server.loading import (
+    ModelLoadError,
+    ServedModel,
+    kv_cache_tokens,
+    load_served_model,
+    resolve_device,
+)
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
@@ -187,8 +193,10 @@ class Server(ControlRoutes):
             return {}
         try:
             body = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
             raise P.ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise P.ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise P.ApiError(400, "the request body must be a JSON object")
         return body
@@ -279,8 +287,8 @@ class Server(ControlRoutes):
         key = f"generate-tokens-{rid}"
         seqs = self._sequences(key, prompt, params)
         return_ids = bool(body.get("return_token_ids", False))
+        include_usage = P.stream_include_usage(body)
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
             return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
         await self._run(key, seqs)
         text = P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids)
@@ -331,6 +339,7 @@ class Server(ControlRoutes):
         for key, bad in (("stream", True), ("echo", True), ("suffix", None), ("prompt_logprobs", None)):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
+        P.stream_include_usage(body)  # validated like vLLM even though streaming is not offered here
         prompts = self._prompts(body.get("prompt"))
         rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
         all_seqs = []
@@ -356,11 +365,15 @@ class Server(ControlRoutes):
         return _json(out)
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
-        """str | list[int] | list[str] | list[list[int]] -> token-id prompts."""
-        if isinstance(prompt, str):
-            return [self._encode(prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self._encode(p) for p in prompt]
+        """str | list[int] | list[str] | list[list[int]] -> token-id prompts (none of them empty)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            prompts = [self._encode(p) for p in texts]
+            for i, ids in enumerate(prompts):
+                if not ids:  # nothing to condition on: vLLM refuses it too
+                    where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                    raise P.ApiError(400, f"{where} is empty (it encodes to no token); send some text", param="prompt")
+            return prompts
         if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
             return [P.token_id_list(p, self.spec, "prompt") for p in prompt]
         return [P.token_id_list(prompt, self.spec, "prompt")]
@@ -410,11 +423,15 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
-    device = resolve_device(args.device)
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
-    served = load_served_model(args.model, device, args.dtype, args.max_model_len)
-    kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
-    server = Server(args, served, kv_tokens)
+    try:
+        device = resolve_device(args.device)
+        if args.max_num_batched_tokens is None:
+            args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+        served = load_served_model(args.model, device, args.dtype, args.max_model_len)
+        kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
+        server = Server(args, served, kv_tokens)
+    except ModelLoadError as exc:  # the user's input: the message says what to change, a traceback would not
+        logger.error("%s", exc)
+        return 2
     asyncio.run(_serve(args, server))
     return 0
