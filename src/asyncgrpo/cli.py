@@ -4,6 +4,7 @@ tiny model. Imports are lazy so that `asyncgrpo --help` is instant."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,7 +22,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion (tokens).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences decoded together.")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens.")
-    p.add_argument("--api-key", default=None, help="Require this bearer token on /v1 and /inference routes.")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="Require `Authorization: Bearer KEY` on every route except /health (default: $VLLM_API_KEY).",
+    )
     p.add_argument("--served-model-name", default=None, help="Name reported by /v1/models.")
     p.add_argument("--seed", type=int, default=0, help="Seed for requests that send none.")
     p.add_argument(

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import logging
 import pickle
 import time
@@ -41,6 +42,8 @@ SEED_FIELDS = {
     "num_completions_to_print": None,
 }
 
+EXTENSION_FIELDS = {"vllm_server_api_key"}  # beyond the reference's fields
+
 
 def make(**kwargs):
     kwargs.setdefault("use_cpu", True)
@@ -57,9 +60,9 @@ def test_builds_without_output_dir_with_every_seed_default():
 def test_every_added_field_is_documented_in_the_docstring_and_its_help():
     base = {f.name for f in dataclasses.fields(TrainingArguments)}
     added = [f for f in dataclasses.fields(AsyncGRPOConfig) if f.name not in base]
-    assert {f.name for f in added} == set(SEED_FIELDS)
+    assert {f.name for f in added} == set(SEED_FIELDS) | set(EXTENSION_FIELDS)
     for f in dataclasses.fields(AsyncGRPOConfig):
-        if f.name in SEED_FIELDS:
+        if f.name in SEED_FIELDS or f.name in EXTENSION_FIELDS:
             assert f.metadata.get("help"), f.name
             assert f"{f.name} (" in AsyncGRPOConfig.__doc__, f.name
 
@@ -191,3 +194,17 @@ def test_repetition_penalty_is_refused_because_it_biases_the_importance_ratios()
     with pytest.raises(ValueError, match="repetition_penalty=1.1.*importance ratio"):
         AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.1, report_to="none")
     AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.0, report_to="none")
+
+
+def test_api_key_comes_from_vllm_api_key_when_unset_and_never_shows(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env-7f3a")
+    assert make().vllm_server_api_key == "from-env-7f3a"
+    config = make(vllm_server_api_key="given-91c2")
+    assert config.vllm_server_api_key == "given-91c2"
+    for text in (str(config), repr(config), json.dumps(config.to_dict()), config.to_json_string()):
+        assert "given-91c2" not in text and "<VLLM_SERVER_API_KEY>" in text
+    assert pickle.loads(pickle.dumps(config)).vllm_server_api_key == "given-91c2"  # the rollout process needs it
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert make().vllm_server_api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert make().vllm_server_api_key is None

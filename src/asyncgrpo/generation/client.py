@@ -78,7 +78,8 @@ class ServerRequestError(RuntimeError):
         elif status == 403 and path.startswith(GENERATE_PATH):
             hint = " (start vLLM with --enable-scale-out)"
         elif status == 401:
-            hint = " (the server wants an API key: pass the one given to --api-key)"
+            hint = (" (the server wants an API key: set `vllm_server_api_key`, or the VLLM_API_KEY environment "
+                    "variable, to the key given to its --api-key)")
         super().__init__(f"{method} {path} -> HTTP {status}: {message}{hint}")
 
 

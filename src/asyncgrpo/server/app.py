@@ -10,6 +10,9 @@ to the engine, awaits it and serialises the answer.
                   /get_world_size /weight_info and the weight-transfer routes
     extension     GET /weight_checksum (digests of the served weights; not in vLLM)
     not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
+
+With --api-key (or VLLM_API_KEY) every route but /health needs `Authorization: Bearer <key>`. Request
+bodies are parsed as JSON only: nothing a client sends is ever unpickled.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hmac
 import itertools
 import json
 import logging
@@ -50,7 +54,21 @@ from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransfe
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
-_GUARDED = ("/v1", "/v2", "/inference")
+UNGUARDED_PATHS = frozenset({"/health"})  # what a load balancer or a launcher polls without the key
+ROUTES = (  # (method, path, handler name)
+    ("GET", "/health", "health"), ("GET", "/version", "version"), ("GET", "/v1/models", "models"),
+    ("GET", "/metrics", "metrics_route"), ("GET", "/server_info", "server_info"),
+    ("GET", "/get_world_size", "world_size"), ("GET", "/is_paused", "is_paused"),
+    ("GET", "/weight_info", "weight_info"), ("GET", "/weight_checksum", "weight_checksum"),
+    ("POST", "/v1/completions", "completions"), ("POST", "/inference/v1/generate", "generate"),
+    ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
+    ("POST", "/pause", "pause"), ("POST", "/resume", "resume"), ("POST", "/abort_requests", "abort_requests"),
+    ("POST", "/inference/v1/abort_requests", "abort_requests"), ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+    ("POST", "/init_weight_transfer_engine", "init_transfer"), ("POST", "/start_weight_update", "start_update"),
+    ("POST", "/update_weights", "update_weights"), ("POST", "/finish_weight_update", "finish_update"),
+    ("POST", "/shutdown_weight_transfer_engine", "shutdown_transfer"),
+    ("POST", "/update_weight_version", "update_weight_version"),
+)
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -128,24 +146,13 @@ class Server(ControlRoutes):
         self._rng = random.Random(args.seed)
         self._seq_ids = itertools.count()
         self._num_updates = 0
+        self._auth_header = f"Bearer {args.api_key}".encode() if args.api_key else None
 
     # ---- plumbing ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 2**20)
-        get, post = [], []
-        get += [("/health", self.health), ("/version", self.version), ("/v1/models", self.models)]
-        get += [("/metrics", self.metrics_route), ("/server_info", self.server_info)]
-        get += [("/get_world_size", self.world_size), ("/is_paused", self.is_paused), ("/weight_info", self.weight_info)]
-        get += [("/weight_checksum", self.weight_checksum)]
-        post += [("/v1/completions", self.completions), ("/inference/v1/generate", self.generate)]
-        post += [("/tokenize", self.tokenize), ("/detokenize", self.detokenize)]
-        post += [("/pause", self.pause), ("/resume", self.resume), ("/abort_requests", self.abort_requests)]
-        post += [("/inference/v1/abort_requests", self.abort_requests), ("/reset_prefix_cache", self.reset_prefix_cache)]
-        post += [("/init_weight_transfer_engine", self.init_transfer), ("/start_weight_update", self.start_update)]
-        post += [("/update_weights", self.update_weights), ("/finish_weight_update", self.finish_update)]
-        post += [("/shutdown_weight_transfer_engine", self.shutdown_transfer)]
-        post += [("/update_weight_version", self.update_weight_version)]
-        app.add_routes([web.get(p, h) for p, h in get] + [web.post(p, h) for p, h in post])
+        add = {"GET": web.get, "POST": web.post}
+        app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in ROUTES])
         return app
 
     def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -182,9 +189,12 @@ class Server(ControlRoutes):
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path.startswith(_GUARDED) and request.headers.get("Authorization") != f"Bearer {key}":
-            return _json({"error": "Unauthorized"}, 401)
+        """With --api-key, every route but /health needs `Authorization: Bearer <key>` (vLLM guards only
+        /v1: here pausing, weight pushes and metrics are as sensitive as generation)."""
+        if self._auth_header is not None and request.path not in UNGUARDED_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._auth_header):
+                return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     async def _body(self, request: web.Request, required: bool = True) -> dict:

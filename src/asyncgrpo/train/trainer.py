@@ -251,7 +251,10 @@ class AsyncGRPOTrainer(Trainer):
 
     def _connect(self) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
-        self._server = ServerLink(self.args.vllm_server_base_url, timeout_s=self.args.vllm_server_timeout)
+        self._server = ServerLink(
+            self.args.vllm_server_base_url, timeout_s=self.args.vllm_server_timeout,
+            api_key=self.args.vllm_server_api_key,
+        )
         info = self._server.connect()
         self._warn_dtype(info)
         return info
