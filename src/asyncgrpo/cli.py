@@ -46,6 +46,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Return per-token candidate sets on the generate route, as vLLM's flag (requests then need "
         "temperature > 0 and top_k > 0).",
     )
+    p.add_argument(
+        "--weight-transfer-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds a weight-transfer init may take to join the trainer's group, and each receive may wait "
+        "for the trainer's data (default 300).",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--parent-pid",

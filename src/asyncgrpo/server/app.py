@@ -140,7 +140,8 @@ class Server(ControlRoutes):
         self.runner = ModelRunner(
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs
         )
-        self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
+        self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)
+        self._init_started: float | None = None  # monotonic start of the weight-transfer init in progress
         self.engine: Engine | None = None
         self.created = int(time.time())
         self._rng = random.Random(args.seed)
@@ -156,6 +157,7 @@ class Server(ControlRoutes):
         return app
 
     def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stopping = asyncio.Event()  # set on SIGTERM / SIGINT: handlers stop waiting on blocked threads
         warm_up(self.runner, self.scheduler)
         # what start-up built (modules, model, tokenizer) lives as long as the server: keep it out of
         # the collector's full passes, which otherwise stall both threads for ~0.1 s every few thousand
@@ -402,6 +404,7 @@ async def _serve(args: argparse.Namespace, server: Server) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("shutting down")
+    server.stopping.set()
     server.engine.stop()  # in-flight requests end with an error instead of holding the shutdown
     await runner.cleanup()
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -18,6 +22,32 @@ from asyncgrpo.sync.checksum import weights_checksum
 
 def _json(data, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
+
+
+def in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """Run a blocking fn() on its own daemon thread; the returned future resolves in the running loop.
+    Not the loop's default executor: a call stuck in a C++ connect must neither use up a shared pool
+    nor hold the interpreter's exit (asyncio.run joins the default executor's threads)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting handler
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: the server is shutting down, nobody waits
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def _query_bool(request: web.Request, key: str, default: bool) -> bool:
@@ -130,10 +160,34 @@ class ControlRoutes:
         return _json({"weight_version": version, "algorithm": "sha256", "tensors": tensors})
 
     async def init_transfer(self, request: web.Request) -> web.Response:
+        """One init at a time, on its own thread, bounded by --weight-transfer-timeout; a second one while
+        it runs is refused (409) rather than queued, so inits aimed at a dead address pile up nowhere."""
         body = await self._body(request)
+        if self._init_started is not None:
+            raise P.ApiError(
+                409,
+                f"a weight-transfer init is already in progress (started {time.monotonic() - self._init_started:.0f} s "
+                f"ago; it succeeds or fails within {self.transfer.timeout_s:.0f} s); retry after it ends",
+            )
+        self._init_started = time.monotonic()
+        init_info = body.get("init_info")
+        fut = in_daemon_thread(lambda: self.transfer.init(init_info), "asyncgrpo-weight-init")
+        fut.add_done_callback(lambda _: setattr(self, "_init_started", None))  # when the init ends, not the request
         with self.metrics.operation("init"):
-            await asyncio.to_thread(self.transfer.init, body.get("init_info"))
+            await self._unless_stopping(fut)
         return _json({"message": "Weight transfer initialized"})
+
+    async def _unless_stopping(self, fut: asyncio.Future) -> Any:
+        """Await fut (shielded: it belongs to a thread) unless the server starts shutting down first:
+        SIGTERM must not wait for an init that is stuck connecting."""
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({fut, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not fut.done():
+            raise P.ApiError(503, "the server is shutting down")
+        return fut.result()
 
     async def start_update(self, request: web.Request) -> web.Response:
         with self.metrics.operation("start"):

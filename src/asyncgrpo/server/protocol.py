@@ -32,7 +32,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(
             status, "InternalServerError"
         )
         self.param = param
