@@ -53,6 +53,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Seconds a weight-transfer init may take to join the trainer's group, and each receive may wait "
         "for the trainer's data (default 300).",
     )
+    p.add_argument(
+        "--trainer-lease",
+        type=float,
+        default=30.0,
+        help="Seconds a trainer's hold on the server (its pause, its weight-transfer group) lasts without renewal; "
+        "then generation resumes and another trainer may take over. 0: no expiry, as vLLM (default 30).",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--parent-pid",

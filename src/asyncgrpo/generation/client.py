@@ -100,6 +100,7 @@ class GenerationClient:
         max_retries: int = 5,
         backoff_s: float = 0.5,
         on_retry: Callable[[], None] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -107,7 +108,7 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.on_retry = on_retry
         self.info: ServerInfo | None = None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
         self._warned_top_logprobs = False
@@ -370,11 +371,15 @@ class GenerationClient:
 
     # ---------------------------------------------------------------------------------- RL control
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        """POST /pause; returns once the server reports the pause complete (`mode` keep|wait|abort)."""
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, lease_s: float | None = None) -> None:
+        """POST /pause; returns once the server reports the pause complete (`mode` keep|wait|abort).
+        `lease_s` (embedded server only; vLLM ignores it): the pause ends by itself unless renewed
+        within that many seconds (0: never; None: the server's --trainer-lease)."""
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
         params = {"mode": mode, "clear_cache": "true" if clear_cache else "false"}
+        if lease_s is not None:
+            params["lease_s"] = repr(float(lease_s))
         expect_field(await self._post_json("/pause", params=params), "status", "paused", "/pause")
 
     async def resume(self) -> None:
@@ -385,6 +390,22 @@ class GenerationClient:
         if not isinstance(body, dict) or not isinstance(body.get("is_paused"), bool):
             raise ProtocolError(f"/is_paused: expected {{'is_paused': bool}}, got {body!r}")
         return body["is_paused"]
+
+    async def lease(self) -> dict[str, Any] | None:
+        """The embedded server's trainer lease (`GET /lease`: holder, whether it is alive, `message` when
+        another trainer holds the server); None from a server without the route (vLLM)."""
+        status, text = await self._request("GET", "/lease", pass_statuses=frozenset({404}))
+        if status == 404:
+            return None
+        body = self._json("/lease", text)
+        if not isinstance(body, dict) or not isinstance(body.get("lease_s"), (int, float)):
+            raise ProtocolError(f"/lease: expected {{'lease_s': float, ...}}, got {body!r}")
+        return body
+
+    async def renew_lease(self, timeout_s: float) -> bool:
+        """Renew this client's hold on the embedded server (and its pause); one attempt, no retry."""
+        body = await self._post_json("/renew_lease", retry_transient=False, timeout_s=timeout_s)
+        return bool(isinstance(body, dict) and body.get("renewed"))
 
     async def get_world_size(self) -> int:
         """Number of server workers (TP * PP * DP) that join the weight-transfer group."""

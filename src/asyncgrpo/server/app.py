@@ -8,7 +8,8 @@ to the engine, awaits it and serialises the answer.
     scale-out     POST /inference/v1/generate (stream or not), /inference/v1/abort_requests
     RL / dev      /pause /resume /is_paused /abort_requests /reset_prefix_cache /server_info
                   /get_world_size /weight_info and the weight-transfer routes
-    extension     GET /weight_checksum (digests of the served weights; not in vLLM)
+    extension     GET /weight_checksum (digests of the served weights; not in vLLM),
+                  GET /lease, POST /renew_lease (the trainer lease, `holding.py`; /pause takes lease_s)
     not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
 
 With --api-key (or VLLM_API_KEY) every route but /health needs `Authorization: Bearer <key>`. Request
@@ -38,7 +39,9 @@ from asyncgrpo.server import protocol as P
 from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
+from asyncgrpo.server.holding import HoldingRoutes
 from asyncgrpo.server.kv_cache import BlockAllocator, PagedKVCache
+from asyncgrpo.server.lease import Leases
 from asyncgrpo.server.loading import (
     ModelLoadError,
     ServedModel,
@@ -68,6 +71,7 @@ ROUTES = (  # (method, path, handler name)
     ("POST", "/update_weights", "update_weights"), ("POST", "/finish_weight_update", "finish_update"),
     ("POST", "/shutdown_weight_transfer_engine", "shutdown_transfer"),
     ("POST", "/update_weight_version", "update_weight_version"),
+    ("GET", "/lease", "lease"), ("POST", "/renew_lease", "renew_lease"),
 )
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
@@ -106,7 +110,7 @@ class _Sink:
             self.done.set_result(None)
 
 
-class Server(ControlRoutes):
+class Server(ControlRoutes, HoldingRoutes):
     def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
         self.args = args
         self.served = served
@@ -142,6 +146,7 @@ class Server(ControlRoutes):
         )
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)
         self._init_started: float | None = None  # monotonic start of the weight-transfer init in progress
+        self.leases = Leases(args.trainer_lease)
         self.engine: Engine | None = None
         self.created = int(time.time())
         self._rng = random.Random(args.seed)
@@ -394,6 +399,7 @@ class Server(ControlRoutes):
 async def _serve(args: argparse.Namespace, server: Server) -> None:
     loop = asyncio.get_running_loop()
     server.start_engine(loop)
+    watchdog = asyncio.ensure_future(server.watch_leases())
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -405,6 +411,7 @@ async def _serve(args: argparse.Namespace, server: Server) -> None:
     await stop.wait()
     logger.info("shutting down")
     server.stopping.set()
+    watchdog.cancel()
     server.engine.stop()  # in-flight requests end with an error instead of holding the shutdown
     await runner.cleanup()
 

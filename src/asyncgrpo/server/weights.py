@@ -149,6 +149,20 @@ class WeightTransfer:
             raise WeightTransferError("No weight update is active; call /start_weight_update first")
         self.active = False
 
+    def store_address(self) -> tuple[str, int] | None:
+        """(host, port) of the trainer's TCPStore of a gloo group (None for NCCL or no group)."""
+        config = self.receiver.config if self.receiver is not None else None
+        if config is None or config.backend != "gloo":
+            return None
+        return config.master_address, config.master_port
+
+    def abandon(self) -> None:
+        """Drop the group and any unfinished update (its sender is gone; blocking: run off the loop)."""
+        self.active = False
+        if self.receiver is not None:
+            self.receiver.shutdown()
+            self.receiver = None
+
     def shutdown(self) -> None:
         if self.active:
             raise WeightTransferError("cannot shut down the weight transfer engine during an update")
