@@ -9,8 +9,10 @@ Retry policy (owned here, nowhere else):
     weight-transfer routes             never (a half-done transfer cannot  any error raises at once
                                        be repeated by HTTP alone)
 
-Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged, and call
-`on_retry()` so the rollout loop can count `rollout/vllm_retry_count`. Every status is checked. A
+Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged (at most one
+line per `RETRY_LOG_INTERVAL_S`, saying how many retries it stands for: hundreds of concurrent
+rollouts retry together when the server dies), and call `on_retry()` so the rollout loop can count
+`rollout/vllm_retry_count`. Every status is checked. A
 timeout names the knob to raise, `vllm_server_timeout`.
 """
 
@@ -50,6 +52,7 @@ from asyncgrpo.generation.protocol import (
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 30.0
+RETRY_LOG_INTERVAL_S = 10.0
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _RL_ROUTES = (
     "/pause",
@@ -87,6 +90,32 @@ class ServerConnectionError(ConnectionError):
     """The server could not be reached (after retries where the call allows them)."""
 
 
+class _RetryLog:
+    """One warning per `interval_s` for a client's retries; a line after a quiet spell says how many
+    retries went unshown since the previous line."""
+
+    def __init__(self, interval_s: float = RETRY_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: float | None = None
+        self._unshown = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.interval_s:
+            self._unshown += 1
+            return
+        if self._unshown:
+            message += f" ({self._unshown} more retries not shown in the last {now - self._last:.0f}s)"
+        logger.warning("%s", message)
+        self._last, self._unshown = now, 0
+
+    def flush(self) -> None:
+        """Log the count of retries not shown yet (at close)."""
+        if self._unshown:
+            logger.warning("%d more retries not shown in the last %.0fs", self._unshown, time.monotonic() - self._last)
+            self._unshown = 0
+
+
 class GenerationClient:
     """Talks to one inference server at `base_url`. Call `start()` inside the event loop that will
     use it, then `detect()` (generation needs the server description), and `close()` at the end."""
@@ -111,6 +140,7 @@ class GenerationClient:
         self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
+        self._retry_log = _RetryLog()
         self._warned_top_logprobs = False
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -124,6 +154,7 @@ class GenerationClient:
             )
 
     async def close(self) -> None:
+        self._retry_log.flush()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -187,15 +218,7 @@ class GenerationClient:
             delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (
                 1.0 + 0.5 * self._rng.random()
             )
-            logger.warning(
-                "%s %s failed (%s); retry %d/%d in %.2fs",
-                method,
-                path,
-                reason,
-                attempt,
-                self.max_retries,
-                delay,
-            )
+            self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} in {delay:.2f}s")
             if self.on_retry is not None:
                 self.on_retry()
             await asyncio.sleep(delay)
