@@ -12,4 +12,6 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     weights.py            weight-transfer state machine and in-place loading by checkpoint name
     metrics.py            Prometheus series with vLLM's names
     loading.py            model, dtype, context length, EOS ids, KV-cache size
+    self_check.py         load-time check: engine log-probs == the model's own forward, else refused
+    lease.py / holding.py the trainer lease: one trainer holds the server; pauses and half-done updates expire
 """

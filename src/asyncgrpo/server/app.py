@@ -52,6 +52,7 @@ from asyncgrpo.server.loading import (
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.self_check import check_engine
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
 
 logger = logging.getLogger(__name__)
@@ -450,6 +451,8 @@ def main(args: argparse.Namespace) -> int:
         served = load_served_model(args.model, device, args.dtype, args.max_model_len)
         kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
         server = Server(args, served, kv_tokens)
+        check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
+                     device=served.device, name=args.model)
     except ModelLoadError as exc:  # the user's input: the message says what to change, a traceback would not
         logger.error("%s", exc)
         return 2
