@@ -71,7 +71,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from asyncgrpo.server.app import main as serve_main
+    from asyncgrpo.server.serve import main as serve_main
 
     return serve_main(args)
 
