@@ -4,6 +4,7 @@ tiny model. Imports are lazy so that `asyncgrpo --help` is instant."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,7 +22,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion (tokens).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences decoded together.")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens.")
-    p.add_argument("--api-key", default=None, help="Require this bearer token on /v1 and /inference routes.")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY") or None,
+        help="Require `Authorization: Bearer KEY` on every route except /health (default: $VLLM_API_KEY).",
+    )
     p.add_argument("--served-model-name", default=None, help="Name reported by /v1/models.")
     p.add_argument("--seed", type=int, default=0, help="Seed for requests that send none.")
     p.add_argument(
@@ -50,6 +55,20 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "(a group's shared prompt, a conversation's history), as vLLM's flag (default: on; models with "
         "recurrent layers are served without it).",
     )
+    p.add_argument(
+        "--weight-transfer-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds a weight-transfer init may take to join the trainer's group, and each receive may wait "
+        "for the trainer's data (default 300).",
+    )
+    p.add_argument(
+        "--trainer-lease",
+        type=float,
+        default=30.0,
+        help="Seconds a trainer's hold on the server (its pause, its weight-transfer group) lasts without renewal; "
+        "then generation resumes and another trainer may take over. 0: no expiry, as vLLM (default 30).",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--parent-pid",
@@ -61,7 +80,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from asyncgrpo.server.app import main as serve_main
+    from asyncgrpo.server.serve import main as serve_main
 
     return serve_main(args)
 

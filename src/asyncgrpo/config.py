@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from transformers.trainer_utils import SchedulerType
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its --api-key
+_MASKED_KEY = "<VLLM_SERVER_API_KEY>"
 _TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -89,6 +92,10 @@ class AsyncGRPOConfig(TrainingArguments):
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.
+        vllm_server_api_key (`str`, optional): The server's API key (`vllm serve --api-key` or
+            `asyncgrpo serve --api-key`), sent as `Authorization: Bearer <key>` by every request of the
+            trainer and the rollout process. None: the `VLLM_API_KEY` environment variable, if set. The
+            key is masked when the config is printed or saved.
 
     Parameters that control the loss:
         epsilon (`float`, defaults to 0.2): Lower clipping bound: the trust region is
@@ -226,6 +233,12 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
 
+    vllm_server_api_key: str | None = field(
+        default=None,
+        metadata={"help": "The server's API key, sent as a bearer token by the trainer and the rollout process; "
+                  "None reads the VLLM_API_KEY environment variable."},
+    )
+
     # -- loss --------------------------------------------------------------------------------------
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound (trust region 1 - epsilon)."})
     epsilon_high: float | None = field(
@@ -282,10 +295,26 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         _reject_unsupported(self)
         _resolve_defaults(self)
+        if self.vllm_server_api_key is None:  # the one place the environment is read
+            self.vllm_server_api_key = os.environ.get(API_KEY_ENV) or None
         self.model_init_kwargs = _parse_dict("model_init_kwargs", self.model_init_kwargs)
         self.chat_template_kwargs = _parse_dict("chat_template_kwargs", self.chat_template_kwargs)
         super().__post_init__()
         _validate(self)
+
+    # the key must not reach logs, `training_args.bin`'s printed form or report_to integrations
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d.get("vllm_server_api_key"):
+            d["vllm_server_api_key"] = _MASKED_KEY
+        return d
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        key = self.vllm_server_api_key
+        return text.replace(f"vllm_server_api_key={key},", f"vllm_server_api_key={_MASKED_KEY},") if key else text
+
+    __repr__ = __str__
 
 
 def _parse_dict(name: str, value: Any) -> dict[str, Any] | None:

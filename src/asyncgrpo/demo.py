@@ -67,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     url = args.server_url or server.url
     started = time.perf_counter()
     try:
-        evaluator = HeldOutAccuracy(url, tokenizer, eval_rows, samples=args.eval_samples, seed=args.seed)
+        # the embedded server inherits VLLM_API_KEY, and the trainer's config reads it too
+        evaluator = HeldOutAccuracy(url, tokenizer, eval_rows, samples=args.eval_samples, seed=args.seed,
+                                    api_key=os.environ.get("VLLM_API_KEY") or None)
         before = evaluator()
         print(f"held-out accuracy before training: {before.accuracy:.1%} (answers boxed: {before.boxed:.1%})")
         config = AsyncGRPOConfig(
@@ -124,8 +126,11 @@ class HeldOut(NamedTuple):
 class HeldOutAccuracy:
     """Held-out questions sampled through the server: how many answers are right, how many boxed."""
 
-    def __init__(self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int) -> None:
+    def __init__(
+        self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int, api_key: str | None = None
+    ) -> None:
         self.url = url
+        self.api_key = api_key
         self.tokenizer = tokenizer
         self.rows = rows
         self.samples = samples
@@ -143,7 +148,8 @@ class HeldOutAccuracy:
             return float(arithmetic.is_correct(text, row["answer"]))
 
         accuracy = evaluate(
-            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48, score=score
+            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48, score=score,
+            api_key=self.api_key,
         )
         return HeldOut(accuracy, sum(boxed) / max(1, len(boxed)))
 

@@ -43,6 +43,7 @@ async def evaluate_async(
     eos_token_ids: Sequence[int] | None = None,
     seed: int = 0,
     max_concurrency: int = 64,
+    api_key: str | None = None,
 ) -> float:
     """Mean score over `samples` rollouts of every row.
 
@@ -54,11 +55,12 @@ async def evaluate_async(
             environment that defines `get_reward`, that is the score instead.
         environment_factory: one environment per rollout (`reset(**row)`, tools, `get_reward`).
         samples: rollouts per row, each with its own seed.
+        api_key: the server's `--api-key` (the trainer's `vllm_server_api_key`), if it has one.
     """
     if score is None and environment_factory is None:
         raise ValueError("evaluate needs `score` or an `environment_factory` with get_reward()")
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
-    client = GenerationClient(url, timeout_s=600)
+    client = GenerationClient(url, timeout_s=600, api_key=api_key)
     pool = EnvironmentPool.from_argument(environment_factory)
     executor = ThreadPoolExecutor(max_workers=max_concurrency)
     limit = asyncio.Semaphore(max_concurrency)

@@ -553,13 +553,14 @@ def test_context_length_rules(small):
     assert body["usage"]["completion_tokens"] == 16  # default max_tokens
 
 
-def test_api_key_guards_only_v1_and_inference(small):
+def test_api_key_guards_every_route_but_health(small):
     status, body = small.call("GET", "/v1/models")
     assert (status, body) == (401, {"error": "Unauthorized"})
     assert small.gen(PROMPT, top_k=5, max_tokens=1)[0] == 401
     assert small.call("GET", "/v1/models", headers=AUTH)[0] == 200
-    assert small.call("GET", "/health")[0] == 200 and small.call("GET", "/is_paused")[0] == 200
-    status, info = small.call("GET", "/server_info?config_format=json")
+    assert small.call("GET", "/health")[0] == 200 and small.call("GET", "/is_paused")[0] == 401
+    assert small.call("POST", "/pause?mode=keep")[0] == 401 and small.call("GET", "/metrics")[0] == 401
+    status, info = small.call("GET", "/server_info?config_format=json", headers=AUTH)
     assert status == 200 and info["vllm_config"]["model_config"]["return_sampling_mask"] is False
     # without the mask flag greedy and top_k-free requests are fine, and no masks come back
     status, body = small.gen(PROMPT, headers=AUTH, temperature=0.0, max_tokens=3, ignore_eos=True)

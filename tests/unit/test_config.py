@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import logging
 import pickle
 import time
@@ -41,7 +42,7 @@ SEED_FIELDS = {
     "num_completions_to_print": None,
 }
 # fields of ours that the seed lacks (each says why in its docstring)
-EXTENSION_FIELDS = {"tool_call_timeout": 300.0}
+EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None}  # beyond the reference's fields
 
 
 def make(**kwargs):
@@ -193,3 +194,17 @@ def test_repetition_penalty_is_refused_because_it_biases_the_importance_ratios()
     with pytest.raises(ValueError, match="repetition_penalty=1.1.*importance ratio"):
         AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.1, report_to="none")
     AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-config", repetition_penalty=1.0, report_to="none")
+
+
+def test_api_key_comes_from_vllm_api_key_when_unset_and_never_shows(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env-7f3a")
+    assert make().vllm_server_api_key == "from-env-7f3a"
+    config = make(vllm_server_api_key="given-91c2")
+    assert config.vllm_server_api_key == "given-91c2"
+    for text in (str(config), repr(config), json.dumps(config.to_dict()), config.to_json_string()):
+        assert "given-91c2" not in text and "<VLLM_SERVER_API_KEY>" in text
+    assert pickle.loads(pickle.dumps(config)).vllm_server_api_key == "given-91c2"  # the rollout process needs it
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert make().vllm_server_api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert make().vllm_server_api_key is None

@@ -9,8 +9,10 @@ Retry policy (owned here, nowhere else):
     weight-transfer routes             never (a half-done transfer cannot  any error raises at once
                                        be repeated by HTTP alone)
 
-Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged, and call
-`on_retry()` so the rollout loop can count `rollout/vllm_retry_count`. Every status is checked. A
+Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged (at most one
+line per `RETRY_LOG_INTERVAL_S`, saying how many retries it stands for: hundreds of concurrent
+rollouts retry together when the server dies), and call `on_retry()` so the rollout loop can count
+`rollout/vllm_retry_count`. Every status is checked. A
 timeout names the knob to raise, `vllm_server_timeout`.
 """
 
@@ -50,6 +52,7 @@ from asyncgrpo.generation.protocol import (
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 30.0
+RETRY_LOG_INTERVAL_S = 10.0
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _RL_ROUTES = (
     "/pause",
@@ -78,12 +81,39 @@ class ServerRequestError(RuntimeError):
         elif status == 403 and path.startswith(GENERATE_PATH):
             hint = " (start vLLM with --enable-scale-out)"
         elif status == 401:
-            hint = " (the server wants an API key: pass the one given to --api-key)"
+            hint = (" (the server wants an API key: set `vllm_server_api_key`, or the VLLM_API_KEY environment "
+                    "variable, to the key given to its --api-key)")
         super().__init__(f"{method} {path} -> HTTP {status}: {message}{hint}")
 
 
 class ServerConnectionError(ConnectionError):
     """The server could not be reached (after retries where the call allows them)."""
+
+
+class _RetryLog:
+    """One warning per `interval_s` for a client's retries; a line after a quiet spell says how many
+    retries went unshown since the previous line."""
+
+    def __init__(self, interval_s: float = RETRY_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: float | None = None
+        self._unshown = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.interval_s:
+            self._unshown += 1
+            return
+        if self._unshown:
+            message += f" ({self._unshown} more retries not shown in the last {now - self._last:.0f}s)"
+        logger.warning("%s", message)
+        self._last, self._unshown = now, 0
+
+    def flush(self) -> None:
+        """Log the count of retries not shown yet (at close)."""
+        if self._unshown:
+            logger.warning("%d more retries not shown in the last %.0fs", self._unshown, time.monotonic() - self._last)
+            self._unshown = 0
 
 
 class GenerationClient:
@@ -99,6 +129,7 @@ class GenerationClient:
         max_retries: int = 5,
         backoff_s: float = 0.5,
         on_retry: Callable[[], None] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
@@ -106,9 +137,10 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.on_retry = on_retry
         self.info: ServerInfo | None = None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
+        self._retry_log = _RetryLog()
         self._warned_top_logprobs = False
 
     # ---------------------------------------------------------------------------------- lifecycle
@@ -122,6 +154,7 @@ class GenerationClient:
             )
 
     async def close(self) -> None:
+        self._retry_log.flush()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -185,15 +218,7 @@ class GenerationClient:
             delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (
                 1.0 + 0.5 * self._rng.random()
             )
-            logger.warning(
-                "%s %s failed (%s); retry %d/%d in %.2fs",
-                method,
-                path,
-                reason,
-                attempt,
-                self.max_retries,
-                delay,
-            )
+            self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} in {delay:.2f}s")
             if self.on_retry is not None:
                 self.on_retry()
             await asyncio.sleep(delay)
@@ -369,11 +394,15 @@ class GenerationClient:
 
     # ---------------------------------------------------------------------------------- RL control
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        """POST /pause; returns once the server reports the pause complete (`mode` keep|wait|abort)."""
+    async def pause(self, mode: str = "keep", clear_cache: bool = True, lease_s: float | None = None) -> None:
+        """POST /pause; returns once the server reports the pause complete (`mode` keep|wait|abort).
+        `lease_s` (embedded server only; vLLM ignores it): the pause ends by itself unless renewed
+        within that many seconds (0: never; None: the server's --trainer-lease)."""
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
         params = {"mode": mode, "clear_cache": "true" if clear_cache else "false"}
+        if lease_s is not None:
+            params["lease_s"] = repr(float(lease_s))
         expect_field(await self._post_json("/pause", params=params), "status", "paused", "/pause")
 
     async def resume(self) -> None:
@@ -384,6 +413,22 @@ class GenerationClient:
         if not isinstance(body, dict) or not isinstance(body.get("is_paused"), bool):
             raise ProtocolError(f"/is_paused: expected {{'is_paused': bool}}, got {body!r}")
         return body["is_paused"]
+
+    async def lease(self) -> dict[str, Any] | None:
+        """The embedded server's trainer lease (`GET /lease`: holder, whether it is alive, `message` when
+        another trainer holds the server); None from a server without the route (vLLM)."""
+        status, text = await self._request("GET", "/lease", pass_statuses=frozenset({404}))
+        if status == 404:
+            return None
+        body = self._json("/lease", text)
+        if not isinstance(body, dict) or not isinstance(body.get("lease_s"), (int, float)):
+            raise ProtocolError(f"/lease: expected {{'lease_s': float, ...}}, got {body!r}")
+        return body
+
+    async def renew_lease(self, timeout_s: float) -> bool:
+        """Renew this client's hold on the embedded server (and its pause); one attempt, no retry."""
+        body = await self._post_json("/renew_lease", retry_transient=False, timeout_s=timeout_s)
+        return bool(isinstance(body, dict) and body.get("renewed"))
 
     async def get_world_size(self) -> int:
         """Number of server workers (TP * PP * DP) that join the weight-transfer group."""

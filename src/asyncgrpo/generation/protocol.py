@@ -295,6 +295,11 @@ def parse_completions_response(body: dict[str, Any], *, num_top_logprobs: int | 
 # --------------------------------------------------------------------------------------------------
 
 
+TRAINER_HEADER = "X-Asyncgrpo-Trainer"
+"""Request header carrying a trainer's random id, so that the embedded server knows which trainer holds
+it (`asyncgrpo.server.lease`). vLLM ignores it."""
+
+
 def parse_version(body: dict[str, Any]) -> tuple[str, tuple[int, int, int]]:
     """`{"version": "0.33.0"}` -> ("0.33.0", (0, 33, 0)); suffixes such as `+embedded` are kept in
     the string and ignored in the tuple."""

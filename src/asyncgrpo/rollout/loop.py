@@ -330,6 +330,7 @@ class AsyncRolloutLoop:
                 client = GenerationClient(
                     self.config.vllm_server_base_url,
                     timeout_s=timeout_s,
+                    api_key=self.config.vllm_server_api_key,
                     on_retry=lambda: self._record(M.ROLLOUT_VLLM_RETRY_COUNT, 1),
                 )
                 self._client = client

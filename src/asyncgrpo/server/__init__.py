@@ -1,6 +1,7 @@
 """The embedded generation server (`asyncgrpo serve MODEL`): the subset of vLLM 0.33's HTTP protocol
 that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
 
+    serve.py              the `asyncgrpo serve` process: load, self-check, listen, stop on a signal
     app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
     protocol.py           request validation and response bodies (vLLM shapes)
     engine.py             engine thread: commands, pause modes, delivery to the event loop
@@ -17,4 +18,6 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     metrics.py            Prometheus series with vLLM's names
     loading.py            model (a vision-language checkpoint's text model), dtype, context length, EOS
                           ids, KV-cache size; refuses what it would serve wrongly
+    self_check.py         load-time check: engine log-probs == the model's own forward, else refused
+    lease.py / holding.py the trainer lease: one trainer holds the server; pauses and half-done updates expire
 """

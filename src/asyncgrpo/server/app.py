@@ -8,8 +8,12 @@ to the engine, awaits it and serialises the answer.
     scale-out     POST /inference/v1/generate (stream or not), /inference/v1/abort_requests
     RL / dev      /pause /resume /is_paused /abort_requests /reset_prefix_cache /server_info
                   /get_world_size /weight_info and the weight-transfer routes
-    extension     GET /weight_checksum (digests of the served weights; not in vLLM)
+    extension     GET /weight_checksum (digests of the served weights; not in vLLM),
+                  GET /lease, POST /renew_lease (the trainer lease, `holding.py`; /pause takes lease_s)
     not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
+
+With --api-key (or VLLM_API_KEY) every route but /health needs `Authorization: Bearer <key>`. Request
+bodies are parsed as JSON only: nothing a client sends is ever unpickled.
 """
 
 from __future__ import annotations
@@ -17,13 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hmac
 import itertools
 import json
 import logging
 import os
 import random
-import signal
-import threading
 import time
 import uuid
 from typing import Any
@@ -34,8 +37,10 @@ from asyncgrpo.server import protocol as P
 from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
+from asyncgrpo.server.holding import HoldingRoutes
 from asyncgrpo.server.kv_cache import PagedKVCache
-from asyncgrpo.server.loading import ServedModel, kv_cache_tokens, load_served_model, resolve_device
+from asyncgrpo.server.lease import Leases
+from asyncgrpo.server.loading import ServedModel
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
 from asyncgrpo.server.recurrent_state import RecurrentState
@@ -46,7 +51,22 @@ from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransfe
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
-_GUARDED = ("/v1", "/v2", "/inference")
+UNGUARDED_PATHS = frozenset({"/health"})  # what a load balancer or a launcher polls without the key
+ROUTES = (  # (method, path, handler name)
+    ("GET", "/health", "health"), ("GET", "/version", "version"), ("GET", "/v1/models", "models"),
+    ("GET", "/metrics", "metrics_route"), ("GET", "/server_info", "server_info"),
+    ("GET", "/get_world_size", "world_size"), ("GET", "/is_paused", "is_paused"),
+    ("GET", "/weight_info", "weight_info"), ("GET", "/weight_checksum", "weight_checksum"),
+    ("POST", "/v1/completions", "completions"), ("POST", "/inference/v1/generate", "generate"),
+    ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
+    ("POST", "/pause", "pause"), ("POST", "/resume", "resume"), ("POST", "/abort_requests", "abort_requests"),
+    ("POST", "/inference/v1/abort_requests", "abort_requests"), ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+    ("POST", "/init_weight_transfer_engine", "init_transfer"), ("POST", "/start_weight_update", "start_update"),
+    ("POST", "/update_weights", "update_weights"), ("POST", "/finish_weight_update", "finish_update"),
+    ("POST", "/shutdown_weight_transfer_engine", "shutdown_transfer"),
+    ("POST", "/update_weight_version", "update_weight_version"),
+    ("GET", "/lease", "lease"), ("POST", "/renew_lease", "renew_lease"),
+)
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -84,7 +104,7 @@ class _Sink:
             self.done.set_result(None)
 
 
-class Server(ControlRoutes):
+class Server(ControlRoutes, HoldingRoutes):
     def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
         self.args = args
         self.served = served
@@ -124,33 +144,25 @@ class Server(ControlRoutes):
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
             self.recurrent,
         )
-        self.transfer = WeightTransfer(served.device, WeightLoader(served.model))
+        self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)
+        self._init_started: float | None = None  # monotonic start of the weight-transfer init in progress
+        self.leases = Leases(args.trainer_lease)
         self.engine: Engine | None = None
         self.created = int(time.time())
         self._rng = random.Random(args.seed)
         self._seq_ids = itertools.count()
         self._num_updates = 0
+        self._auth_header = f"Bearer {args.api_key}".encode() if args.api_key else None
 
     # ---- plumbing ---------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 2**20)
-        get, post = [], []
-        get += [("/health", self.health), ("/version", self.version), ("/v1/models", self.models)]
-        get += [("/metrics", self.metrics_route), ("/server_info", self.server_info)]
-        get += [("/get_world_size", self.world_size), ("/is_paused", self.is_paused), ("/weight_info", self.weight_info)]
-        get += [("/weight_checksum", self.weight_checksum)]
-        post += [("/v1/completions", self.completions), ("/inference/v1/generate", self.generate)]
-        post += [("/tokenize", self.tokenize), ("/detokenize", self.detokenize)]
-        post += [("/pause", self.pause), ("/resume", self.resume), ("/abort_requests", self.abort_requests)]
-        post += [("/inference/v1/abort_requests", self.abort_requests), ("/reset_prefix_cache", self.reset_prefix_cache)]
-        post += [("/init_weight_transfer_engine", self.init_transfer), ("/start_weight_update", self.start_update)]
-        post += [("/update_weights", self.update_weights), ("/finish_weight_update", self.finish_update)]
-        post += [("/shutdown_weight_transfer_engine", self.shutdown_transfer)]
-        post += [("/update_weight_version", self.update_weight_version)]
-        app.add_routes([web.get(p, h) for p, h in get] + [web.post(p, h) for p, h in post])
+        add = {"GET": web.get, "POST": web.post}
+        app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in ROUTES])
         return app
 
     def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stopping = asyncio.Event()  # set on SIGTERM / SIGINT: handlers stop waiting on blocked threads
         warm_up(self.runner, self.scheduler)
         # what start-up built (modules, model, tokenizer) lives as long as the server: keep it out of
         # the collector's full passes, which otherwise stall both threads for ~0.1 s every few thousand
@@ -184,9 +196,12 @@ class Server(ControlRoutes):
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path.startswith(_GUARDED) and request.headers.get("Authorization") != f"Bearer {key}":
-            return _json({"error": "Unauthorized"}, 401)
+        """With --api-key, every route but /health needs `Authorization: Bearer <key>` (vLLM guards only
+        /v1: here pausing, weight pushes and metrics are as sensitive as generation)."""
+        if self._auth_header is not None and request.path not in UNGUARDED_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, self._auth_header):
+                return _json({"error": "Unauthorized"}, 401)
         return await handler(request)
 
     async def _body(self, request: web.Request, required: bool = True) -> dict:
@@ -195,8 +210,10 @@ class Server(ControlRoutes):
             return {}
         try:
             body = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
             raise P.ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise P.ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
         if not isinstance(body, dict):
             raise P.ApiError(400, "the request body must be a JSON object")
         return body
@@ -288,8 +305,8 @@ class Server(ControlRoutes):
         key = f"generate-tokens-{rid}"
         seqs = self._sequences(key, prompt, params)
         return_ids = bool(body.get("return_token_ids", False))
+        include_usage = P.stream_include_usage(body)
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
             return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
         await self._run(key, seqs)
         text = P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids)
@@ -340,6 +357,7 @@ class Server(ControlRoutes):
         for key, bad in (("stream", True), ("echo", True), ("suffix", None), ("prompt_logprobs", None)):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
+        P.stream_include_usage(body)  # validated like vLLM even though streaming is not offered here
         prompts = self._prompts(body.get("prompt"))
         P.check_text_only(body, prompts, self.spec, "prompt")
         rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
@@ -366,65 +384,15 @@ class Server(ControlRoutes):
         return _json(out)
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
-        """str | list[int] | list[str] | list[list[int]] -> token-id prompts."""
-        if isinstance(prompt, str):
-            return [self._encode(prompt)]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self._encode(p) for p in prompt]
+        """str | list[int] | list[str] | list[list[int]] -> token-id prompts (none of them empty)."""
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            prompts = [self._encode(p) for p in texts]
+            for i, ids in enumerate(prompts):
+                if not ids:  # nothing to condition on: vLLM refuses it too
+                    where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                    raise P.ApiError(400, f"{where} is empty (it encodes to no token); send some text", param="prompt")
+            return prompts
         if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
             return [P.token_id_list(p, self.spec, "prompt") for p in prompt]
         return [P.token_id_list(prompt, self.spec, "prompt")]
-
-
-async def _serve(args: argparse.Namespace, server: Server) -> None:
-    loop = asyncio.get_running_loop()
-    server.start_engine(loop)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    logger.info("embedded server for %s listening on http://%s:%d", server.name, args.host, args.port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("shutting down")
-    server.engine.stop()  # in-flight requests end with an error instead of holding the shutdown
-    await runner.cleanup()
-
-
-def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 30.0) -> threading.Thread:
-    """Watch the process that started this one: once it is gone (this process was re-parented, which
-    is how POSIX reports a dead parent, killed or not), send ourselves SIGTERM -- a clean shutdown
-    once serving, an immediate exit while still loading -- and exit hard if that has not finished
-    after grace_s. Returns the (daemon) watcher thread."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        logger.warning("the launching process %d is gone; shutting down", parent_pid)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        logger.error("shutdown did not finish within %.0f s of the launcher's exit; exiting", grace_s)
-        os._exit(1)
-
-    thread = threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True)
-    thread.start()
-    return thread
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli`)."""
-    logging.basicConfig(
-        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if args.parent_pid is not None:
-        exit_with_parent(args.parent_pid)
-    device = resolve_device(args.device)
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
-    served = load_served_model(args.model, device, args.dtype, args.max_model_len)
-    kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
-    server = Server(args, served, kv_tokens)
-    asyncio.run(_serve(args, server))
-    return 0

@@ -9,15 +9,59 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.server.holding import trainer_id
 from asyncgrpo.sync.checksum import weights_checksum
 
 
 def _json(data, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
+
+
+def in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """Run a blocking fn() on its own daemon thread; the returned future resolves in the running loop.
+    Not the loop's default executor: a call stuck in a C++ connect must neither use up a shared pool
+    nor hold the interpreter's exit (asyncio.run joins the default executor's threads)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting handler
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed: the server is shutting down, nobody waits
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
+
+
+def _query_seconds(request: web.Request, key: str) -> float | None:
+    value = request.query.get(key)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{key} must be a number of seconds >= 0 (0: no expiry), got {value!r}")
+    return seconds
 
 
 def _query_bool(request: web.Request, key: str, default: bool) -> bool:
@@ -82,13 +126,18 @@ class ControlRoutes:
             if mode not in ("abort", "wait", "keep"):
                 raise ValueError(f"mode must be one of abort, wait, keep; got {mode!r}")
             clear_cache = _query_bool(request, "clear_cache", True)
+            lease_s = _query_seconds(request, "lease_s")
         except ValueError as exc:
             return _json({"error": str(exc)}, 400)
         await self.engine.pause(mode, clear_cache)
+        self.leases.paused(lease_s)  # an embedded-server extension; vLLM's clients get --trainer-lease
         return _json({"status": "paused"})
 
     async def resume(self, request: web.Request) -> web.Response:
+        if self.transfer.active and not await self._holder_alive():  # its sender is gone: never finishes
+            await self.abandon_transfer()
         await self.engine.resume()
+        self.leases.resumed()
         return _json({"status": "resumed"})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
@@ -131,22 +180,54 @@ class ControlRoutes:
         return _json({"weight_version": version, "algorithm": "sha256", "tensors": tensors})
 
     async def init_transfer(self, request: web.Request) -> web.Response:
+        """One init at a time, on its own thread, bounded by --weight-transfer-timeout; a second one while
+        it runs is refused (409) rather than queued, so inits aimed at a dead address pile up nowhere."""
         body = await self._body(request)
+        if self._init_started is not None:
+            raise P.ApiError(
+                409,
+                f"a weight-transfer init is already in progress (started {time.monotonic() - self._init_started:.0f} s "
+                f"ago; it succeeds or fails within {self.transfer.timeout_s:.0f} s); retry after it ends",
+            )
+        self._init_started = time.monotonic()
+        try:
+            await self.admit_init(request)
+        except BaseException:
+            self._init_started = None
+            raise
+        init_info = body.get("init_info")
+        fut = in_daemon_thread(lambda: self.transfer.init(init_info), "asyncgrpo-weight-init")
+        fut.add_done_callback(lambda _: setattr(self, "_init_started", None))  # when the init ends, not the request
         with self.metrics.operation("init"):
-            await asyncio.to_thread(self.transfer.init, body.get("init_info"))
+            await self._unless_stopping(fut)
+        self.leases.hold(trainer_id(request), request.remote)
         return _json({"message": "Weight transfer initialized"})
 
+    async def _unless_stopping(self, fut: asyncio.Future) -> Any:
+        """Await fut (shielded: it belongs to a thread) unless the server starts shutting down first:
+        SIGTERM must not wait for an init that is stuck connecting."""
+        stopping = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({fut, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not fut.done():
+            raise P.ApiError(503, "the server is shutting down")
+        return fut.result()
+
     async def start_update(self, request: web.Request) -> web.Response:
-        with self.metrics.operation("start"):
-            self.transfer.start()
+        async with self.weight_call(request):
+            with self.metrics.operation("start"):
+                self.transfer.start()
         return _json({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if "update_info" not in body:
             raise P.ApiError(400, "the body needs update_info", param="update_info")
-        with self.metrics.operation("update"):
-            await self.engine.call(lambda: self._load_weights(body["update_info"]))
+        async with self.weight_call(request):
+            with self.metrics.operation("update"):
+                await self.engine.call(lambda: self._load_weights(body["update_info"]))
         return _json({"message": "Weights updated"})
 
     def _load_weights(self, update_info) -> int:
@@ -159,16 +240,19 @@ class ControlRoutes:
 
     async def finish_update(self, request: web.Request) -> web.Response:
         body = await self._body(request, required=False)
-        with self.metrics.operation("finish"):
-            self.transfer.finish()
-            self._num_updates += 1
-            version = body.get("weight_version")
-            await self._set_version(str(version) if version is not None else str(self._num_updates))
+        async with self.weight_call(request):
+            with self.metrics.operation("finish"):
+                self.transfer.finish()
+                self._num_updates += 1
+                version = body.get("weight_version")
+                await self._set_version(str(version) if version is not None else str(self._num_updates))
         return _json({"message": "Weight update finished"})
 
     async def shutdown_transfer(self, request: web.Request) -> web.Response:
-        with self.metrics.operation("shutdown"):
-            await asyncio.to_thread(self.transfer.shutdown)
+        async with self.weight_call(request):
+            with self.metrics.operation("shutdown"):
+                await asyncio.to_thread(self.transfer.shutdown)
+        self.leases.release()
         return _json({"message": "Weight transfer shut down"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:

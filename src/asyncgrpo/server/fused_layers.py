@@ -312,9 +312,14 @@ def _checked(module: torch.nn.Module, attention: bool, fusion: _Fusion) -> bool:
     config = module.config if attention else None
     impl = config._attn_implementation if attention else None
     try:
+        inputs = _check_inputs(module, attention)
         if attention:  # the check runs outside the server's steps: plain causal attention
             config._attn_implementation = "sdpa"
-        return as_accurate(module, fusion.forward, *_check_inputs(module, attention))
+            try:
+                module(*inputs)
+            except ValueError:  # SDPA refuses one of the module's options (soft-capping): keep its own forward
+                return False
+        return as_accurate(module, fusion.forward, *inputs)
     finally:
         if attention:
             config._attn_implementation = impl

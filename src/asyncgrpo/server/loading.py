@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,34 @@ from asyncgrpo.train.model_setup import is_vision_language, load_policy
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model cannot be served as asked (missing files, bad flag): `asyncgrpo serve` prints the
+    message, without a traceback, and exits with status 2."""
+
+
+def _read_config(name: str, path: str):
+    """The model's config, or a ModelLoadError saying where it was looked for and what to pass."""
+    from transformers import AutoConfig
+
+    local = Path(path).expanduser()
+    looks_local = local.is_absolute() or path.startswith((".", "~")) or local.exists()
+    if looks_local and not (local / "config.json").is_file():
+        what = "does not exist" if not local.exists() else "has no config.json"
+        raise ModelLoadError(
+            f"cannot serve {name!r}: the folder {local} {what}; pass a folder that holds config.json and the "
+            "weights (e.g. one written by save_pretrained), or a Hugging Face hub id"
+        )
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(
+            f"cannot serve {name!r}: it is not a local folder and could not be loaded from the Hugging Face hub "
+            f"({first}); pass the path of a folder that holds config.json and the weights, or a hub id that is "
+            "reachable (or cached, with HF_HUB_OFFLINE=1)"
+        ) from exc
 
 
 @dataclass
@@ -52,7 +81,7 @@ class ServedModel:
 def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        raise ModelLoadError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -62,7 +91,7 @@ def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.dev
     """`auto`: the checkpoint's half precision dtype if it has one; else float32 on CPU, bfloat16 on GPU."""
     if name != "auto":
         if name not in _DTYPES:
-            raise ValueError(f"--dtype {name!r}: use one of auto, {', '.join(_DTYPES)}")
+            raise ModelLoadError(f"--dtype {name!r}: use one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[name]
     if config_dtype in (torch.bfloat16, torch.float16):
         return config_dtype
@@ -95,12 +124,12 @@ def _check_servable(name: str, config) -> None:
     attention and Gated DeltaNet, vision-language families whose text model was not verified."""
     text = config.get_text_config()
     if text is not config and config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
-        raise ValueError(f"{name}: model type {config.model_type!r} is a multimodal model the embedded server does not "
+        raise ModelLoadError(f"{name}: model type {config.model_type!r} is a multimodal model the embedded server does not "
                          f"serve (vision-language checkpoints it serves the text model of: "
                          f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); serve it with vLLM")
     layer_types = set(getattr(text, "layer_types", None) or ())
     if layer_types - _SERVED_LAYER_TYPES:
-        raise ValueError(f"{name}: layers of type {sorted(layer_types - _SERVED_LAYER_TYPES)} are not supported by the "
+        raise ModelLoadError(f"{name}: layers of type {sorted(layer_types - _SERVED_LAYER_TYPES)} are not supported by the "
                          "embedded server (it runs full and sliding-window attention and Gated DeltaNet layers); serve it with vLLM")
 
 
@@ -122,10 +151,13 @@ def prepare_model(model: torch.nn.Module, device: torch.device) -> FusedLayers:
 
 
 def load_served_model(name: str, device: torch.device, dtype_name: str, max_model_len: int | None) -> ServedModel:
+    if max_model_len is not None and max_model_len < 1:
+        raise ModelLoadError(
+            f"--max-model-len {max_model_len}: a sequence needs at least one token; pass a positive length, or "
+            "leave the flag out to use the model's max_position_embeddings"
+        )
     path = resolve_model_path(name)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
+    config = _read_config(name, path)
     _check_servable(name, config)
     text = config.get_text_config()
     dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
@@ -143,7 +175,7 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     limit = int(getattr(text, "max_position_embeddings", 0) or 0)
     if max_model_len is None:
         if not limit:
-            raise ValueError(f"{name}: the config has no max_position_embeddings; pass --max-model-len")
+            raise ModelLoadError(f"{name}: the config has no max_position_embeddings; pass --max-model-len")
         max_model_len = limit
     elif limit and max_model_len > limit:
         logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
@@ -193,7 +225,7 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
         tokens = requested
     tokens = tokens // block_size * block_size
     if tokens < served.max_model_len:
-        raise ValueError(
+        raise ModelLoadError(
             f"the KV cache holds {tokens} tokens, less than one sequence of max_model_len={served.max_model_len}: "
             "raise --kv-cache-tokens or lower --max-model-len"
         )

@@ -32,7 +32,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(
             status, "InternalServerError"
         )
         self.param = param
@@ -64,24 +64,46 @@ def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def _shown(value: Any) -> str:
+    """repr of a request value, cut short (a 5000-digit number must not make a 5000-character error)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else f"an integer of {len(str(value))} digits"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _number(raw: dict, key: str, default: float | None) -> float | None:
     value = raw.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"{key} must be a finite number, got {value!r}", key)
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond float range
+        number = math.nan
+    if not math.isfinite(number):
+        raise _bad(f"{key} must be a finite number, got {_shown(value)}", key)
+    return number
 
 
 def _integer(raw: dict, key: str, default: int | None) -> int | None:
+    """An int64 (vLLM's fields are C integers: a larger one cannot mean anything)."""
     value = raw.get(key)
     if value is None:
         return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer, got {value!r}", key)
+    if isinstance(value, bool) or not isinstance(value, int) or not _INT64[0] <= value <= _INT64[1]:
+        raise _bad(f"{key} must be a 64-bit integer, got {_shown(value)}", key)
     return value
+
+
+def stream_include_usage(body: dict) -> bool:
+    """`stream_options.include_usage` of a request body; `stream_options` must be an object or null."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad(f"stream_options must be a JSON object such as {{\"include_usage\": true}}, got {_shown(options)}",
+                   "stream_options")
+    return bool(options.get("include_usage", False))
 
 
 def token_id_list(value: Any, spec: ServerSpec, key: str) -> list[int]:
@@ -196,8 +218,6 @@ def parse_sampling(
         raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
     ignore_eos = bool(raw.get("ignore_eos", False))
     seed = _integer(raw, "seed", None)
-    if seed is not None and not _INT64[0] <= seed <= _INT64[1]:
-        raise _bad(f"seed must fit in 64 bits, got {seed}.", "seed")
     want_mask = spec.return_sampling_mask and route == "generate"
     if spec.return_sampling_mask and (temperature <= 0 or top_k <= 0):
         message = (

@@ -230,13 +230,14 @@ def serve_deltanet_layers(model: torch.nn.Module, expected: int) -> int:
             raise ValueError(f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz (Qwen3-Next) "
                              "projections; this transformers version lays the layer out differently from the one the "
                              "embedded server was verified with (transformers >= 5.15)")
-        layer.forward = functools.partial(_forward, layer)
+        layer.forward = functools.partial(_forward, layer, layer.forward)
     return len(layers)
 
 
-def _forward(layer: torch.nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-    step = kwargs.get(STEP_KWARG)
+def _forward(layer: torch.nn.Module, own_forward, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A server step's forward when the model call carries a RecurrentStep; else the layer's own
+    (a plain forward of the served model: the load-time self-check's reference)."""
+    step = kwargs.pop(STEP_KWARG, None)
     if step is None:
-        raise RuntimeError(f"{type(layer).__name__} runs inside the embedded server's steps only (it reads the "
-                           f"sequences' recurrent state through the {STEP_KWARG}= keyword of the model call)")
+        return own_forward(hidden_states, *args, **kwargs)
     return served_deltanet_forward(layer, hidden_states, step)

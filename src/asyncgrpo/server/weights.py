@@ -81,9 +81,10 @@ class WeightLoader:
 class WeightTransfer:
     """State machine of the weight-transfer routes around a WeightReceiver (asyncgrpo.sync)."""
 
-    def __init__(self, device: torch.device, loader: WeightLoader) -> None:
+    def __init__(self, device: torch.device, loader: WeightLoader, timeout_s: float) -> None:
         self.device = device
         self.loader = loader
+        self.timeout_s = timeout_s  # bounds joining the group and every receive (--weight-transfer-timeout)
         self.receiver = None
         self.active = False
         self._last_info: dict | None = None
@@ -103,10 +104,10 @@ class WeightTransfer:
         if self.receiver is not None:
             self.receiver.shutdown()
             self.receiver = None
-        receiver = WeightReceiver(device=self.device)
+        receiver = WeightReceiver(device=self.device, timeout_s=self.timeout_s)
         try:
             receiver.init(init_info)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:  # bad init_info, or the trainer's group could not be joined
             raise WeightTransferError(str(exc)) from exc
         self.receiver = receiver
 
@@ -147,6 +148,20 @@ class WeightTransfer:
         if not self.active:
             raise WeightTransferError("No weight update is active; call /start_weight_update first")
         self.active = False
+
+    def store_address(self) -> tuple[str, int] | None:
+        """(host, port) of the trainer's TCPStore of a gloo group (None for NCCL or no group)."""
+        config = self.receiver.config if self.receiver is not None else None
+        if config is None or config.backend != "gloo":
+            return None
+        return config.master_address, config.master_port
+
+    def abandon(self) -> None:
+        """Drop the group and any unfinished update (its sender is gone; blocking: run off the loop)."""
+        self.active = False
+        if self.receiver is not None:
+            self.receiver.shutdown()
+            self.receiver = None
 
     def shutdown(self) -> None:
         if self.active:

@@ -73,15 +73,15 @@ class GlooCommunicator:
         self.rank = rank
         self.world_size = world_size
         self._timeout = timeout
-        if store is None:
-            store = TCPStore(master_address, master_port, is_master=False, timeout=timeout)
-        self._store = store
-        options = ProcessGroupGloo._Options()
-        options._devices = [_device_for(master_address)]
-        options._timeout = timeout
         try:
+            if store is None:  # a dead or wrong address fails here, after timeout_s of retries
+                store = TCPStore(master_address, master_port, is_master=False, timeout=timeout)
+            self._store = store
+            options = ProcessGroupGloo._Options()
+            options._devices = [_device_for(master_address)]
+            options._timeout = timeout
             self._pg = ProcessGroupGloo(PrefixStore(_STORE_PREFIX, store), rank, world_size, options)
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # DistStoreError and DistNetworkError are RuntimeErrors
             raise RuntimeError(
                 f"gloo weight-transfer group: rank {rank}/{world_size} could not join via "
                 f"{master_address}:{master_port} within {timeout_s:.0f}s ({exc}); check that every rank "

@@ -8,6 +8,11 @@ One weight sync (DESIGN section 7):
 
     pause(mode=keep) -> push(named tensors, version) -> resume
     a failure anywhere leaves the server resumed and raises with what happened
+
+At start (`connect`): a server held by another live trainer is refused (embedded server); a server
+left paused (its trainer died mid-sync) is resumed, with a warning. Against the embedded server the
+link then renews its trainer lease every few seconds (`asyncgrpo.server.lease`), so that its pause
+and its weight-transfer group outlive it by at most the server's `--trainer-lease`.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
+from asyncgrpo.generation.protocol import TRAINER_HEADER, ProtocolError
 from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -34,9 +41,13 @@ class ServerLink:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
         self._thread.start()
-        self.client = GenerationClient(base_url, timeout_s=timeout_s, api_key=api_key)
+        self.trainer_id = uuid.uuid4().hex[:12]
+        self.client = GenerationClient(
+            base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id}
+        )
         self._sender = None
         self.info = None
+        self._renewal: asyncio.Task | None = None
         self._run(self.client.start())
 
     def _run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
@@ -53,8 +64,39 @@ class ServerLink:
     def connect(self) -> Any:
         """Wait for the server (bounded by `vllm_server_timeout`) and detect its features."""
         self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
+        self._run(self._take_over())  # before detect(): its probe request would wait on a paused server
         self.info = self._run(self.client.detect())
         return self.info
+
+    async def _take_over(self) -> None:
+        """Refuse a server held by another live trainer; resume a server left paused; start renewing."""
+        lease = await self.client.lease()  # None: not the embedded server
+        if lease is not None and lease.get("message"):
+            raise RuntimeError(f"cannot train against {self.base_url}: {lease['message']}")
+        try:
+            paused = await self.client.is_paused()
+        except ServerRequestError as exc:
+            if exc.status != 404:
+                raise
+            paused = False  # vLLM without VLLM_SERVER_DEV_MODE: detect() says what that means
+        if paused:
+            logger.warning(
+                "the inference server at %s was paused, most likely left so by a trainer that stopped during a "
+                "weight sync; resuming it", self.base_url,
+            )
+            await self.client.resume()
+        if lease is not None and lease["lease_s"] > 0:
+            self._renewal = asyncio.ensure_future(self._renew_forever(float(lease["lease_s"])))
+
+    async def _renew_forever(self, lease_s: float) -> None:
+        interval = min(5.0, lease_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.client.renew_lease(timeout_s=interval)
+            except (ServerConnectionError, ServerRequestError, ProtocolError, TimeoutError) as exc:
+                # the next sync reports a server that is really gone; one missed renewal is not fatal
+                logger.debug("renewing the trainer lease failed: %s", exc)
 
     def init_weight_transfer(self, device: torch.device) -> None:
         from asyncgrpo.sync.sender import WeightSender
@@ -101,7 +143,12 @@ class ServerLink:
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
 
     def close(self) -> None:
+        if not self._thread.is_alive():  # closed already
+            return
+
         async def _close() -> None:
+            if self._renewal is not None:
+                self._renewal.cancel()
             if self._sender is not None:
                 await self._sender.close()
             await self.client.close()

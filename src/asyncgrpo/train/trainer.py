@@ -260,7 +260,7 @@ class AsyncGRPOTrainer(Trainer):
     def _connect(self) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
         url, timeout_s = self.args.vllm_server_base_url, self.args.vllm_server_timeout
-        self._server = ServerLink(url, timeout_s=timeout_s)
+        self._server = ServerLink(url, timeout_s=timeout_s, api_key=self.args.vllm_server_api_key)
         with notice_while_waiting(lambda waited: (
             f"waiting for the inference server at {url} ({waited:.0f} s so far; giving up after "
             f"vllm_server_timeout={timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "

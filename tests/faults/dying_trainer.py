@@ -1,0 +1,23 @@
+"""A trainer killed in the middle of a weight sync: it joins the server's weight-transfer group,
+pauses the server, starts an update, then SIGKILLs itself (run by test_trainer_lease.py).
+
+    python dying_trainer.py URL
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from asyncgrpo.train.server_link import ServerLink
+
+link = ServerLink(sys.argv[1], timeout_s=60)
+link.connect()
+link.init_weight_transfer(torch.device("cpu"))
+link._run(link.client.pause(mode="keep", clear_cache=True, lease_s=60))  # outlives this process
+link._run(link.client.start_weight_update())
+print("MID-UPDATE", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)

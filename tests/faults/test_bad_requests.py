@@ -1,0 +1,63 @@
+"""Malformed or absurd requests and flags get a 400 (or a clear start-up error), never a 500."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import TINY, call
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("prompt", ["", ["", "hello"], ["hello", ""]])
+def test_empty_text_prompt_is_400_alone_and_in_a_batch(tiny_server, prompt):
+    status, body = call(tiny_server.url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    assert status == 400, body
+    assert body["error"]["param"] == "prompt" and "empty" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # beyond Python's int parsing limit
+    b'{"prompt": "hi", "temperature": 1' + b"0" * 399 + b"}",  # beyond float range
+    b'{"prompt": "hi", "max_tokens": 1' + b"0" * 30 + b"}",  # beyond int64
+    b'{"prompt": "hi", "seed": -1' + b"0" * 30 + b"}",
+    b'{"prompt": "hi", "x": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    b'{"prompt": "hi", "stream_options": "x"}',
+])
+def test_absurd_values_are_400_on_completions(tiny_server, raw):
+    status, body = call(tiny_server.url, "POST", "/v1/completions", raw)
+    assert status == 400, body
+    assert body["error"]["type"] == "BadRequestError" and len(body["error"]["message"]) < 500
+
+
+@pytest.mark.parametrize("extra", [{"stream": True, "stream_options": "x"}, {"stream_options": ["x"]},
+                                   {"sampling_params": {"temperature": 10**400}}])
+def test_absurd_values_are_400_on_generate(tiny_server, extra):
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}, **extra}
+    status, out = call(tiny_server.url, "POST", "/inference/v1/generate", body)
+    assert status == 400, out
+
+
+def test_server_still_serves_after_bad_requests(tiny_server):
+    status, body = call(tiny_server.url, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2,
+                                                                       "stream_options": {"include_usage": True}})
+    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", *args, "--port", "1"],
+                          check=False, capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.parametrize("args,words", [
+    ((TINY, "--max-model-len", "0"), ["--max-model-len 0", "positive"]),
+    (("/nonexistent/model/dir",), ["/nonexistent/model/dir", "does not exist", "config.json"]),
+    (("nonexistent-org/no-such-model",), ["nonexistent-org/no-such-model", "hub"]),
+])
+def test_bad_serve_flags_exit_2_with_a_message_and_no_traceback(args, words):
+    proc = _serve(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert all(w in proc.stderr for w in words), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
