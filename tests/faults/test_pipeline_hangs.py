@@ -130,7 +130,8 @@ def test_no_server_at_start_is_announced_within_seconds_then_waited_for(tmp_path
     logging.getLogger("asyncgrpo").addHandler(spy)
     t0 = time.monotonic()
     try:
-        with pytest.raises(TimeoutError, match="vllm_server_timeout"):
+        # the link's own timeout must not hide the client's error, which says what /health last answered
+        with pytest.raises(TimeoutError, match=r"last /health: .*vllm_server_timeout"):
             trainer.train()
     finally:
         logging.getLogger("asyncgrpo").removeHandler(spy)

@@ -55,6 +55,8 @@ class ServerLink:
         try:
             return future.result(timeout=timeout_s or self.timeout_s)
         except TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (e.g. wait_until_ready's, naming /health)
+                raise
             future.cancel()
             raise TimeoutError(
                 f"the inference server at {self.base_url} did not answer within {timeout_s or self.timeout_s:.0f}s; "
