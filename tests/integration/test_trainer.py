@@ -140,7 +140,9 @@ def constant_reward_for_even_rows(completions, answer, **kwargs):
 def test_zero_std_groups_are_dropped_and_counted(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=constant_reward_for_even_rows, train_dataset=_dataset(24, seed=5),
-        args=_config(tmp_path, server, max_steps=2),
+        # 3 steps: group metrics travel on their own queue and may reach the trainer a step after the
+        # samples of other groups (seen on a loaded machine with 2 steps)
+        args=_config(tmp_path, server, max_steps=3),
     )
     trainer.train()
     logs = _logged(trainer)
