@@ -9,6 +9,8 @@ import sys
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS  # no torch: --help stays instant
+
     p = subparsers.add_parser(
         "serve",
         help="Start the embedded generation server (a vLLM-compatible subset).",
@@ -69,6 +71,27 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Seconds a trainer's hold on the server (its pause, its weight-transfer group) lasts without renewal; "
         "then generation resumes and another trainer may take over. 0: no expiry, as vLLM (default 30).",
     )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; "
+        "requests pick one by `model`), as vLLM's flag with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Decode steps "
+        "then run without CUDA graphs.",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=ALLOWED_MAX_RANKS,
+        help="Largest adapter rank the server accepts (as vLLM: one of %(choices)s; default 16).",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=1,
+        help="Adapters loaded at once, each in its own slot (default 1); a load beyond it is refused until one "
+        "is unloaded. Every slot costs max-lora-rank rows of every adapted layer, used or not.",
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument(
         "--parent-pid",
@@ -77,6 +100,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Shut down when this process, the server's parent, exits (set by asyncgrpo.launch.EmbeddedServer).",
     )
     p.set_defaults(func=_run_serve)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -20,4 +20,7 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
                           ids, KV-cache size; refuses what it would serve wrongly
     self_check.py         load-time check: engine log-probs == the model's own forward, else refused
     lease.py / holding.py the trainer lease: one trainer holds the server; pauses and half-done updates expire
+    lora.py               LoRA adapters (--enable-lora): stacked slot weights, the batched delta, slot ownership
+    lora_files.py         reading and checking a PEFT adapter directory
+    lora_routes.py        /v1/load_lora_adapter, /v1/unload_lora_adapter, adapter cards, `model` -> adapter
 """

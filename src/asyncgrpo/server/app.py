@@ -10,7 +10,8 @@ to the engine, awaits it and serialises the answer.
                   /get_world_size /weight_info and the weight-transfer routes
     extension     GET /weight_checksum (digests of the served weights; not in vLLM),
                   GET /lease, POST /renew_lease (the trainer lease, `holding.py`; /pause takes lease_s)
-    not offered   LoRA load/unload (404, like vLLM without runtime LoRA)
+    --enable-lora POST /v1/load_lora_adapter /v1/unload_lora_adapter (`lora_routes.py`; else 404, like
+                  vLLM without runtime LoRA); requests name an adapter in `model`
 
 With --api-key (or VLLM_API_KEY) every route but /health needs `Authorization: Bearer <key>`. Request
 bodies are parsed as JSON only: nothing a client sends is ever unpickled.
@@ -28,7 +29,6 @@ import logging
 import os
 import random
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -41,6 +41,8 @@ from asyncgrpo.server.holding import HoldingRoutes
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.lease import Leases
 from asyncgrpo.server.loading import ServedModel
+from asyncgrpo.server.lora import Adapter, AdapterRegistry, ServedLora
+from asyncgrpo.server.lora_routes import LORA_ROUTES, LoraRoutes, model_card
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
 from asyncgrpo.server.recurrent_state import RecurrentState
@@ -104,7 +106,7 @@ class _Sink:
             self.done.set_result(None)
 
 
-class Server(ControlRoutes, HoldingRoutes):
+class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
     def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
         self.args = args
         self.served = served
@@ -132,9 +134,15 @@ class Server(ControlRoutes, HoldingRoutes):
             BlockPool(self.cache.num_blocks, caching), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
             served.max_model_len,
         )
+        self.lora = ServedLora(served.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
+        self.adapters = AdapterRegistry(args.max_loras) if args.enable_lora else None
+        self.lora_lock = asyncio.Lock()  # one adapter load or unload at a time
         graphs = None
         if self.recurrent is not None and served.device.type == "cuda" and not args.enforce_eager:
             logger.info("decode steps run eagerly: the Gated DeltaNet layers' state is not captured in CUDA graphs")
+        elif self.lora is not None and served.device.type == "cuda" and not args.enforce_eager:
+            logger.info("decode steps run eagerly: with --enable-lora, CUDA graphs are off (they do not carry the "
+                        "tokens' adapter slots)")
         elif served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
@@ -142,7 +150,7 @@ class Server(ControlRoutes, HoldingRoutes):
             )
         self.runner = ModelRunner(
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
-            self.recurrent,
+            self.recurrent, self.lora,
         )
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)
         self._init_started: float | None = None  # monotonic start of the weight-transfer init in progress
@@ -158,7 +166,8 @@ class Server(ControlRoutes, HoldingRoutes):
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 2**20)
         add = {"GET": web.get, "POST": web.post}
-        app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in ROUTES])
+        routes = ROUTES + (LORA_ROUTES if self.lora is not None else ())
+        app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in routes])
         return app
 
     def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -227,10 +236,14 @@ class Server(ControlRoutes, HoldingRoutes):
     def _draw_seed(self) -> int:
         return self._rng.getrandbits(63)
 
-    def _sequences(self, key: str, prompt: list[int], params) -> list[Sequence]:
-        return [
+    def _sequences(self, key: str, prompt: list[int], params, adapter: Adapter | None) -> list[Sequence]:
+        seqs = [
             Sequence(next(self._seq_ids), key, i, prompt, p, self.spec.max_model_len) for i, p in enumerate(params)
         ]
+        if adapter is not None:
+            for s in seqs:
+                s.lora_slot, s.hash_root = adapter.slot, adapter.hash_root
+        return seqs
 
     async def _run(self, key: str, seqs: list[Sequence]) -> None:
         sink = _Sink(len(seqs), stream=False)
@@ -252,30 +265,21 @@ class Server(ControlRoutes, HoldingRoutes):
         return _json({"version": P.VERSION})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.name, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": self.args.model, "parent": None, "max_model_len": self.spec.max_model_len,
-            "permission": [{
-                "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": self.created,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                "organization": "*", "group": None, "is_blocking": False,
-            }],
-        }
-        return _json({"object": "list", "data": [card]})
+        card = model_card(self.name, self.args.model, None, self.spec.max_model_len, self.created)
+        return _json({"object": "list", "data": [card, *self.adapter_cards()]})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        P.check_model(body.get("model"), self.spec)
+        self.resolve_model(body.get("model"))
         ids = self._encode(body.get("prompt"), bool(body.get("add_special_tokens", True)))
         return _json({"count": len(ids), "max_model_len": self.spec.max_model_len, "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        P.check_model(body.get("model"), self.spec)
+        self.resolve_model(body.get("model"))
         ids = P.token_id_list(body.get("tokens"), self.spec, "tokens")
         return _json({"prompt": self._tokenizer().decode(ids)})
 
@@ -293,7 +297,11 @@ class Server(ControlRoutes, HoldingRoutes):
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self._accepting()
         body = await self._body(request)
-        P.check_model(body.get("model"), self.spec)
+        adapter = self.resolve_model(body.get("model"))
+        with self.adapter_in_use(adapter):
+            return await self._generate(request, body, adapter)
+
+    async def _generate(self, request: web.Request, body: dict, adapter: Adapter | None) -> web.StreamResponse:
         if body.get("output_mode", "tokens") not in (None, "tokens"):
             raise P.ApiError(400, "output_mode must be 'tokens' on the embedded server", param="output_mode")
         prompt = P.token_id_list(body.get("token_ids"), self.spec, "token_ids")
@@ -303,13 +311,14 @@ class Server(ControlRoutes, HoldingRoutes):
         )
         rid = request.headers.get("X-Request-Id") or body.get("request_id") or _random_id()
         key = f"generate-tokens-{rid}"
-        seqs = self._sequences(key, prompt, params)
+        seqs = self._sequences(key, prompt, params, adapter)
         return_ids = bool(body.get("return_token_ids", False))
         include_usage = P.stream_include_usage(body)
         if body.get("stream"):
             return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
         await self._run(key, seqs)
-        text = P.generate_response(key, self.name, int(time.time()), prompt, seqs, return_ids)
+        model = self.name if adapter is None else adapter.name
+        text = P.generate_response(key, model, int(time.time()), prompt, seqs, return_ids)
         return web.Response(text=text, content_type="application/json")
 
     async def _stream(
@@ -353,7 +362,11 @@ class Server(ControlRoutes, HoldingRoutes):
     async def completions(self, request: web.Request) -> web.Response:
         self._accepting()
         body = await self._body(request)
-        P.check_model(body.get("model"), self.spec)
+        adapter = self.resolve_model(body.get("model"))
+        with self.adapter_in_use(adapter):
+            return await self._completions(request, body, adapter)
+
+    async def _completions(self, request: web.Request, body: dict, adapter: Adapter | None) -> web.Response:
         for key, bad in (("stream", True), ("echo", True), ("suffix", None), ("prompt_logprobs", None)):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
                 raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
@@ -364,7 +377,7 @@ class Server(ControlRoutes, HoldingRoutes):
         all_seqs = []
         for i, prompt in enumerate(prompts):
             params = P.parse_sampling(body, self.spec, len(prompt), route="completions", draw_seed=self._draw_seed)
-            all_seqs.append(self._sequences(f"cmpl-{rid}-{i}", prompt, params))
+            all_seqs.append(self._sequences(f"cmpl-{rid}-{i}", prompt, params, adapter))
         await asyncio.gather(*(self._run(seqs[0].request_key, seqs) for seqs in all_seqs))
         tok = self.served.tokenizer
         texts = [[tok.decode(s.output, skip_special_tokens=True) if tok else "" for s in seqs] for seqs in all_seqs]
@@ -378,7 +391,8 @@ class Server(ControlRoutes, HoldingRoutes):
             for seqs in all_seqs
         ]
         out = P.completion_response(
-            f"cmpl-{rid}", self.name, int(time.time()), prompts, all_seqs, texts, lps,
+            f"cmpl-{rid}", self.name if adapter is None else adapter.name, int(time.time()), prompts, all_seqs,
+            texts, lps,
             bool(body.get("return_token_ids", False)), bool(body.get("return_weight_versions", False)),
         )
         return _json(out)

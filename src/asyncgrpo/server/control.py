@@ -101,6 +101,7 @@ class ControlRoutes:
                 "policy": "fcfs",
             },
             "device_config": {"device": s.device.type},
+            "lora_config": self.lora_config(),
             "weight_transfer_config": {"backend": "nccl" if s.device.type == "cuda" else "gloo"},
         }
         st = self.engine.stats

@@ -193,7 +193,10 @@ def _attention_forward(
     kwargs.pop("past_key_values", None)  # the paged attention keeps its own cache
     input_shape = hidden_states.shape[:-1]
     d = module.head_dim
-    qkv = F.linear(hidden_states, fused.qkv_weight, fused.qkv_bias).view(-1, fused.qkv_weight.shape[0])
+    qkv = F.linear(hidden_states, fused.qkv_weight, fused.qkv_bias)
+    if module.joined_lora is not None:  # LoRA adapters of q/k/v (server/lora.py)
+        qkv = module.joined_lora(hidden_states, qkv)
+    qkv = qkv.view(-1, fused.qkv_weight.shape[0])
     cos, sin = (t.expand(*input_shape, d).reshape(-1, d) for t in position_embeddings)
     if fused.triton:
         # inside the server's steps the kernel also writes this step's keys and values to the paged cache
@@ -225,6 +228,8 @@ def _attention_forward(
 
 def _mlp_forward(module: torch.nn.Module, gate_up_weight: torch.Tensor, triton: bool, x: torch.Tensor) -> torch.Tensor:
     gate_up = F.linear(x, gate_up_weight)
+    if module.joined_lora is not None:  # LoRA adapters of gate/up (server/lora.py)
+        gate_up = module.joined_lora(x, gate_up)
     if triton:
         act = silu_mul(gate_up.view(-1, gate_up.shape[-1])).view(*x.shape[:-1], -1)
     else:
@@ -245,6 +250,7 @@ class _Fusion:
     forward: Callable
     shares: list[tuple[torch.Tensor, list[torch.nn.Parameter]]]
     triton: bool
+    parts: tuple[str, ...]  # the projections whose outputs the joined matmul concatenates, in order
 
 
 def _fuse_attention(module: torch.nn.Module, triton: bool) -> _Fusion | None:
@@ -280,7 +286,8 @@ def _fuse_attention(module: torch.nn.Module, triton: bool) -> _Fusion | None:
         # the kernel takes head_dim / 2 lanes: a power of two
         triton=triton and projections[0].weight.is_cuda and d >= 32 and d & (d - 1) == 0,
     )
-    return _Fusion(functools.partial(_attention_forward, module, fused), shares, fused.triton)
+    return _Fusion(functools.partial(_attention_forward, module, fused), shares, fused.triton,
+                   ("q_proj", "k_proj", "v_proj"))
 
 
 def _fuse_mlp(module: torch.nn.Module, triton: bool) -> _Fusion | None:
@@ -291,7 +298,8 @@ def _fuse_mlp(module: torch.nn.Module, triton: bool) -> _Fusion | None:
     gate_up = [projections[0].weight, projections[1].weight]
     joined = torch.cat([p.detach() for p in gate_up])
     triton = triton and joined.is_cuda
-    return _Fusion(functools.partial(_mlp_forward, module, joined, triton), [(joined, gate_up)], triton)
+    return _Fusion(functools.partial(_mlp_forward, module, joined, triton), [(joined, gate_up)], triton,
+                   ("gate_proj", "up_proj"))
 
 
 def _check_inputs(module: torch.nn.Module, attention: bool) -> tuple:
@@ -348,6 +356,7 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
             fusion = fuse(module, triton)
             if fusion is None:
                 continue
+            module.joined_lora = None  # LoRA's hook on the joined output (set by server/lora.py)
             try:
                 same = _checked(module, attention, fusion)
             except Exception as exc:
@@ -364,6 +373,7 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
             for joined, params in fusion.shares:
                 _share_storage(joined, params)
             module.forward = fusion.forward
+            module.joined_projections = fusion.parts
             attention_count += attention
             mlp_count += not attention
             triton_count += fusion.triton

@@ -44,12 +44,15 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+def extend_block_hashes(
+    hashes: list[bytes], tokens: Sequence[int], block_size: int, num_blocks: int, root: bytes = ROOT_HASH
+) -> list[bytes]:
     """Extend `hashes` (those of the first len(hashes) blocks of `tokens`) in place to the first
-    `num_blocks` full blocks, and return it. `tokens` must hold num_blocks * block_size tokens."""
+    `num_blocks` full blocks, and return it. `tokens` must hold num_blocks * block_size tokens.
+    `root` starts the chain (a LoRA adapter's own root keeps its KV apart from the base model's)."""
     assert len(tokens) >= num_blocks * block_size, (len(tokens), num_blocks, block_size)
     for i in range(len(hashes), num_blocks):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size]))
     return hashes
 

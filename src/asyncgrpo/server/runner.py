@@ -14,6 +14,7 @@ step gathers them by row.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
+from asyncgrpo.server.lora import ServedLora
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
 from asyncgrpo.server.sampling import (
     SamplingPlan,
@@ -107,6 +109,7 @@ class RowParams:
         self.num_top_logprobs = np.zeros(num_rows, dtype=np.int64)  # 0 when none are asked for
         self.mask_width = np.zeros(num_rows, dtype=np.int64)  # top_k of rows that return masks, else 0
         self.penalised = np.zeros(num_rows, dtype=bool)  # repetition_penalty != 1
+        self.lora_slot = np.full(num_rows, -1, dtype=np.int64)  # LoRA slot, -1: the base model
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Write the parameters of sequences that just entered their rows."""
@@ -122,6 +125,7 @@ class RowParams:
         self.num_top_logprobs[rows] = [p.logprobs or 0 for p in ps]
         self.mask_width[rows] = [p.top_k if p.want_mask else 0 for p in ps]
         self.penalised[rows] = [p.repetition_penalty != 1.0 for p in ps]
+        self.lora_slot[rows] = [s.lora_slot for s in seqs]
 
 
 class ModelRunner:
@@ -136,8 +140,10 @@ class ModelRunner:
         block_table: np.ndarray,
         graphs: DecodeGraphs | None = None,
         recurrent: RecurrentState | None = None,
+        lora: ServedLora | None = None,
     ) -> None:
         assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
+        assert graphs is None or lora is None, "decode graphs do not carry LoRA slots"
         self.model = model
         self.cache = cache
         self.device = device
@@ -145,6 +151,7 @@ class ModelRunner:
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
         self.recurrent = recurrent  # the DeltaNet layers' per-row state of a hybrid model
+        self.lora = lora  # stacked LoRA adapters (--enable-lora): each token's slot is set per step
         self.params = RowParams(block_table.shape[0])
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
@@ -214,17 +221,23 @@ class ModelRunner:
             [s.blocks for s in prefill],
         )
         extra = {}
+        prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
         if self.recurrent is not None:
-            rows = np.concatenate([decode_rows, np.fromiter((s.row for s in prefill), np.int64, len(prefill))])
+            rows = np.concatenate([decode_rows, prefill_rows])
             extra[STEP_KWARG] = self.recurrent.step(rows, len(decode_rows), prefill_lens, starts)
-        out = self.model(
-            input_ids=flat[0][None],
-            position_ids=flat[1][None],
-            use_cache=False,
-            logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
-            kv_meta=meta,
-            **extra,
-        )
+        adapters = contextlib.nullcontext()
+        if self.lora is not None:  # each token's adapter slot: its sequence's
+            slots = self.params.lora_slot
+            adapters = self.lora.step(np.concatenate([slots[decode_rows], np.repeat(slots[prefill_rows], prefill_lens)]))
+        with adapters:
+            out = self.model(
+                input_ids=flat[0][None],
+                position_ids=flat[1][None],
+                use_cache=False,
+                logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
+                kv_meta=meta,
+                **extra,
+            )
         return out.logits[0]
 
     def _needs_processing(self, rows: np.ndarray, positions: np.ndarray) -> bool:

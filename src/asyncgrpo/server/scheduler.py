@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
+from asyncgrpo.server.prefix_cache import ROOT_HASH, BlockPool, extend_block_hashes
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ class Sequence:
     stop_reason: int | str | None = None
     error: str | None = None
     sink: object = None  # set by the engine: where outputs are delivered
+    lora_slot: int = -1  # slot of its LoRA adapter (server/lora.py), -1: the base model
+    hash_root: bytes = ROOT_HASH  # first parent of its block hashes (an adapter's own, see lora.py)
 
     num_tokens: int = field(init=False)  # len(prompt) + len(output), kept by append
 
@@ -238,7 +240,7 @@ class Scheduler:
         end = num_computed // self.block_size
         if end <= first_block or seq.cache_epoch != self.pool.epoch or not self.pool.enable_caching:
             return
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, end)
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, end, seq.hash_root)
         for i in range(first_block, end):
             self.pool.register(seq.blocks[i], hashes[i])
 
@@ -247,7 +249,7 @@ class Scheduler:
         if not self.pool.enable_caching:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable)
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable, seq.hash_root)
         return self.pool.match(hashes[:usable])
 
     def _plan_chunk(self, seq: Sequence, budget: int) -> int:

@@ -1,0 +1,106 @@
+"""server/lora.py and server/lora_files.py: adapter files, the batched delta, slot ownership.
+
+The delta test runs one forward pass of a tiny random Qwen3 (its attention and MLP fused as the server
+fuses them) whose batch rows use adapter 1, adapter 2 and no adapter, and compares each row with the
+PEFT model of that adapter merged into the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo.server.fused_layers import fuse_layers
+from asyncgrpo.server.lora import AdapterRegistry, ServedLora
+from asyncgrpo.server.lora_files import AdapterLoadError, AdapterNotFound, read_adapter
+
+peft = pytest.importorskip("peft")
+
+
+def _tiny(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _adapter(path, seed: int, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(_tiny(), peft.LoraConfig(init_lora_weights=False, **kwargs))
+    model.save_pretrained(path)
+    return model.merge_and_unload().eval()
+
+
+def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_reference(tmp_path):
+    refs = [
+        _adapter(tmp_path / "a", 1, r=4, lora_alpha=8, target_modules="all-linear"),
+        _adapter(tmp_path / "b", 2, r=2, lora_alpha=16, use_rslora=True, target_modules=["k_proj", "up_proj"],
+                 rank_pattern={"up_proj": 8}, alpha_pattern={"k_proj": 3}),
+        _tiny(),
+    ]
+    model = _tiny()
+    assert fuse_layers(model, triton=False).attention == 2  # the joined q/k/v and gate/up hooks are exercised
+    lora = ServedLora(model, max_loras=3, max_rank=8)
+    for slot, name in ((2, "a"), (0, "b")):  # slots need not follow load order
+        lora.write(slot, read_adapter(name, str(tmp_path / name), lora.targets(), 8))
+    ids = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(0))
+    slots = np.repeat(np.array([2, 0, -1]), 10)
+    with torch.no_grad(), lora.step(slots):
+        logits = model(ids).logits
+    with torch.no_grad():
+        expected = torch.stack([ref(ids[i : i + 1]).logits[0] for i, ref in enumerate(refs)])
+        base = refs[2](ids).logits
+    assert (logits - expected).abs().max() < 1e-5
+    assert (base[:2] - expected[:2]).abs().amax(dim=(1, 2)).min() > 1e-2  # both adapters change the output
+    with torch.no_grad():  # outside a step (the self-check, a hybrid layer's own forward): the base model
+        assert (model(ids).logits - base).abs().max() < 1e-5
+
+
+def test_adapter_files_are_checked_like_vllm(tmp_path):
+    lora = ServedLora(_tiny(), max_loras=1, max_rank=8)
+    _adapter(tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    with pytest.raises(AdapterNotFound, match=r"Loading lora x failed: No adapter found for /nowhere"):
+        read_adapter("x", "/nowhere", lora.targets(), 8)
+    with pytest.raises(AdapterLoadError, match=r"LoRA rank 4 is greater than max_lora_rank 1; restart the server "
+                                                r"with --max-lora-rank 8"):
+        read_adapter("a", str(tmp_path / "a"), lora.targets(), 1)
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    for change, message in (({"use_dora": True}, "DoRA"), ({"bias": "all"}, "Adapter bias is not supported"),
+                            ({"modules_to_save": ["lm_head"]}, "modules_to_save")):
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(AdapterLoadError, match=message):
+            read_adapter("a", str(tmp_path / "a"), lora.targets(), 8)
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "a" / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterLoadError, match="doesn't contain tensors"):
+        read_adapter("a", str(tmp_path / "a"), lora.targets(), 8)
+
+
+def test_an_unloaded_adapter_keeps_its_slot_until_its_last_request_ends():
+    registry = AdapterRegistry(max_loras=1)
+    slot = registry.reserve("v1")
+    v1 = registry.add("v1", "/p1", slot, 4)
+    with registry.using(v1):
+        registry.remove("v1")
+        assert "v1" not in registry.by_name and v1.unloaded
+        assert registry.reserve("v2") is None  # its weights still serve a running request
+    slot = registry.reserve("v2")
+    assert slot == v1.slot
+    v2 = registry.add("v2", "/p2", slot, 4)
+    assert v2.hash_root != v1.hash_root
+
+
+def test_a_reload_under_the_same_name_gets_a_new_slot_and_cache_root():
+    registry = AdapterRegistry(max_loras=2)
+    first = registry.add("v", "/p", registry.reserve("v"), 4)
+    with registry.using(first):
+        second = registry.add("v", "/p", registry.reserve("v"), 4)
+        assert registry.by_name["v"] is second and second.slot != first.slot
+        assert second.hash_root != first.hash_root
+        assert registry.reserve("w") is None  # the first load's slot is still in use
+    assert registry.reserve("w") == first.slot
