@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import TINY
 
+from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.loading import load_served_model
@@ -26,7 +27,8 @@ def _engine(model: torch.nn.Module, dtype: torch.dtype) -> tuple[ModelRunner, Sc
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, head_dim, dtype, CPU)
-    scheduler = Scheduler(BlockPool(cache.num_blocks), 16, 4, 256, 128)
+    window = kv_window(model, range(c.num_hidden_layers))  # as the server: blocks behind a window are freed
+    scheduler = Scheduler(BlockPool(cache.num_blocks), 16, 4, 256, 128, window=window)
     return ModelRunner(model, cache, CPU, c.vocab_size, scheduler.block_table), scheduler
 
 
