@@ -95,7 +95,7 @@ class Sequence:
     top_logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # its block table: block of tokens [i * bs, (i + 1) * bs)
     released: int = 0  # leading blocks released as out of every layer's window (null in `blocks`)
     block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
     cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
