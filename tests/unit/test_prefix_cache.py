@@ -122,3 +122,28 @@ def test_models_with_recurrent_layers_are_served_uncached():
     assert unsupported_layer_types(SimpleNamespace(layer_types=["sliding_attention", "full_attention"])) == []
     assert prefix_caching_enabled(True, SimpleNamespace())
     assert not prefix_caching_enabled(False, SimpleNamespace())
+
+
+def test_a_sliding_window_hit_needs_only_the_blocks_its_window_reaches():
+    pool = BlockPool(8)
+    hashes = _hashes(list(range(24)))  # 6 blocks
+    blocks = pool.allocate(6)
+    for b, h in zip(blocks, hashes):
+        pool.register(b, h)
+    pool.free(blocks[:3][::-1])  # released head first, as a window moves on: evicted first
+    pool.free(blocks[3:])
+    assert pool.allocate(4) == [6, 7, blocks[0], blocks[1]]  # two free blocks, then the two oldest cached
+    assert pool.match(hashes) == []  # the prefix from token 0 is gone
+    assert pool.match_tail(hashes, 2) == (6, blocks[4:])  # its last two blocks are all a window reads
+    assert pool.match_tail(hashes[:4], 2) == (4, blocks[2:4])
+    assert pool.match_tail(hashes, 5) == (0, [])  # five blocks in a row are not cached any more
+    pool.allocate(1)  # evicts blocks[2]: the run 3..5 is left
+    assert pool.match_tail(hashes[:4], 2) == (0, [])
+    assert pool.match_tail(hashes, 3) == (6, blocks[3:])
+    assert pool.match_tail(_hashes(list(range(100, 112))), 2) == (0, [])  # another prompt
+    # a run from block 0 shorter than the tail is a hit too (the window reaches the first token)
+    other = BlockPool(4)
+    first = other.allocate(1)
+    other.register(first[0], hashes[0])
+    assert other.match_tail(hashes, 3) == (1, first)
+    assert BlockPool(4, enable_caching=False).match_tail(hashes, 2) == (0, [])

@@ -1,7 +1,7 @@
 """Sliding-window families served by the embedded server's engine (scheduler + runner, paged attention,
 float32 on CPU): the log-prob of every sampled token equals the log-softmax of the model's own forward
 (eager attention) on prompt + output, for prompts longer than the window, prefilled whole, in chunks
-and after a cached prefix, with decode steps past the window."""
+and after a cached prefix, with decode steps past the window (Mistral's blocks behind its window freed)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
@@ -47,7 +48,8 @@ def test_logprobs_equal_the_models_own_forward(family):
     served = copy.deepcopy(reference)
     served.set_attn_implementation(register_attention())
     cache = PagedKVCache(2, 64, BS, 2, 16, torch.float32, torch.device("cpu"))
-    sched = Scheduler(BlockPool(64), BS, 4, 7, 256)  # 7 tokens per step: prompts prefilled in chunks
+    # 7 tokens per step: prompts prefilled in chunks; Mistral (windowed everywhere) frees blocks behind it
+    sched = Scheduler(BlockPool(64), BS, 4, 7, 256, window=kv_window(served, range(2)))
     runner = ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table)
     params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=14, min_tokens=0,
                        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=None,

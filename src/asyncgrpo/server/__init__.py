@@ -5,7 +5,8 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
     protocol.py           request validation and response bodies (vLLM shapes)
     engine.py             engine thread: commands, pause modes, delivery to the event loop
-    scheduler.py          admission, chunked prefill, prefix reuse, preemption, stop rules
+    scheduler.py          admission, chunked prefill, prefix reuse, preemption, stop rules; blocks
+                          behind the window of a model windowed on every layer are released
     runner.py             one step -> one forward pass -> sampled tokens (one host transfer)
     kv_cache.py           paged K/V pools and the attention function registered with transformers
     prefix_cache.py       block pool: reference counts, content-addressed full blocks, LRU eviction

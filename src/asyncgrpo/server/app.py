@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
@@ -132,7 +133,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         self.recurrent = RecurrentState.for_model(served.model, args.max_num_seqs, served.device)
         self.scheduler = Scheduler(
             BlockPool(self.cache.num_blocks, caching), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
-            served.max_model_len,
+            served.max_model_len, window=kv_window(served.model, served.attention_layers),
         )
         self.lora = ServedLora(served.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.adapters = AdapterRegistry(args.max_loras) if args.enable_lora else None

@@ -3,12 +3,18 @@
     attend   softmax(mask(cap(q k^T * scale))) v, where cap(s) = softcap * tanh(s / softcap)
              (Gemma 2); SDPA when there is no soft-cap, an explicit product otherwise
     sliding  the window rule of transformers: a query at position p sees keys at p - window < j <= p
+    windows  each attention module's window, and the one that bounds what any layer reads (`kv_window`)
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 def attend(
@@ -39,3 +45,31 @@ def in_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None
     if window is None:
         return True
     return key_pos > query_pos - window
+
+
+def module_window(module: torch.nn.Module) -> int | None:
+    """The window an attention module's own forward passes: its attribute (Qwen2, Gemma: None on full
+    layers), else the config's (Mistral reads config.sliding_window in its forward)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+def kv_window(model: torch.nn.Module, attention_layers: Sequence[int]) -> int | None:
+    """The window past which no layer with keys/values reads (the largest of the layers' windows), or
+    None when one of those layers attends over the whole context (Gemma 2/3 and Cohere2 interleave
+    such layers), or when the model's attention modules (those with a `layer_idx` and an `o_proj`) do
+    not map one to one onto `attention_layers`. Tokens further back than it can leave the KV cache."""
+    windows = {m.layer_idx: module_window(m) for m in model.modules()
+               if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
+    if not windows or set(windows) != set(attention_layers):
+        return None
+    if None in windows.values():
+        if any(w is not None for w in windows.values()):
+            logger.info("some attention layers see the whole context: KV blocks are held for the whole sequence "
+                        "even where the sliding-window layers no longer read them")
+        return None
+    window = max(windows.values())
+    logger.info("every attention layer has a sliding window of at most %d tokens: KV blocks behind it are freed",
+                window)
+    return window

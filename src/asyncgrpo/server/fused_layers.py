@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from asyncgrpo.server.attention_math import module_window
 from asyncgrpo.server.fused_norm import as_accurate
 
 logger = logging.getLogger(__name__)
@@ -173,14 +174,6 @@ class _Attention:
     triton: bool
 
 
-def _sliding_window(module: torch.nn.Module) -> int | None:
-    """The window the module's own forward passes: its attribute (Qwen2, Gemma: None on full layers),
-    else the config's (Mistral reads config.sliding_window in its forward)."""
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
-
-
 def _attention_forward(
     module: torch.nn.Module,
     fused: _Attention,
@@ -221,7 +214,7 @@ def _attention_forward(
     attend: Callable = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
     out, weights = attend(
         module, heads_first(q), heads_first(k), heads_first(v), attention_mask,
-        dropout=0.0, scaling=module.scaling, sliding_window=_sliding_window(module), **kwargs,
+        dropout=0.0, scaling=module.scaling, sliding_window=module_window(module), **kwargs,
     )
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 

@@ -44,7 +44,8 @@ ATTENTION_NAME = "asyncgrpo_paged"
 
 class PagedKVCache:
     """The K/V pools of every layer (preallocated once). Block `num_blocks` is an extra scratch block
-    that no sequence owns: padded rows of a fixed-shape (graph) step write and read there."""
+    that no sequence owns: padded rows of a fixed-shape (graph) step write and read there, and the
+    block-table entries of blocks released behind a sliding window point there (masked out)."""
 
     def __init__(
         self,

@@ -12,8 +12,9 @@ Every block of the pool is in one of three states:
     free      ref == 0, no hash    nothing worth keeping
 
 `allocate` takes free blocks first and then evicts the least recently released cached blocks;
-`match` finds the longest run of cached blocks for a request's block hashes, and `touch` takes a
-reference on them. A sequence's blocks are released tail first, so that a prefix outlives the
+`match` finds the longest run of cached blocks for a request's block hashes (`match_tail`: the
+longest prefix whose last blocks are cached, all that a sliding-window model reads), and `touch`
+takes a reference on them. A sequence's blocks are released tail first, so that a prefix outlives the
 blocks that follow it. Cached KV is only valid for the weights that computed it: `invalidate`
 (a weight update) forgets every hash and bumps `epoch`; a block computed under an older epoch is
 never registered (see `Scheduler`). The pool is plain Python, touched by the engine thread only.
@@ -149,6 +150,24 @@ class BlockPool:
                 break
             out.append(block)
         return out
+
+    def match_tail(self, hashes: Sequence[bytes], tail: int) -> tuple[int, list[int]]:
+        """The longest hit of a sliding-window model, whose next token reads nothing before the last
+        `tail` blocks of its prefix: the largest n <= len(hashes) such that blocks n - tail .. n - 1 are
+        cached (or, when n < tail, blocks 0 .. n - 1). Returns (n, those blocks); no reference taken.
+        Blocks before them may have been evicted: the chained hashes still vouch for the whole prefix."""
+        if not self.enable_caching:
+            return 0, []
+        run: list[int] = []  # cached blocks from i rightwards, nearest to i last
+        for i in range(len(hashes) - 1, -1, -1):
+            block = self._by_hash.get(hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) == tail:
+                return i + tail, run[::-1]
+        return len(run), run[::-1]  # a run shorter than `tail` counts only from block 0
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of these (cached) blocks nobody holds: touching them lowers `num_free`."""

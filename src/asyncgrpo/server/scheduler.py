@@ -26,6 +26,18 @@ prefilled from there. Blocks are registered under their hash when the step that 
 planned, so a sequence admitted later in the same step already shares them (a step writes every
 token's K/V before any attention reads the cache). Only sequences whose KV was all computed under
 the current weights (`cache_epoch`) register blocks.
+
+Sliding-window models (`window`: every layer with keys/values has a window; None when one attends
+over the whole context): the next token of a sequence reads no key before num_computed - window + 1,
+so each step first releases the blocks wholly before that point (vLLM's sliding-window manager does
+the same). A released entry of the block table points at the null block (the KV cache's scratch
+block), which the attention masks out. Such a sequence takes blocks chunk by chunk, not its whole
+prompt at admission, so it holds about window + chunk tokens at any time and admission counts only
+that. A released block keeps its hash (it goes back to the pool as cached, evictable first), but the
+sequence cannot read it again: a later request extending it matches with `BlockPool.match_tail`,
+which needs only the blocks inside the window of the hit's end, as the earlier ones may be gone.
+Models that mix global layers in (Gemma 2/3, Cohere2) hold every block: the global layers read
+them all, and one block table serves every layer.
 """
 
 from __future__ import annotations
@@ -83,7 +95,8 @@ class Sequence:
     top_logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
     spans: list[list] = field(default_factory=list)  # [version, start, end]
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # its block table: block of tokens [i * bs, (i + 1) * bs)
+    released: int = 0  # leading blocks released as out of every layer's window (null in `blocks`)
     block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
     cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
     num_computed: int = 0  # tokens whose KV is in the cache once the planned steps ran
@@ -166,8 +179,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        window: int | None = None,
     ) -> None:
         self.pool = pool
+        self.window = window  # attention_math.kv_window of the model
+        self.null_block = pool.num_blocks  # the KV cache's scratch block: released entries point there
+        # the blocks a prefix hit needs cached: those the window of its next token reaches
+        self._hit_tail = max(1, -(-(window - 1) // block_size)) if window is not None else 0
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -192,11 +210,21 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.blocks)
+        self.pool.free(seq.blocks[seq.released :])
         seq.blocks = []
+        seq.released = 0
         if seq.row >= 0:
             self._free_rows.append(seq.row)
             seq.row = -1
+
+    def _release_skipped(self, seq: Sequence) -> None:
+        """Release seq's blocks that lie wholly before the window of its next token (num_computed)."""
+        skip = min(max(0, seq.num_computed - self.window + 1) // self.block_size, len(seq.blocks))
+        if skip > seq.released:
+            self.pool.free(seq.blocks[seq.released : skip])
+            seq.blocks[seq.released : skip] = [self.null_block] * (skip - seq.released)
+            self.block_table[seq.row, seq.released : skip] = self.null_block
+            seq.released = skip
 
     def _grow(self, seq: Sequence, n: int) -> None:
         start = len(seq.blocks)
@@ -245,17 +273,24 @@ class Scheduler:
             self.pool.register(seq.blocks[i], hashes[i])
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of the longest cached prefix of seq's tokens, leaving at least its last token to compute."""
+        """Blocks of the longest cached prefix of seq's tokens, leaving at least its last token to compute
+        (with a window: null up to the blocks its window reaches)."""
         if not self.pool.enable_caching:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable, seq.hash_root)
-        return self.pool.match(hashes[:usable])
+        if self.window is None:
+            return self.pool.match(hashes[:usable])
+        n, tail = self.pool.match_tail(hashes[:usable], self._hit_tail)
+        return [self.null_block] * (n - len(tail)) + tail
 
     def _plan_chunk(self, seq: Sequence, budget: int) -> int:
         """Plan seq's next prefill chunk within `budget` tokens (> 0); returns its size."""
         start = seq.num_computed
         end = min(seq.num_tokens, start + budget)
+        if self.window is not None:  # blocks are taken chunk by chunk, as far as the pool allows
+            end = min(end, (len(seq.blocks) + self.pool.num_free) * self.block_size)
+            self._grow(seq, self._blocks_for(end) - len(seq.blocks))
         seq.prefill_start, seq.prefill_end = start, end
         self._register(seq, start // self.block_size, end)
         seq.num_computed = end
@@ -264,9 +299,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         preempted: list[Sequence] = []
         # 1. decode: one more slot for every running sequence past its prompt (a new block for those
-        # whose last one is full), preempting the youngest while the pool is short
+        # whose last one is full; with a window, also for a prompt whose next chunk needs one, after
+        # releasing what fell out of the window), preempting the youngest while the pool is short
         bs = self.block_size
-        growing = [s for s in self.running if s.num_tokens > len(s.blocks) * bs]
+        if self.window is not None:
+            for s in self.running:
+                self._release_skipped(s)
+        growing = [s for s in self.running if s.num_computed >= len(s.blocks) * bs]
         while len(growing) > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
@@ -274,7 +313,7 @@ class Scheduler:
             if growing and growing[-1] is victim:  # both lists keep admission order
                 growing.pop()
         for s in growing:
-            self._grow(s, self._blocks_for(s.num_tokens) - len(s.blocks))
+            self._grow(s, 1)
         decode = [s for s in self.running if s.num_computed == s.num_tokens - 1]
         for s in decode:
             s.num_computed = s.num_tokens
@@ -295,13 +334,17 @@ class Scheduler:
             if preempted and seq in preempted:
                 break  # do not re-admit what this step just evicted
             hit = self._cached_prefix(seq)
-            need = self._blocks_for(seq.num_tokens) - len(hit)
-            if need + self.pool.num_evictable(hit) > self.pool.num_free:
+            held = [b for b in hit if b != self.null_block]
+            # blocks for the whole prompt, or with a window for its first chunk only (see _plan_chunk)
+            end = seq.num_tokens if self.window is None else min(seq.num_tokens, len(hit) * bs + budget)
+            need = self._blocks_for(end) - len(hit)
+            if need + self.pool.num_evictable(held) > self.pool.num_free:
                 break
             self.waiting.popleft()
             self.pool.record_query(seq.num_tokens, len(hit) * bs)
-            self.pool.touch(hit)
+            self.pool.touch(held)
             seq.blocks = list(hit)
+            seq.released = len(hit) - len(held)
             seq.row = self._free_rows.pop()
             self.block_table[seq.row, : len(hit)] = hit
             self._grow(seq, need)
