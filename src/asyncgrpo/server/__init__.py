@@ -3,7 +3,8 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
 
     serve.py              the `asyncgrpo serve` process: load, self-check, listen, stop on a signal
     app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
-    protocol.py           request validation and response bodies (vLLM shapes)
+    protocol.py           request validation (vLLM shapes)
+    responses.py          response bodies and their log-probs (vLLM shapes)
     engine.py             engine thread: commands, pause modes, delivery to the event loop
     scheduler.py          admission, chunked prefill, prefix reuse, preemption, stop rules; blocks
                           behind the window of a model windowed on every layer are released

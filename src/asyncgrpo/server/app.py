@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.server import responses as R
 from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.control import ControlRoutes
 from asyncgrpo.server.decode_graphs import DecodeGraphs
@@ -319,7 +320,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
             return await self._stream(request, key, prompt, seqs, return_ids, include_usage)
         await self._run(key, seqs)
         model = self.name if adapter is None else adapter.name
-        text = P.generate_response(key, model, int(time.time()), prompt, seqs, return_ids)
+        text = R.generate_response(key, model, int(time.time()), prompt, seqs, return_ids)
         return web.Response(text=text, content_type="application/json")
 
     async def _stream(
@@ -343,13 +344,13 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
                 chunk: dict[str, Any] = {"request_id": key, "usage": None, "output_mode": "tokens"}
                 if first and return_ids:
                     chunk["prompt_token_ids"] = prompt
-                rendered = P.Rendered()
-                chunk["choices"] = [P.generate_choice(seq, start, end, final, rendered)]
+                rendered = R.Rendered()
+                chunk["choices"] = [R.generate_choice(seq, start, end, final, rendered)]
                 first = False
                 await resp.write(_sse(rendered.dumps(chunk)))
             if usage:
                 completion = sum(len(s.output) for s in seqs)
-                tail = {"request_id": key, "usage": P.usage(len(prompt), completion, details=False),
+                tail = {"request_id": key, "usage": R.usage(len(prompt), completion, details=False),
                         "output_mode": "tokens", "choices": []}
                 await resp.write(_sse(tail))
             await resp.write(_sse("[DONE]"))
@@ -388,10 +389,10 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
             return tok.decode([t])
 
         lps = [
-            [P.completion_logprobs(s, decode, as_ids) if s.params.logprobs is not None else None for s in seqs]
+            [R.completion_logprobs(s, decode, as_ids) if s.params.logprobs is not None else None for s in seqs]
             for seqs in all_seqs
         ]
-        out = P.completion_response(
+        out = R.completion_response(
             f"cmpl-{rid}", self.name if adapter is None else adapter.name, int(time.time()), prompts, all_seqs,
             texts, lps,
             bool(body.get("return_token_ids", False)), bool(body.get("return_weight_versions", False)),
