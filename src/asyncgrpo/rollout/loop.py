@@ -58,7 +58,8 @@ from asyncgrpo.rollout.channel import (
     RolloutIdle,
     TrainerView,
 )
-from asyncgrpo.rollout.concurrency import ConcurrencyCap, may_start_group
+from asyncgrpo.rollout.admission import Admission, Started
+from asyncgrpo.rollout.concurrency import ConcurrencyCap
 from asyncgrpo.rollout.dropped_groups import DroppedGroupsWatch
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
@@ -94,14 +95,6 @@ _CURRENT_ROLLOUT: contextvars.ContextVar[_RolloutContext | None] = contextvars.C
 )
 
 
-@dataclass(frozen=True)
-class _Started:
-    """What a group counted toward the on-policy step's worth when it was dispatched."""
-
-    policy_version: int | None
-    tokens: float
-
-
 @dataclass
 class _Pending:
     """A generated group waiting in the score queue."""
@@ -110,7 +103,7 @@ class _Pending:
     rollouts: list[Rollout]
     position: int
     num_tokens: int
-    started: _Started
+    started: Started
 
 
 class AsyncRolloutLoop:
@@ -168,20 +161,11 @@ class AsyncRolloutLoop:
         self._score_queue: asyncio.Queue[_Pending] | None = None
         self._failure: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()  # every task the loop started and that is not done
-        self._in_flight = 0  # rollouts started and not finished
-        self._pending_tokens = 0  # tokens of generated groups not yet queued (or dropped)
-        self._produced_tokens = 0  # tokens of every sample put on channel.samples
-        self._tokens_per_rollout: float | None = None  # running estimate, known once a group finished
-        self._num_groups_generating = 0
-        self._groups_generated = 0
-        self._groups_open = 0  # groups dispatched whose GroupFinished is not on channel.samples yet
+        self._admission = Admission(int(config.max_staleness))
         self._idle_sent: RolloutIdle | None = None  # the RolloutIdle sent since the last group started
         self._progressed: asyncio.Event | None = None  # set when a rollout or group finishes (dispatcher wakes)
-        # max_staleness=0 (strictly on-policy): tokens started under the current weight version
-        self._policy_version: int | None = None
         # epoch-based runs (max_steps <= 0) end after num_train_epochs passes over the dataset
         self._last_position = _last_position(config, dataset)
-        self._tokens_started_at_version = 0.0
         self._reward_names = reward_func_names(self.reward_funcs)
         self._dropped_watch = DroppedGroupsWatch()
         self._kv_cap: ConcurrencyCap | None = None
@@ -400,7 +384,7 @@ class AsyncRolloutLoop:
                 last_prefix = prefix
             if snapshot.kv_cache_usage_frac is not None:
                 self._kv_cap.on_server_load(snapshot.kv_cache_usage_frac, int(snapshot.num_requests_waiting or 0))
-            self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
+            self._record(M.ROLLOUT_CONCURRENCY, self._admission.in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
 
     def _concurrency_cap(self) -> int:
@@ -410,34 +394,6 @@ class AsyncRolloutLoop:
         return max(cap, 1)
 
     # -- admission and dispatch -------------------------------------------------------------------
-
-    def _queued_and_in_flight_tokens(self, view: TrainerView) -> float:
-        queued = self._produced_tokens - view.consumed_tokens
-        estimate = self._tokens_per_rollout or 0.0
-        return max(queued, 0) + self._pending_tokens + self._in_flight * estimate
-
-    def _blocker(self, num_rollouts: int, view: TrainerView) -> str | None:
-        """What keeps a group of `num_rollouts` from starting now (None: it may start), given the
-        trainer's values `view`. With no group open only IDLE_STALENESS or IDLE_ON_POLICY can block."""
-        if self._in_flight > 0 and self._in_flight + num_rollouts > self._concurrency_cap():
-            return "concurrency"
-        if not may_start_group(
-            held_tokens=math.ceil(self._queued_and_in_flight_tokens(view)),
-            allowance=view.token_allowance,
-            groups_finished=self._groups_generated,
-            groups_in_flight=self._num_groups_generating,
-        ):
-            return IDLE_STALENESS if self._groups_generated else "first group"
-        if self.config.max_staleness == 0 and self._on_policy_step_full(view):
-            return IDLE_ON_POLICY
-        return None
-
-    def _on_policy_step_full(self, view: TrainerView) -> bool:
-        """With max_staleness=0, one step's worth of tokens is generated per weight version; the next
-        groups wait for the trainer's sync instead of producing samples that would be dropped stale."""
-        if view.model_version != self._policy_version:
-            self._policy_version, self._tokens_started_at_version = view.model_version, 0.0
-        return self._groups_generated > 0 and self._tokens_started_at_version >= view.token_allowance
 
     async def _admit(self, num_rollouts: int) -> None:
         """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`.
@@ -449,10 +405,10 @@ class AsyncRolloutLoop:
         backpressure_s = 0.0
         while True:
             view = self.channel.trainer_view()  # one consistent read: the idle item names what it saw
-            blocker = self._blocker(num_rollouts, view)
+            blocker = self._admission.blocker(num_rollouts, view, self._concurrency_cap())
             if blocker is None:
                 break
-            if self._groups_open == 0:
+            if self._admission.groups_open == 0:
                 assert blocker in (IDLE_STALENESS, IDLE_ON_POLICY), f"blocked on {blocker!r} with no group open"
                 self._announce_idle(RolloutIdle(blocker, view))
             start = time.perf_counter()
@@ -478,7 +434,7 @@ class AsyncRolloutLoop:
 
     async def _end_of_prompts(self) -> None:
         """After the last dispatch: once every open group is on the queue, tell the trainer nothing more comes."""
-        while self._groups_open:
+        while self._admission.groups_open:
             await self._wait_for_progress(None)
         self._put_sample_item(RolloutIdle(IDLE_OUT_OF_PROMPTS, None))
 
@@ -518,19 +474,15 @@ class AsyncRolloutLoop:
                 await self._end_of_prompts()
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
-            started = _Started(self._policy_version, self.num_generations * (self._tokens_per_rollout or 0.0))
-            self._tokens_started_at_version += started.tokens
-            self._in_flight += self.num_generations
-            self._num_groups_generating += 1
-            self._groups_open += 1
-            self._record(M.ROLLOUT_CONCURRENCY, self._in_flight)
+            started = self._admission.on_group_started(self.num_generations)
+            self._record(M.ROLLOUT_CONCURRENCY, self._admission.in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._concurrency_cap())
             self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started), f"group-{group_id}")
 
     # -- one group --------------------------------------------------------------------------------
 
     async def _run_group(
-        self, position: int, row_index: int, row: dict[str, Any], group_id: int, started: _Started
+        self, position: int, row_index: int, row: dict[str, Any], group_id: int, started: Started
     ) -> None:
         model_version = int(self.channel.model_version.value)
         prompt = list(row.get("prompt") or [])
@@ -543,13 +495,12 @@ class AsyncRolloutLoop:
                 )
             )
         finally:
-            self._num_groups_generating -= 1
-        self._groups_generated += 1
+            self._admission.on_generation_ended()
         rollouts = [r for r, _, _ in results]
         reconciled = [reconcile_turns(r.turns, r.rollout_id) for r in rollouts]
         self._record_generation_metrics(rollouts, reconciled)
         num_tokens = sum(len(s) for rec in reconciled for s in rec.sequences)
-        self._update_token_estimate(num_tokens / len(rollouts))
+        self._admission.on_group_generated(num_tokens, len(rollouts))
         group = RolloutGroup.from_rollouts(
             rollouts,
             [rec.sequences for rec in reconciled],
@@ -561,7 +512,6 @@ class AsyncRolloutLoop:
             env_rewards=[env_reward for _, env_reward, _ in results],
         )
         group.prompts = [p for _, _, p in results]
-        self._pending_tokens += num_tokens
         start = time.perf_counter()
         group.queued_at = time.monotonic()
         await self._score_queue.put(_Pending(group, rollouts, position, num_tokens, started))
@@ -589,7 +539,7 @@ class AsyncRolloutLoop:
             )
             return self._checked(rollout), env_reward, env_prompt
         finally:
-            self._in_flight -= 1
+            self._admission.on_rollout_finished()
             self._progressed.set()
             if self._kv_cap is not None:
                 self._kv_cap.on_rollout_finished()
@@ -600,12 +550,6 @@ class AsyncRolloutLoop:
         if not isinstance(rollout, Rollout):
             raise TypeError(f"generate_one must return an asyncgrpo.Rollout, got {type(rollout).__name__}")
         return rollout
-
-    def _update_token_estimate(self, tokens_per_rollout: float) -> None:
-        if self._tokens_per_rollout is None:
-            self._tokens_per_rollout = float(tokens_per_rollout)
-        else:  # follow completions that grow or shrink over the run
-            self._tokens_per_rollout = 0.8 * self._tokens_per_rollout + 0.2 * float(tokens_per_rollout)
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -627,8 +571,8 @@ class AsyncRolloutLoop:
                     "is stuck; fix it or raise rollout_worker_timeout"
                 ) from None
             finally:
-                self._pending_tokens -= pending.num_tokens
-            self._groups_open -= 1  # its GroupFinished is on the queue
+                self._admission.on_group_left_scoring(pending.num_tokens)
+            self._admission.on_group_closed()
             self._progressed.set()
             self._record(M.ROLLOUT_SCORE_S, time.perf_counter() - start)
 
@@ -645,10 +589,7 @@ class AsyncRolloutLoop:
         num_samples = 0
         if not dropped:
             num_samples = self._queue_samples(pending, advantages)
-        if num_samples == 0 and pending.started.policy_version == self._policy_version:
-            # the trainer gets nothing from this group: with max_staleness=0 it is not part of the step's
-            # worth, or a version whose groups are all dropped would wait for a sync that never comes
-            self._tokens_started_at_version = max(self._tokens_started_at_version - pending.started.tokens, 0.0)
+        self._admission.on_group_scored(pending.started, num_samples)
         self._put_sample_item(GroupFinished(pending.position, group.row_index, num_samples))
         if getattr(self.config, "log_completions", False):
             self._log_completion(pending, advantages)
@@ -657,7 +598,7 @@ class AsyncRolloutLoop:
         group = pending.group
         samples = group_samples(group, [r.rollout_id for r in pending.rollouts], advantages)
         for sample in samples:
-            self._produced_tokens += len(sample.token_ids)
+            self._admission.on_samples_queued(len(sample.token_ids))
             num_trained = int(sample.trained_mask.sum())
             self._put_sample_item(QueuedSample(sample, pending.position, group.row_index, time.time(), num_trained))
         return len(samples)

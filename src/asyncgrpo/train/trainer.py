@@ -46,7 +46,7 @@ from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
-from asyncgrpo.rollout.concurrency import initial_tokens_per_step, token_allowance
+from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
@@ -324,9 +324,9 @@ class AsyncGRPOTrainer(Trainer):
     def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
         ctx = mp.get_context("spawn")
-        initial = token_allowance(
-            args.max_staleness,
-            initial_tokens_per_step(args.world_size, self._token_budget, args.gradient_accumulation_steps),
+        initial = initial_allowance(
+            num_processes=args.world_size, token_budget=self._token_budget,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, max_staleness=args.max_staleness,
         )
         self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
         if args.log_completions:
@@ -546,7 +546,7 @@ class AsyncGRPOTrainer(Trainer):
         args = self.args
         step_totals, self._step = self._step.across_processes(), StepTotals()
         if self._channel is not None:  # what the whole step consumed, every process's rows
-            self._channel.token_allowance.value = token_allowance(args.max_staleness, max(step_totals.raw_tokens, 1))
+            self._channel.token_allowance.value = allowance_after_step(step_totals.raw_tokens, args.max_staleness)
         sync_s: dict[str, float] = {}
         self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
