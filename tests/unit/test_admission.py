@@ -114,7 +114,6 @@ def test_the_concurrency_cap_counts_rollouts_but_never_blocks_an_empty_loop():
 
 def test_a_version_whose_groups_are_all_dropped_does_not_wait_for_a_sync():
     admission = Admission(max_staleness=0)
-    view = TrainerView(model_version=0, token_allowance=400, consumed_tokens=0)
     run_group(admission, num_rollouts=4, tokens_per_rollout=100, num_samples=4)
     consumed = TrainerView(model_version=0, token_allowance=400, consumed_tokens=400)
     assert admission.blocker(4, consumed, CAP) is None

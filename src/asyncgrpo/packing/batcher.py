@@ -1,6 +1,6 @@
 """TokenBudgetBatcher: assigns samples to the rows of micro-batches (one row per process).
 
-Pure bookkeeping (no torch, no clock): samples go in one at a time, closed micro-batches come out.
+Pure bookkeeping (no clock, no I/O): samples go in one at a time, closed micro-batches come out.
 
 Rules (DESIGN 5):
 - a row holds at most `token_budget` unique tokens (what `pack_row` will forward: shared tokens
@@ -31,7 +31,8 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
-from asyncgrpo.packing.tree import Sample, shared_prefix_len, sort_key
+from asyncgrpo.packing.tree import shared_prefix_len, sort_key
+from asyncgrpo.types import Sample
 
 logger = logging.getLogger(__name__)
 

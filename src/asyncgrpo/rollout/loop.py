@@ -47,8 +47,8 @@ import numpy as np
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import PromptItem, iter_prompts
 from asyncgrpo.generation.client import GenerationClient
-from asyncgrpo.packing.tree import Sample
 from asyncgrpo.rollout import advantages as adv
+from asyncgrpo.rollout.admission import Admission, Started
 from asyncgrpo.rollout.channel import (
     IDLE_ON_POLICY,
     IDLE_OUT_OF_PROMPTS,
@@ -56,9 +56,7 @@ from asyncgrpo.rollout.channel import (
     GroupFinished,
     QueuedSample,
     RolloutIdle,
-    TrainerView,
 )
-from asyncgrpo.rollout.admission import Admission, Started
 from asyncgrpo.rollout.concurrency import ConcurrencyCap
 from asyncgrpo.rollout.dropped_groups import DroppedGroupsWatch
 from asyncgrpo.rollout.generate import (
@@ -71,7 +69,7 @@ from asyncgrpo.rollout.generate import (
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
 from asyncgrpo.rollout.rewards import reward_func_names, score_group
-from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.types import Rollout, RolloutGroup, Sample, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -599,11 +597,10 @@ class AsyncRolloutLoop:
         samples = group_samples(group, [r.rollout_id for r in pending.rollouts], advantages)
         for sample in samples:
             self._admission.on_samples_queued(len(sample.token_ids))
-            num_trained = int(sample.trained_mask.sum())
-            self._put_sample_item(QueuedSample(sample, pending.position, group.row_index, time.time(), num_trained))
+            self._put_sample_item(QueuedSample(sample, pending.position, group.row_index, time.time()))
         return len(samples)
 
-    def _put_sample_item(self, item: Any) -> None:
+    def _put_sample_item(self, item: QueuedSample | GroupFinished | RolloutIdle) -> None:
         self.channel.samples.put(item)
 
     def _log_completion(self, pending: _Pending, advantages: np.ndarray) -> None:
@@ -688,23 +685,16 @@ def group_samples(group: RolloutGroup, rollout_ids: Sequence[str], advantages: n
                 Sample(
                     token_ids=seq.token_ids,
                     trained_mask=seq.trained_mask,
-                    sampler_logprobs=seq.sampler_log_probs,
+                    sampler_logprobs=seq.sampler_logprobs,
                     advantage=float(advantage),
                     group_id=group.group_id,
-                    sampler_topk=_topk_pairs(seq.sampler_top_logprobs),
-                    candidate_sets=seq.sampling_candidates,
+                    sampler_topk=seq.sampler_topk,
+                    candidate_sets=seq.candidate_sets,
                     model_version=group.model_version,
                     rollout_id=rollout_id,
                 )
             )
     return samples
-
-
-def _topk_pairs(top: list[dict[int, float] | None] | None) -> list[tuple[tuple[int, float], ...] | None] | None:
-    """Per-token {token id: log-prob} dicts -> the ((id, log-prob), ...) form `Sample` takes."""
-    if top is None:
-        return None
-    return [None if entry is None else tuple(entry.items()) for entry in top]
 
 
 def _last_position(config: Any, dataset: Any) -> int | None:

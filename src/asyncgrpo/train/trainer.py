@@ -417,7 +417,7 @@ class AsyncGRPOTrainer(Trainer):
                 temperature=args.temperature,
                 lm_head_bias=getattr(head, "bias", None),
                 **self._logit_processing,
-                topk_ids=row.topk_ids if args.score_centering else None,
+                topk_ids=row.sampler_topk_ids if args.score_centering else None,
                 candidate_ids=row.candidate_ids,
                 candidate_offsets=row.candidate_offsets,
             )
@@ -430,7 +430,7 @@ class AsyncGRPOTrainer(Trainer):
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 score_centering=args.score_centering,
                 topk_logprobs=logps.topk_logprobs,
-                sampler_topk_logprobs=row.topk_logprobs if args.score_centering else None,
+                sampler_topk_logprobs=row.sampler_topk_logprobs if args.score_centering else None,
                 entropy=logps.entropy,
                 epsilon=args.epsilon,
                 epsilon_high=args.epsilon_high,
