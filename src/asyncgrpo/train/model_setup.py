@@ -213,7 +213,7 @@ def weights_for_server(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[t
     is sent merged: LoRA deltas are folded into the base weights for the copy only, the trained
     model keeps its adapter. A sharded (FSDP2) parameter is cast to `dtype` on its shard, then
     gathered (`full_tensor()`, one all-gather): with a sharded model, every rank must iterate this
-    to the end, in step (`asyncgrpo.train.sharded_weights`).
+    to the end, in step (`asyncgrpo.train.weight_push`).
     """
     base = unwrap(model)
     is_peft = base is not model and hasattr(model, "merge_adapter")

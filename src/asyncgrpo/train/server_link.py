@@ -142,6 +142,12 @@ class ServerLink:
         except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
 
+    def close_weight_transfer(self) -> None:
+        """Leave the weight-transfer group (`init_weight_transfer` forms a new one)."""
+        sender, self._sender = self._sender, None
+        if sender is not None and self._thread.is_alive():
+            self._run(sender.close(), timeout_s=30)
+
     def close(self) -> None:
         if not self._thread.is_alive():  # closed already
             return

@@ -19,7 +19,7 @@ Several processes (torchrun / accelerate launch): rank 0 owns the server link an
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
 micro-batch; the loss is normalised by the trained tokens of all rows. A DDP replica syncs from rank 0
 alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every rank taking part
-(`asyncgrpo.train.sharded_weights`).
+(`asyncgrpo.train.weight_push`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,10 @@ from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_at
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
-from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
+from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
-from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.flops import FlopModel, peak_flops
@@ -58,22 +57,19 @@ from asyncgrpo.train.loss import LossStats, add_router_aux_loss, loss_metrics, m
 from asyncgrpo.train.model_setup import (
     eos_token_ids,
     hidden_states_and_head,
-    is_sharded,
     load_policy,
     load_tokenizer,
     logit_processing,
     router_aux_loss_coef,
-    server_weight_metas,
     train_text_model_only,
-    weights_for_server,
 )
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.sharded_weights import push_sharded_weights
 from asyncgrpo.train.step_metrics import StepTotals
 from asyncgrpo.train.waiting import notice_while_waiting
+from asyncgrpo.train.weight_push import CollectiveTransport, WeightTransport, push_weights
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +193,7 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(_PipelineCallback(self))
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
+        self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
         self._worker: RolloutWorker | None = None
         self._channel: RolloutChannel | None = None
         self._batches: RolloutBatches | None = None
@@ -242,7 +239,8 @@ class AsyncGRPOTrainer(Trainer):
             self._peak_flops = peak_flops(args.device, self._training_dtype())
             total_positions = self._total_positions(start_position)
             if self._server is not None:
-                self._server.init_weight_transfer(args.device)
+                self.weight_transport = CollectiveTransport(self._server, args.device)
+                self.weight_transport.init()
             self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
@@ -374,6 +372,9 @@ class AsyncGRPOTrainer(Trainer):
             self._worker = None
         if self._channel is not None:
             self._channel.close()
+        if self.weight_transport is not None:
+            self.weight_transport.close()
+            self.weight_transport = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -562,20 +563,10 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens_forwarded += step_totals.forwarded_tokens
 
     def _sync_weights(self) -> dict[str, float]:
-        version, dtype = f"step-{self.state.global_step}", self._serving_dtype
-        if is_sharded(self.model):  # FSDP2: every rank gathers, rank 0 sends
-            return push_sharded_weights(
-                self.model, dtype, link=self._server, version=version, bucket_bytes=DEFAULT_BUFFER_SIZE_BYTES
-            )
-        if self._server is None:
-            return {}  # a replica (DDP): rank 0 holds the same weights and sends them alone
-        tensors = weights_for_server(self.model, dtype)
-        try:
-            return self._server.sync_weights(
-                lambda: tensors, version=version, metas=server_weight_metas(self.model, dtype)
-            )
-        finally:
-            tensors.close()  # after a failed push: runs its end (PEFT adapters are unmerged)
+        """The server serves the weights being trained, labelled with the step (every rank calls this)."""
+        return push_weights(
+            self.model, self.weight_transport, dtype=self._serving_dtype, version=f"step-{self.state.global_step}"
+        )
 
 
 class _PipelineCallback(TrainerCallback):
