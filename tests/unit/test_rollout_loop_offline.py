@@ -18,7 +18,8 @@ import pytest
 from asyncgrpo import metrics as M
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
-from asyncgrpo.rollout.loop import AsyncRolloutLoop, group_samples, reward_records
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.scoring import group_samples, reward_records
 from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
 

@@ -30,6 +30,7 @@ import torch
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
 from asyncgrpo.generation.protocol import TRAINER_HEADER, ProtocolError
 from asyncgrpo.sync.packed import TensorMeta
+from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,14 @@ class ServerLink:
             ) from None
 
     def connect(self) -> Any:
-        """Wait for the server (bounded by `vllm_server_timeout`) and detect its features."""
-        self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
+        """Wait for the server (bounded by `vllm_server_timeout`, saying so within seconds and every
+        minute) and detect its features."""
+        with notice_while_waiting(lambda waited: (
+            f"waiting for the inference server at {self.base_url} ({waited:.0f} s so far; giving up after "
+            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
+            "or fix vllm_server_base_url"
+        )):
+            self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
         self._run(self._take_over())  # before detect(): its probe request would wait on a paused server
         self.info = self._run(self.client.detect())
         return self.info
