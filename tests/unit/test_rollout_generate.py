@@ -19,9 +19,9 @@ from asyncgrpo.rollout.generate import (
     request_seed,
     run_tool_loop,
     sampling_params,
-    tool_name,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.types import Rollout, TurnRecord
 
 
@@ -79,7 +79,7 @@ class Counter:
 
 
 def test_execute_tool_calls_sync_async_unknown_raising():
-    tools = {tool_name(t): t for t in (multiply, async_add, broken)}
+    tools = {callable_name(t): t for t in (multiply, async_add, broken)}
 
     async def run():
         with ThreadPoolExecutor(2) as pool:
@@ -100,7 +100,7 @@ def test_execute_tool_calls_sync_async_unknown_raising():
 
 
 def test_tool_name_of_partial_is_its_function():
-    assert tool_name(functools.partial(multiply, b=2)) == "multiply"
+    assert callable_name(functools.partial(multiply, b=2)) == "multiply"
 
 
 def test_environment_tools_are_public_non_reserved_methods():

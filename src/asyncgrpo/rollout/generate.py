@@ -34,6 +34,7 @@ from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN, PROMPT_COLUMN
 from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.rollout.reconcile import ReconciledRollout
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message
 from asyncgrpo.types import Rollout, TurnRecord
 
@@ -51,13 +52,6 @@ class ToolResult:
     failed: bool
     unknown_name: bool
     latency_s: float
-
-
-def tool_name(tool: Callable) -> str:
-    """The name the model calls a tool by: its `__name__` (a partial's function name)."""
-    while isinstance(tool, functools.partial):
-        tool = tool.func
-    return getattr(tool, "__name__", type(tool).__name__)
 
 
 def render_prompt_ids(
@@ -294,7 +288,7 @@ async def run_tool_loop(
     completion: list[dict[str, Any]] = []
     completion_ids: list[int] = []
     turns: list[TurnRecord] = []
-    tools_by_name = {tool_name(t): t for t in tools}
+    tools_by_name = {callable_name(t): t for t in tools}
     num_calls = num_failures = iterations = 0
     exhausted = False
     while True:
