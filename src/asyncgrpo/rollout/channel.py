@@ -145,7 +145,10 @@ class RolloutChannel:
                 q.close()
 
     @classmethod
-    def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> RolloutChannel:
+    def create(
+        cls, ctx: mp.context.BaseContext, *, initial_allowance: int, model_version: int = 0, completions: bool = False
+    ) -> RolloutChannel:
+        """The primitives of one pair; `completions` adds the `log_completions` queue (`extra["completions"]`)."""
         samples, metrics, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # The creating process (the trainer) only reads; an in-process writer (tests, a loop run in
         # a thread) must not block its exit on items nobody reads. Spawned children reset this flag.
@@ -155,10 +158,11 @@ class RolloutChannel:
             samples=samples,
             metrics=metrics,
             errors=errors,
-            model_version=ctx.Value("q", 0),
+            model_version=ctx.Value("q", int(model_version)),
             token_allowance=ctx.Value("q", int(initial_allowance)),
             consumed_tokens=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
             stop_event=ctx.Event(),
             failed_event=ctx.Event(),
+            extra={"completions": ctx.Queue()} if completions else {},
         )

@@ -36,12 +36,10 @@ to the trainer).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,12 +61,11 @@ from asyncgrpo.rollout.channel import (
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     generation_records,
-    request_seed,
     run_in_environment,
     run_tool_loop,
-    sampling_params,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
+from asyncgrpo.rollout.requests import CURRENT_ROLLOUT, RequestSeeds, RequestSettings, RolloutContext
 from asyncgrpo.rollout.rewards import reward_func_names
 from asyncgrpo.rollout.scoring import PendingGroup, Scorer
 from asyncgrpo.rollout.server_load import ServerLoad
@@ -78,21 +75,6 @@ from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-
-
-@dataclass
-class _RolloutContext:
-    """Per-rollout state that `generate_one_turn` reads without changing the hook's signature."""
-
-    position: int
-    rollout_index: int
-    model_version: int
-    num_turns: int = 0
-
-
-_CURRENT_ROLLOUT: contextvars.ContextVar[_RolloutContext | None] = contextvars.ContextVar(
-    "asyncgrpo_current_rollout", default=None
-)
 
 
 class AsyncRolloutLoop:
@@ -162,7 +144,8 @@ class AsyncRolloutLoop:
         self._reward_names = reward_func_names(self.reward_funcs)  # checks them before the run starts
         self._next_group_id = 0
         self._rate_mark = time.perf_counter()  # start of the span the next generated-tokens rate covers
-        self._request_counter = 0
+        self._request_settings = RequestSettings.from_config(config, self.eos_token_ids)
+        self._seeds = RequestSeeds(config.seed)
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -198,19 +181,10 @@ class AsyncRolloutLoop:
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings and a unique seed."""
         client, _ = await self._server()
-        config = self.config
-        context = _CURRENT_ROLLOUT.get()
-        if context is not None:
-            seed = request_seed(int(config.seed), context.position, context.rollout_index, context.num_turns)
-            context.num_turns += 1
-        else:  # called outside a rollout (e.g. by a custom hook): still never repeat a seed
-            self._request_counter += 1
-            seed = request_seed(int(config.seed), -1, self._request_counter, 0)
-        wants_candidates = self._server_load.wants_candidates(
-            config.sampling_is_truncated, f"top_k={config.top_k} / top_p={config.top_p} / min_p={config.min_p}"
-        )
-        params = sampling_params(config, seed=seed, eos_token_ids=self.eos_token_ids, return_sampling_mask=wants_candidates)
-        out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        settings = self._request_settings
+        wants_candidates = self._server_load.wants_candidates(settings.truncated, settings.describe_truncation())
+        params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
+        out = await client.generate(list(prompt_ids), params, **self._model_kwargs(CURRENT_ROLLOUT.get()))
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -285,7 +259,7 @@ class AsyncRolloutLoop:
             self._poller = self._spawn(self._server_load.poll_forever(lambda: self._admission.in_flight), "server-poller")
         return client, info
 
-    def _model_kwargs(self, context: _RolloutContext | None) -> dict[str, Any]:
+    def _model_kwargs(self, context: RolloutContext | None) -> dict[str, Any]:
         """The served model to ask: the base model, or the LoRA adapter `lora_name`. A "{version}" in
         `lora_name` is the model version when the rollout started, so a rollout finishes under the
         adapter it started with (the trainer keeps max_staleness + 1 versions loaded)."""
@@ -385,7 +359,7 @@ class AsyncRolloutLoop:
         try:
             results = await asyncio.gather(
                 *(
-                    self._run_rollout(prompt, row, _RolloutContext(position, i, model_version), group_id)
+                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version), group_id)
                     for i in range(self.num_generations)
                 )
             )
@@ -410,10 +384,10 @@ class AsyncRolloutLoop:
         await self._scorer.put(PendingGroup(group, rollouts, position, num_tokens, started))
 
     async def _run_rollout(
-        self, prompt: list[dict[str, Any]], row: dict[str, Any], context: _RolloutContext, group_id: int
+        self, prompt: list[dict[str, Any]], row: dict[str, Any], context: RolloutContext, group_id: int
     ) -> tuple[Rollout, tuple[type, float] | None, list[dict[str, Any]]]:
         """One rollout with its environment (if any); returns it, its env reward and its prompt."""
-        _CURRENT_ROLLOUT.set(context)
+        CURRENT_ROLLOUT.set(context)
         start = time.perf_counter()
         try:
             if self._environments is None:

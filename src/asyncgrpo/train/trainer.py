@@ -241,10 +241,9 @@ class AsyncGRPOTrainer(Trainer):
             num_processes=args.world_size, token_budget=self._token_budget,
             gradient_accumulation_steps=args.gradient_accumulation_steps, max_staleness=args.max_staleness,
         )
-        self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
-        if args.log_completions:
-            self._channel.extra["completions"] = ctx.Queue()
-        self._channel.model_version.value = self.model_version
+        self._channel = RolloutChannel.create(
+            ctx, initial_allowance=initial, model_version=self.model_version, completions=args.log_completions
+        )
         loop_kwargs = {
             "config": args,
             "model_name": info.model_name,
