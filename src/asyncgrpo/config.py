@@ -302,6 +302,11 @@ class AsyncGRPOConfig(TrainingArguments):
         super().__post_init__()
         _validate(self)
 
+    @property
+    def sampling_is_truncated(self) -> bool:
+        """Whether top_k / top_p / min_p restrict what the sampler draws from (candidate sets matter)."""
+        return self.top_k > 0 or self.top_p < 1 or bool(self.min_p)
+
     # the key must not reach logs, `training_args.bin`'s printed form or report_to integrations
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()

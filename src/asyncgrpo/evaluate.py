@@ -16,7 +16,8 @@ from typing import Any
 
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.protocol import SamplingParams
-from asyncgrpo.rollout.generate import EnvironmentPool, request_seed, run_in_environment, run_tool_loop
+from asyncgrpo.rollout.generate import EnvironmentPool, run_in_environment, run_tool_loop
+from asyncgrpo.rollout.requests import request_seed
 from asyncgrpo.types import Rollout, TurnRecord
 
 ScoreFn = Callable[[dict, Rollout], float]

@@ -1,21 +1,30 @@
-"""Data records of the rollout pipeline: turns, rollouts, training sequences, groups.
+"""Data records of the rollout pipeline, one per boundary, from the server to the loss.
 
     generate_one_turn -> TurnRecord        one sampling request (prompt sent, tokens sampled)
     generate_one      -> Rollout           one conversation: its turns, completion, tool counts
     reconcile         -> TrainingSequence  turns laid out as token sequences to train on
     scoring           -> RolloutGroup      the `num_generations` rollouts of one prompt, scored
+    group_samples     -> Sample            one sequence with its advantage: what crosses the queue
+
+One vocabulary from `TrainingSequence` on (the `TurnRecord` names are the reference API's):
+
+    | what                                   | TurnRecord              | TrainingSequence, Sample, PackedRow |
+    |----------------------------------------|-------------------------|-------------------------------------|
+    | the sampled token's log-prob           | output_log_probs        | sampler_logprobs                    |
+    | the sampler's top-K log-probs          | output_sampler_logprobs | sampler_topk (dicts) -> sampler_topk_ids / sampler_topk_logprobs (arrays) |
+    | the ids the sampler could draw from    | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / candidate_offsets (CSR) |
 
 `TurnRecord`, `Rollout` and `RolloutGroup` are mutable on purpose: user hooks build them and set
-`Rollout.reward` / `RolloutGroup.rewards`. `TrainingSequence` is frozen: it leaves the rollout process
-through a queue. Every record is a plain dataclass of built-in types (and one numpy array), so it
-pickles across the spawned rollout process.
+`Rollout.reward` / `RolloutGroup.rewards`. `TrainingSequence` and `Sample` are frozen; `Sample` leaves
+the rollout process through the queue (`asyncgrpo.rollout.channel.QueuedSample`) as numpy arrays.
+Every record pickles across the spawned rollout process.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -120,22 +129,22 @@ class TrainingSequence:
     Attributes:
         token_ids: Context and generated tokens, in order.
         trained_mask: 1 for a generated token that gets a loss term, 0 for context.
-        sampler_log_probs: Sampler log-probability of each trained token (0.0 elsewhere).
-        sampler_top_logprobs: Per position, the sampler's top-K log-probabilities keyed by token id
+        sampler_logprobs: Sampler log-probability of each trained token (0.0 elsewhere).
+        sampler_topk: Per position, the sampler's top-K log-probabilities keyed by token id
             (None where not trained or not requested). `None` when no turn returned any.
-        sampling_candidates: Per position, the token ids the sampler could draw from under top-k /
+        candidate_sets: Per position, the token ids the sampler could draw from under top-k /
             top-p (None where not trained or full vocabulary). `None` when no turn returned any.
     """
 
     token_ids: list[int]
     trained_mask: list[int]
-    sampler_log_probs: list[float]
-    sampler_top_logprobs: list[dict[int, float] | None] | None = None
-    sampling_candidates: list[list[int] | None] | None = None
+    sampler_logprobs: list[float]
+    sampler_topk: list[dict[int, float] | None] | None = None
+    candidate_sets: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        for name in ("trained_mask", "sampler_log_probs", "sampler_top_logprobs", "sampling_candidates"):
+        for name in ("trained_mask", "sampler_logprobs", "sampler_topk", "candidate_sets"):
             value = getattr(self, name)
             assert value is None or len(value) == n, f"TrainingSequence.{name}: {len(value)} entries, {n} tokens"
         assert not (n and self.trained_mask[0]), "the first token of a sequence has no position predicting it"
@@ -225,4 +234,174 @@ class RolloutGroup:
             env_rewards=list(env_rewards) if env_rewards is not None else [None] * n,
             rollout_rewards=[r.reward for r in rollouts],
             queued_at=queued_at,
+        )
+
+
+# -- the record that crosses the queue -------------------------------------------------------------
+
+TopKPerToken = Sequence[Sequence[tuple[int, float]] | dict[int, float] | None]
+CandidatesPerToken = Sequence[Sequence[int] | None]
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One training sample: a token sequence whose generated tokens are trained.
+
+    Stored as numpy arrays (cheap to pickle: a 2k-token sample with top-20 sampler log-probs is a
+    few hundred KB of raw buffers instead of ~100k Python objects). Lists or tuples are accepted and
+    converted. Equality is identity (arrays have no single truth value); compare fields instead.
+
+    Per-token fields have length L = len(token_ids):
+        token_ids: int32 [L], context + generated tokens, ids >= 0.
+        trained_mask: bool [L], True for trained (generated) tokens; position 0 cannot be trained
+            (nothing predicts it).
+        sampler_logprobs: float32 [L], the sampler's log-prob of each token (0.0 where not trained).
+        advantage: the rollout's advantage, shared by all its trained tokens.
+        group_id: the prompt group (the batcher keeps a group in one row to share its prompt).
+        sampler_topk: init-only, per token None or the sampler's top-K as ((id, logprob), ...) or
+            {id: logprob} (`TrainingSequence.sampler_topk`). Converted to `sampler_topk_ids` /
+            `sampler_topk_logprobs`.
+        candidate_sets: init-only, per token None or ascending candidate ids. Converted to
+            `candidate_ids` / `candidate_offsets`.
+        sampler_topk_ids / sampler_topk_logprobs: int32 / float32 [L, K] sampler top-K, padded with
+            -1 / -inf.
+        candidate_ids / candidate_offsets: CSR, candidates of token t are
+            candidate_ids[candidate_offsets[t]:candidate_offsets[t + 1]]; an empty range means
+            "no candidate set" (no renormalisation), since a real set always holds the sampled token.
+    """
+
+    token_ids: np.ndarray
+    trained_mask: np.ndarray
+    sampler_logprobs: np.ndarray
+    advantage: float
+    group_id: int
+    sampler_topk: InitVar[TopKPerToken | None] = None
+    candidate_sets: InitVar[CandidatesPerToken | None] = None
+    model_version: int = 0
+    rollout_id: str = ""
+    sampler_topk_ids: np.ndarray | None = None
+    sampler_topk_logprobs: np.ndarray | None = None
+    candidate_ids: np.ndarray | None = None
+    candidate_offsets: np.ndarray | None = None
+
+    def __post_init__(self, sampler_topk: TopKPerToken | None, candidate_sets: CandidatesPerToken | None):
+        def put(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
+        tokens = np.asarray(self.token_ids)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"Sample.token_ids must be a non-empty 1-D sequence, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
+            raise ValueError("Sample.token_ids must be integer token ids in [0, 2**31)")
+        tokens = tokens.astype(np.int32, copy=False)
+        length = tokens.size
+        put("token_ids", tokens)
+        put("trained_mask", _per_token(self.trained_mask, np.bool_, length, "trained_mask"))
+        if self.trained_mask[0]:
+            raise ValueError("Sample.trained_mask[0] is True, but no position predicts the first token; "
+                             "start every sample with at least one context token")
+        put("sampler_logprobs", _per_token(self.sampler_logprobs, np.float32, length, "sampler_logprobs"))
+        put("advantage", float(self.advantage))
+        put("group_id", int(self.group_id))
+
+        if sampler_topk is not None:
+            if self.sampler_topk_ids is not None:
+                raise ValueError(
+                    "give the sampler top-K either as sampler_topk or as sampler_topk_ids/sampler_topk_logprobs"
+                )
+            ids, logprobs = _topk_to_arrays(sampler_topk, length)
+            put("sampler_topk_ids", ids)
+            put("sampler_topk_logprobs", logprobs)
+        if (self.sampler_topk_ids is None) != (self.sampler_topk_logprobs is None):
+            raise ValueError("Sample.sampler_topk_ids and Sample.sampler_topk_logprobs must be given together")
+        if self.sampler_topk_ids is not None:
+            ids = np.asarray(self.sampler_topk_ids, dtype=np.int32)
+            logprobs = np.asarray(self.sampler_topk_logprobs, dtype=np.float32)
+            if ids.ndim != 2 or ids.shape[0] != length or ids.shape != logprobs.shape:
+                raise ValueError(f"Sample.sampler_topk_ids/sampler_topk_logprobs must both be [L={length}, K], "
+                                 f"got {ids.shape} and {logprobs.shape}")
+            put("sampler_topk_ids", ids)
+            put("sampler_topk_logprobs", logprobs)
+
+        if candidate_sets is not None:
+            if self.candidate_ids is not None:
+                raise ValueError("give candidates either as candidate_sets or as candidate_ids/offsets")
+            ids, offsets = _candidates_to_csr(candidate_sets, length)
+            put("candidate_ids", ids)
+            put("candidate_offsets", offsets)
+        if (self.candidate_ids is None) != (self.candidate_offsets is None):
+            raise ValueError("Sample.candidate_ids and Sample.candidate_offsets must be given together")
+        if self.candidate_ids is not None:
+            ids = np.asarray(self.candidate_ids, dtype=np.int32).reshape(-1)
+            offsets = np.asarray(self.candidate_offsets, dtype=np.int64)
+            if offsets.shape != (length + 1,) or offsets[0] != 0 or offsets[-1] != ids.size:
+                raise ValueError(f"Sample.candidate_offsets must be [L + 1 = {length + 1}] from 0 to "
+                                 f"len(candidate_ids) = {ids.size}")
+            put("candidate_ids", ids)
+            put("candidate_offsets", offsets)
+            _check_trained_tokens_in_their_sets(tokens, self.trained_mask, ids, offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+    @property
+    def num_trained(self) -> int:
+        return int(np.count_nonzero(self.trained_mask))
+
+
+def _per_token(values, dtype, length: int, name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=dtype)
+    if array.shape != (length,):
+        raise ValueError(f"Sample.{name} must have one entry per token ({length}), got shape {array.shape}")
+    return array
+
+
+def _topk_to_arrays(sampler_topk: TopKPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
+    if len(sampler_topk) != length:
+        raise ValueError(f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}")
+    k = max((len(entry) for entry in sampler_topk if entry is not None), default=0)
+    ids = np.full((length, k), -1, dtype=np.int32)
+    logprobs = np.full((length, k), -np.inf, dtype=np.float32)
+    for t, entry in enumerate(sampler_topk):
+        if entry:
+            items = entry.items() if isinstance(entry, dict) else entry
+            pairs = np.asarray(list(items), dtype=np.float64).reshape(-1, 2)
+            ids[t, : len(pairs)] = pairs[:, 0]
+            logprobs[t, : len(pairs)] = pairs[:, 1]
+    return ids, logprobs
+
+
+def _candidates_to_csr(candidate_sets: CandidatesPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
+    if len(candidate_sets) != length:
+        raise ValueError(f"Sample.candidate_sets must have one entry per token ({length}), "
+                         f"got {len(candidate_sets)}")
+    sizes = np.array([0 if c is None else len(c) for c in candidate_sets], dtype=np.int64)
+    offsets = np.zeros(length + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    chunks = [np.asarray(c, dtype=np.int32) for c in candidate_sets if c]
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    return ids, offsets
+
+
+def _check_trained_tokens_in_their_sets(tokens: np.ndarray, trained: np.ndarray, ids: np.ndarray,
+                                       offsets: np.ndarray) -> None:
+    """A trained token with a candidate set must be in it (the sampler could not have drawn it
+    otherwise, and its renormalised log-prob would be meaningless)."""
+    sizes = np.diff(offsets)
+    checked = trained & (sizes > 0)
+    if not checked.any():
+        return
+    owner = np.repeat(np.arange(tokens.size), sizes)
+    hits = np.zeros(tokens.size, dtype=np.int64)
+    np.add.at(hits, owner, ids == tokens[owner])
+    bad = np.flatnonzero(checked & (hits == 0))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(
+            f"trained token {int(tokens[t])} at position {t} is not in its candidate set "
+            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such tokens "
+            "in this sample): the sampler could not have drawn it. A custom generate_one_turn must return, for "
+            "each output token, the candidate set it was drawn from in output_sampling_mask (or None for the "
+            "full vocabulary)"
         )

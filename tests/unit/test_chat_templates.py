@@ -16,15 +16,13 @@ from asyncgrpo import models as bundled_models
 from asyncgrpo.data.chat_templates import (
     FAMILIES,
     REFERENCE_TOOLS,
-    ToolCallParseError,
     detect_family,
     is_prefix_preserving,
-    parse_assistant_message,
-    parse_tool_calls,
     prepare_chat_template,
     reference_conversation,
     training_template,
 )
+from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message, parse_tool_calls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 

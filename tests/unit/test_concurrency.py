@@ -1,12 +1,6 @@
 import pytest
 
-from asyncgrpo.rollout.concurrency import (
-    ConcurrencyCap,
-    initial_cap,
-    initial_tokens_per_step,
-    may_start_group,
-    token_allowance,
-)
+from asyncgrpo.rollout.concurrency import ConcurrencyCap, initial_cap
 
 
 def test_initial_cap_is_requests_fitting_the_kv_cache_clipped():
@@ -19,9 +13,6 @@ def test_without_metrics_the_cap_is_fixed_at_the_user_limit():
     cap = ConcurrencyCap(64, kv_cache_tokens=None, max_model_len=None)
     cap.on_rollout_finished(1000)
     assert cap.on_server_load(0.0, 0) == 64 and cap.on_server_load(0.99, 0) == 64
-    adaptive = ConcurrencyCap(64, kv_cache_tokens=40_960, max_model_len=4096)
-    adaptive.disable()
-    assert adaptive.cap == 64 and adaptive.on_server_load(0.99, 0) == 64
 
 
 def test_raise_needs_cap_finished_rollouts_low_usage_and_nothing_waiting():
@@ -52,24 +43,6 @@ def test_small_caps_still_grow_and_stop_at_the_user_limit():
     for expected in (2, 3, 3):
         cap.on_rollout_finished(cap.cap)
         assert cap.on_server_load(0.0, 0) == expected
-
-
-def test_token_allowance():
-    assert initial_tokens_per_step(num_processes=2, token_budget=4096, gradient_accumulation_steps=4) == 32768
-    assert token_allowance(max_staleness=4, tokens_per_step=1000) == 4000
-    assert token_allowance(max_staleness=0, tokens_per_step=1000) == 1000
-
-
-def test_one_group_at_a_time_until_the_first_group_finishes():
-    assert may_start_group(held_tokens=0, allowance=10**6, groups_finished=0, groups_in_flight=0)
-    assert not may_start_group(held_tokens=10, allowance=10**6, groups_finished=0, groups_in_flight=1)
-
-
-def test_groups_start_while_held_tokens_are_below_the_allowance():
-    assert may_start_group(held_tokens=999, allowance=1000, groups_finished=3, groups_in_flight=2)
-    assert not may_start_group(held_tokens=1000, allowance=1000, groups_finished=3, groups_in_flight=2)
-    # nothing held, nothing in flight: always progress, even if one group exceeds the allowance
-    assert may_start_group(held_tokens=0, allowance=0, groups_finished=3, groups_in_flight=0)
 
 
 def test_invalid_limits():

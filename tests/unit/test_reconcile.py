@@ -13,7 +13,7 @@ def turn(prompt, outputs, first_logprob=-1.0, **kwargs):
 
 
 def trained(seq):
-    return [(t, lp) for t, m, lp in zip(seq.token_ids, seq.trained_mask, seq.sampler_log_probs) if m]
+    return [(t, lp) for t, m, lp in zip(seq.token_ids, seq.trained_mask, seq.sampler_logprobs) if m]
 
 
 def test_clean_chain_extends_one_sequence():
@@ -24,7 +24,7 @@ def test_clean_chain_extends_one_sequence():
     (seq,) = result.sequences
     assert seq.token_ids == [1, 2, 3, 10, 11, 99, 50, 51, 12, 13]
     assert seq.trained_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
-    assert seq.sampler_log_probs[3:6] == t1.output_log_probs and seq.sampler_log_probs[8:] == t2.output_log_probs
+    assert seq.sampler_logprobs[3:6] == t1.output_log_probs and seq.sampler_logprobs[8:] == t2.output_log_probs
     assert (result.num_transitions, result.num_forks, result.drift_tokens) == (1, 0, [0])
 
 
@@ -84,7 +84,7 @@ def test_masked_outputs_stay_context():
     t1 = turn([1], [10, 11, 12], -1.0, output_mask=[1, 0, 1])
     (seq,) = reconcile_turns([t1]).sequences
     assert seq.trained_mask == [0, 1, 0, 1]
-    assert seq.sampler_log_probs[2] == 0.0
+    assert seq.sampler_logprobs[2] == 0.0
 
 
 def test_top_logprobs_and_candidates_align_with_trained_tokens():
@@ -92,10 +92,10 @@ def test_top_logprobs_and_candidates_align_with_trained_tokens():
                     output_sampler_logprobs=[{10: -0.1, 12: -2.0}, {11: -0.2}])
     t2 = turn([1, 10, 11, 5], [13], -3.0)
     (seq,) = reconcile_turns([t1, t2]).sequences
-    assert seq.sampler_top_logprobs == [None, {10: -0.1, 12: -2.0}, {11: -0.2}, None, None]
-    assert seq.sampling_candidates == [None, [10, 12], [11], None, None]
+    assert seq.sampler_topk == [None, {10: -0.1, 12: -2.0}, {11: -0.2}, None, None]
+    assert seq.candidate_sets == [None, [10, 12], [11], None, None]
     (plain,) = reconcile_turns([t2]).sequences
-    assert plain.sampler_top_logprobs is None and plain.sampling_candidates is None
+    assert plain.sampler_topk is None and plain.candidate_sets is None
 
 
 def test_errors_name_the_rollout_and_turn():
@@ -128,7 +128,7 @@ def test_every_generated_token_is_trained_exactly_once_on_the_context_it_was_sam
         got = [pair for seq in result.sequences for pair in trained(seq)]
         assert sorted(got) == sorted(generated)
         for seq in result.sequences:
-            for j, (m, lp) in enumerate(zip(seq.trained_mask, seq.sampler_log_probs)):
+            for j, (m, lp) in enumerate(zip(seq.trained_mask, seq.sampler_logprobs)):
                 if m:
                     assert seq.token_ids[:j] == context_of[lp]
         assert len(result.drift_tokens) == result.num_transitions == len(turns) - 1

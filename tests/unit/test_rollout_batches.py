@@ -98,7 +98,7 @@ def _put_group(channel: RolloutChannel, position: int, num_samples: int = 2, len
     for i in range(num_samples):
         tokens = [position + 1] + [100 + 10 * position + i] * (length - 1)
         sample = Sample(tokens, [j > 0 for j in range(length)], [0.0] * length, 1.0, position)
-        channel.samples.put(QueuedSample(sample, position, position, time.time(), length - 1))
+        channel.samples.put(QueuedSample(sample, position, position, time.time()))
     channel.samples.put(GroupFinished(position, position, num_samples))
 
 

@@ -16,12 +16,11 @@ from asyncgrpo.rollout.generate import (
     environment_tools,
     execute_tool_call,
     generation_records,
-    request_seed,
     run_tool_loop,
-    sampling_params,
-    tool_name,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
+from asyncgrpo.rollout.requests import RequestSettings, request_seed
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.types import Rollout, TurnRecord
 
 
@@ -79,7 +78,7 @@ class Counter:
 
 
 def test_execute_tool_calls_sync_async_unknown_raising():
-    tools = {tool_name(t): t for t in (multiply, async_add, broken)}
+    tools = {callable_name(t): t for t in (multiply, async_add, broken)}
 
     async def run():
         with ThreadPoolExecutor(2) as pool:
@@ -100,7 +99,7 @@ def test_execute_tool_calls_sync_async_unknown_raising():
 
 
 def test_tool_name_of_partial_is_its_function():
-    assert tool_name(functools.partial(multiply, b=2)) == "multiply"
+    assert callable_name(functools.partial(multiply, b=2)) == "multiply"
 
 
 def test_environment_tools_are_public_non_reserved_methods():
@@ -150,12 +149,12 @@ def test_sampling_params_follow_the_config():
 
     config = AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-generate", temperature=0.7, top_k=50, top_p=0.9,
                              max_completion_length=17, num_sampler_logprobs=5, report_to="none")
-    params = sampling_params(config, seed=11, eos_token_ids=[3, 4], return_sampling_mask=True)
+    params = RequestSettings.from_config(config, [3, 4]).params(seed=11, return_sampling_mask=True)
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.7, 50, 0.9, 17)
     assert params.seed == 11 and params.stop_token_ids == (3, 4) and params.return_sampling_mask
     assert params.logprobs == 5  # score_centering (the default) asks for the sampler's top-K
     config.score_centering = False
-    assert sampling_params(config, seed=0, eos_token_ids=[3], return_sampling_mask=False).logprobs == 0
+    assert RequestSettings.from_config(config, [3]).params(seed=0, return_sampling_mask=False).logprobs == 0
 
 
 class _CharTokenizer:

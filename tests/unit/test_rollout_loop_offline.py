@@ -18,7 +18,8 @@ import pytest
 from asyncgrpo import metrics as M
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
-from asyncgrpo.rollout.loop import AsyncRolloutLoop, group_samples, reward_records
+from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.scoring import group_samples, reward_records
 from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
 
@@ -68,8 +69,8 @@ def test_group_samples_carry_their_rollout_advantage_and_sampler_data():
     seq = TrainingSequence(
         token_ids=[1, 2, 3],
         trained_mask=[0, 1, 1],
-        sampler_log_probs=[0.0, -0.5, -0.25],
-        sampler_top_logprobs=[None, {2: -0.5, 9: -1.0}, {3: -0.25}],
+        sampler_logprobs=[0.0, -0.5, -0.25],
+        sampler_topk=[None, {2: -0.5, 9: -1.0}, {3: -0.25}],
     )
     group = RolloutGroup(
         prompts=[[], []], reward_kwargs={}, completions=[[], []], completions_ids=[[2, 3], []],
@@ -81,7 +82,7 @@ def test_group_samples_carry_their_rollout_advantage_and_sampler_data():
     for s in samples:
         assert (s.advantage, s.group_id, s.model_version, s.rollout_id) == (0.5, 7, 3, "r0")
         assert s.trained_mask.tolist() == [False, True, True]
-        assert s.topk_ids[1].tolist() == [2, 9] and s.topk_logprobs[2, 0] == pytest.approx(-0.25)
+        assert s.sampler_topk_ids[1].tolist() == [2, 9] and s.sampler_topk_logprobs[2, 0] == pytest.approx(-0.25)
 
 
 # -- the loop in-process, without a server -------------------------------------------------------

@@ -200,7 +200,7 @@ def _gradient_check(layout: str) -> dict:
 def _bucket_check(rank: int) -> dict:
     from asyncgrpo.sync.packed import plan_chunks
     from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
-    from asyncgrpo.train.sharded_weights import iter_weight_buckets
+    from asyncgrpo.train.weight_push import iter_weight_buckets
 
     reference = list(weights_for_server(_model(), torch.float32))
     model = _model()
@@ -257,17 +257,17 @@ def _peft_check(rank: int) -> dict:
     }
 
 
-class _FakeLink:
-    """Rank 0's server link: takes the tensors as the sender would; can fail after `fail_after`."""
+class _FakeTransport:
+    """Rank 0's weight transport: takes the tensors as the sender would; can fail after `fail_after`."""
 
     def __init__(self, fail_after: int | None = None) -> None:
         self.fail_after = fail_after
         self.received: dict[str, str] = {}
 
-    def sync_weights(self, named_tensors, *, version, metas):
+    def push(self, named_tensors, *, version, metas):
         from asyncgrpo.sync.checksum import tensor_digest
 
-        for i, (name, tensor) in enumerate(named_tensors()):
+        for i, (name, tensor) in enumerate(named_tensors):
             if i == self.fail_after:
                 raise RuntimeError("the server went away")
             assert (name, tensor.dtype, tuple(tensor.shape)) == (metas[i].name, metas[i].dtype, metas[i].shape)
@@ -278,25 +278,25 @@ class _FakeLink:
 def _push_check(rank: int) -> dict:
     from asyncgrpo.sync.checksum import weights_checksum
     from asyncgrpo.train.model_setup import weights_for_server
-    from asyncgrpo.train.sharded_weights import push_sharded_weights
+    from asyncgrpo.train.weight_push import push_sharded_weights
 
     expected = weights_checksum(weights_for_server(_model(), torch.float32))
     model = _model()
     _shard(model)
 
-    def push(link: _FakeLink | None, version: str) -> dict:
-        return push_sharded_weights(model, torch.float32, link=link, version=version, bucket_bytes=BUCKET_BYTES)
+    def push(link: _FakeTransport | None, version: str) -> dict:
+        return push_sharded_weights(model, torch.float32, transport=link, version=version, bucket_bytes=BUCKET_BYTES)
 
-    link = _FakeLink() if rank == 0 else None
+    link = _FakeTransport() if rank == 0 else None
     found: dict = {"push/timings": push(link, "v1")}
     if rank == 0:
         found["push/received_equal"] = link.received == expected
     try:
-        push(_FakeLink(fail_after=3) if rank == 0 else None, "v2")
+        push(_FakeTransport(fail_after=3) if rank == 0 else None, "v2")
         found["push/failure"] = None
     except RuntimeError as exc:
         found["push/failure"] = str(exc) if rank else f"{type(exc).__name__}: {exc}"
     # the group is still in step: the next push goes through
-    retry = _FakeLink() if rank == 0 else None
+    retry = _FakeTransport() if rank == 0 else None
     found["push/after_failure_ok"] = push(retry, "v3") == {"total_s": 1.0} and (rank != 0 or retry.received == expected)
     return found

@@ -135,9 +135,9 @@ def test_per_token_sampler_data_follows_its_token():
     c = make_sample([1, 3, 8], 2, sampler_topk=[None, None, {8: -0.5, 1: -1.5, 2: -3.0}])
     row = pack_row([a, b, c])
     assert row.target_ids.tolist() == [5, 7, 6, 8]
-    assert row.topk_ids.tolist() == [[5, 6, -1], [7, -1, -1], [-1, -1, -1], [8, 1, 2]]
-    assert row.topk_logprobs[0, :2].tolist() == pytest.approx([-0.1, -2.0])
-    assert torch.isinf(row.topk_logprobs[2]).all() and row.topk_logprobs[3, 2].item() == pytest.approx(-3.0)
+    assert row.sampler_topk_ids.tolist() == [[5, 6, -1], [7, -1, -1], [-1, -1, -1], [8, 1, 2]]
+    assert row.sampler_topk_logprobs[0, :2].tolist() == pytest.approx([-0.1, -2.0])
+    assert torch.isinf(row.sampler_topk_logprobs[2]).all() and row.sampler_topk_logprobs[3, 2].item() == pytest.approx(-3.0)
     off = row.candidate_offsets.tolist()
     ids = row.candidate_ids.tolist()
     assert [ids[off[n]:off[n + 1]] for n in range(4)] == [[5, 6], [2, 7, 9], [], []]
@@ -148,7 +148,7 @@ def test_sample_pickles_and_rejects_a_trained_first_token():
     s = make_sample([1, 2, 3], 1, sampler_topk=[None, ((2, -0.5),), None], model_version=3, rollout_id="r")
     t = pickle.loads(pickle.dumps(s))
     np.testing.assert_array_equal(t.token_ids, s.token_ids)
-    np.testing.assert_array_equal(t.topk_ids, s.topk_ids)
+    np.testing.assert_array_equal(t.sampler_topk_ids, s.sampler_topk_ids)
     assert (t.model_version, t.rollout_id, t.num_trained) == (3, "r", 2)
     with pytest.raises(ValueError, match="trained_mask\\[0\\]"):
         Sample([1, 2], [True, True], [0.0, 0.0], 1.0, 0)

@@ -54,7 +54,7 @@ def test_check_turn_names_misaligned_fields():
 
 
 def test_training_sequence_is_frozen_and_counts_trained_tokens():
-    seq = TrainingSequence(token_ids=[1, 2, 3], trained_mask=[0, 1, 1], sampler_log_probs=[0.0, -0.5, -0.1])
+    seq = TrainingSequence(token_ids=[1, 2, 3], trained_mask=[0, 1, 1], sampler_logprobs=[0.0, -0.5, -0.1])
     assert seq.num_trained_tokens == 2 and len(seq) == 3
     with pytest.raises(dataclasses.FrozenInstanceError):
         seq.token_ids = []

@@ -16,7 +16,9 @@ a shuffled stream reshuffles), positions count rows read, and a resume restarts 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +192,18 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> n
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
+def end_position(max_steps: int, num_train_epochs: float, dataset: Any) -> int | None:
+    """First position past the run when epochs stop it: ceil(num_train_epochs x rows). None when
+    `max_steps` > 0 stops it instead, or the dataset is a stream (no length) or absent."""
+    if max_steps > 0 or dataset is None:
+        return None
+    try:
+        num_rows = len(dataset)
+    except TypeError:
+        return None
+    return math.ceil(float(num_train_epochs) * num_rows)
+
+
 def row_reward_kwargs(row: Mapping[str, Any], num_rollouts: int) -> dict[str, list[Any]]:
     """Every column of `row` but the prompt, repeated once per rollout (reward function kwargs)."""
     return {key: [value] * num_rollouts for key, value in row.items() if key != PROMPT_COLUMN}
@@ -242,6 +256,28 @@ def iter_prompts(
         seen += 1
         yield PromptItem(position=position, epoch=ep, row_index=row_index, row=row, accepted=ok)
     _check_epoch_not_all_rejected(epoch, seen, accepted, whole_epoch)
+
+
+def prompt_stream(
+    dataset: Any,
+    *,
+    seed: int,
+    start_position: int,
+    filter_prompt: Callable[[int, dict[str, Any], int], bool],
+    prompt_required: bool,
+    skip_positions: Collection[int],
+) -> Iterator[PromptItem]:
+    """`iter_prompts` over `dataset`; without a dataset (an environment's reset() makes the prompts), an
+    endless stream of empty rows."""
+    if dataset is not None:
+        yield from iter_prompts(
+            dataset, seed=seed, start_position=start_position, filter_prompt=filter_prompt,
+            prompt_required=prompt_required, skip_positions=skip_positions,
+        )
+        return
+    for position in itertools.count(start_position):
+        skip = position in skip_positions
+        yield PromptItem(position, 0, position, {}, not skip and bool(filter_prompt(position, {}, 0)))
 
 
 def _check_epoch_not_all_rejected(epoch: int, seen: int, accepted: int, whole_epoch: bool) -> None:

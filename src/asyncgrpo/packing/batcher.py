@@ -1,6 +1,6 @@
 """TokenBudgetBatcher: assigns samples to the rows of micro-batches (one row per process).
 
-Pure bookkeeping (no torch, no clock): samples go in one at a time, closed micro-batches come out.
+Pure bookkeeping (no clock, no I/O): samples go in one at a time, closed micro-batches come out.
 
 Rules (DESIGN 5):
 - a row holds at most `token_budget` unique tokens (what `pack_row` will forward: shared tokens
@@ -31,24 +31,16 @@ import bisect
 import logging
 from dataclasses import dataclass, field
 
-from asyncgrpo.packing.tree import Sample, shared_prefix_len, sort_key
+from asyncgrpo import metrics as M
+from asyncgrpo.packing.tree import shared_prefix_len, sort_key
+from asyncgrpo.types import Sample
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DROPPED_OVERSIZE_COUNT",
     "MicroBatch",
     "TokenBudgetBatcher",
 ]
-
-SAMPLES_PER_ROW = "batch/samples_per_row"
-ROW_TOKENS_MEAN = "batch/row_tokens_mean"
-ROW_TOKENS_MAX = "batch/row_tokens_max"
-ROW_FILL_FRAC = "batch/row_fill_frac"
-ROW_IMBALANCE = "batch/row_imbalance"
-PACKING_RATIO = "batch/packing_ratio"
-PAD_FRAC = "batch/pad_frac"
-DROPPED_OVERSIZE_COUNT = "batch/dropped_oversize_count"
 
 
 def _path_cost(shared: int, length: int) -> int:
@@ -121,14 +113,14 @@ class MicroBatch:
         longest = max(self.row_tokens)
         mean_cost = sum(self.row_costs) / num_rows
         return {
-            SAMPLES_PER_ROW: self.num_samples / num_rows,
-            ROW_TOKENS_MEAN: total / num_rows,
-            ROW_TOKENS_MAX: float(longest),
-            ROW_FILL_FRAC: total / (num_rows * self.token_budget),
-            ROW_IMBALANCE: max(self.row_costs) / mean_cost if mean_cost > 0 else 1.0,
-            PACKING_RATIO: sum(self.row_raw_tokens) / total,
-            PAD_FRAC: 1.0 - total / (num_rows * longest),
-            DROPPED_OVERSIZE_COUNT: float(self.dropped_oversize_count),
+            M.BATCH_SAMPLES_PER_ROW: self.num_samples / num_rows,
+            M.BATCH_ROW_TOKENS_MEAN: total / num_rows,
+            M.BATCH_ROW_TOKENS_MAX: float(longest),
+            M.BATCH_ROW_FILL_FRAC: total / (num_rows * self.token_budget),
+            M.BATCH_ROW_IMBALANCE: max(self.row_costs) / mean_cost if mean_cost > 0 else 1.0,
+            M.BATCH_PACKING_RATIO: sum(self.row_raw_tokens) / total,
+            M.BATCH_PAD_FRAC: 1.0 - total / (num_rows * longest),
+            M.BATCH_DROPPED_OVERSIZE_COUNT: float(self.dropped_oversize_count),
         }
 
 

@@ -1,7 +1,8 @@
 """Tree packing: training samples -> one row, a prefix trie laid out depth first.
 
-This module owns the data that crosses from the rollout process to the trainer (`Sample`) and the
-layout of one packed row (`PackedRow`). Everything here is pure (numpy in, torch tensors out).
+This module owns the layout of one packed row (`PackedRow`) of `asyncgrpo.types.Sample`s, the
+record that crosses from the rollout process to the trainer. Everything here is pure (numpy in,
+torch tensors out).
 
 Layout (DESIGN 5, the seed's "Empaquetado de arboles")::
 
@@ -38,10 +39,12 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from asyncgrpo.types import Sample  # re-exported: asyncgrpo.packing.Sample is public
 
 __all__ = [
     "PackedRow",
@@ -53,171 +56,6 @@ __all__ = [
     "sort_key",
     "unpack_token_ids",
 ]
-
-TopKPerToken = Sequence[Sequence[tuple[int, float]] | dict[int, float] | None]
-CandidatesPerToken = Sequence[Sequence[int] | None]
-
-
-@dataclass(frozen=True, eq=False)
-class Sample:
-    """One training sample: a token sequence whose generated tokens are trained.
-
-    Stored as numpy arrays (cheap to pickle: a 2k-token sample with top-20 sampler log-probs is a
-    few hundred KB of raw buffers instead of ~100k Python objects). Lists or tuples are accepted and
-    converted. Equality is identity (arrays have no single truth value); compare fields instead.
-
-    Per-token fields have length L = len(token_ids):
-        token_ids: int32 [L], context + generated tokens, ids >= 0.
-        trained_mask: bool [L], True for trained (generated) tokens; position 0 cannot be trained
-            (nothing predicts it).
-        sampler_logprobs: float32 [L], the sampler's log-prob of each token (0.0 where not trained).
-        advantage: the rollout's advantage, shared by all its trained tokens.
-        group_id: the prompt group (the batcher keeps a group in one row to share its prompt).
-        sampler_topk: init-only, per token None or the sampler's top-K as ((id, logprob), ...) or
-            {id: logprob} (`TrainingSequence.sampler_top_logprobs`). Converted to `topk_ids` /
-            `topk_logprobs`.
-        candidate_sets: init-only, per token None or ascending candidate ids. Converted to
-            `candidate_ids` / `candidate_offsets`.
-        topk_ids / topk_logprobs: int32 / float32 [L, K] sampler top-K, padded with -1 / -inf.
-        candidate_ids / candidate_offsets: CSR, candidates of token t are
-            candidate_ids[candidate_offsets[t]:candidate_offsets[t + 1]]; an empty range means
-            "no candidate set" (no renormalisation), since a real set always holds the sampled token.
-    """
-
-    token_ids: np.ndarray
-    trained_mask: np.ndarray
-    sampler_logprobs: np.ndarray
-    advantage: float
-    group_id: int
-    sampler_topk: InitVar[TopKPerToken | None] = None
-    candidate_sets: InitVar[CandidatesPerToken | None] = None
-    model_version: int = 0
-    rollout_id: str = ""
-    topk_ids: np.ndarray | None = None
-    topk_logprobs: np.ndarray | None = None
-    candidate_ids: np.ndarray | None = None
-    candidate_offsets: np.ndarray | None = None
-
-    def __post_init__(self, sampler_topk: TopKPerToken | None, candidate_sets: CandidatesPerToken | None):
-        def put(name: str, value) -> None:
-            object.__setattr__(self, name, value)
-
-        tokens = np.asarray(self.token_ids)
-        if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError(f"Sample.token_ids must be a non-empty 1-D sequence, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu" or tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max:
-            raise ValueError("Sample.token_ids must be integer token ids in [0, 2**31)")
-        tokens = tokens.astype(np.int32, copy=False)
-        length = tokens.size
-        put("token_ids", tokens)
-        put("trained_mask", _per_token(self.trained_mask, np.bool_, length, "trained_mask"))
-        if self.trained_mask[0]:
-            raise ValueError("Sample.trained_mask[0] is True, but no position predicts the first token; "
-                             "start every sample with at least one context token")
-        put("sampler_logprobs", _per_token(self.sampler_logprobs, np.float32, length, "sampler_logprobs"))
-        put("advantage", float(self.advantage))
-        put("group_id", int(self.group_id))
-
-        if sampler_topk is not None:
-            if self.topk_ids is not None:
-                raise ValueError("give the sampler top-K either as sampler_topk or as topk_ids/topk_logprobs")
-            ids, logprobs = _topk_to_arrays(sampler_topk, length)
-            put("topk_ids", ids)
-            put("topk_logprobs", logprobs)
-        if (self.topk_ids is None) != (self.topk_logprobs is None):
-            raise ValueError("Sample.topk_ids and Sample.topk_logprobs must be given together")
-        if self.topk_ids is not None:
-            ids = np.asarray(self.topk_ids, dtype=np.int32)
-            logprobs = np.asarray(self.topk_logprobs, dtype=np.float32)
-            if ids.ndim != 2 or ids.shape[0] != length or ids.shape != logprobs.shape:
-                raise ValueError(f"Sample.topk_ids/topk_logprobs must both be [L={length}, K], "
-                                 f"got {ids.shape} and {logprobs.shape}")
-            put("topk_ids", ids)
-            put("topk_logprobs", logprobs)
-
-        if candidate_sets is not None:
-            if self.candidate_ids is not None:
-                raise ValueError("give candidates either as candidate_sets or as candidate_ids/offsets")
-            ids, offsets = _candidates_to_csr(candidate_sets, length)
-            put("candidate_ids", ids)
-            put("candidate_offsets", offsets)
-        if (self.candidate_ids is None) != (self.candidate_offsets is None):
-            raise ValueError("Sample.candidate_ids and Sample.candidate_offsets must be given together")
-        if self.candidate_ids is not None:
-            ids = np.asarray(self.candidate_ids, dtype=np.int32).reshape(-1)
-            offsets = np.asarray(self.candidate_offsets, dtype=np.int64)
-            if offsets.shape != (length + 1,) or offsets[0] != 0 or offsets[-1] != ids.size:
-                raise ValueError(f"Sample.candidate_offsets must be [L + 1 = {length + 1}] from 0 to "
-                                 f"len(candidate_ids) = {ids.size}")
-            put("candidate_ids", ids)
-            put("candidate_offsets", offsets)
-            _check_trained_tokens_in_their_sets(tokens, self.trained_mask, ids, offsets)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.size)
-
-    @property
-    def num_trained(self) -> int:
-        return int(np.count_nonzero(self.trained_mask))
-
-
-def _per_token(values, dtype, length: int, name: str) -> np.ndarray:
-    array = np.asarray(values, dtype=dtype)
-    if array.shape != (length,):
-        raise ValueError(f"Sample.{name} must have one entry per token ({length}), got shape {array.shape}")
-    return array
-
-
-def _topk_to_arrays(sampler_topk: TopKPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
-    if len(sampler_topk) != length:
-        raise ValueError(f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}")
-    k = max((len(entry) for entry in sampler_topk if entry is not None), default=0)
-    ids = np.full((length, k), -1, dtype=np.int32)
-    logprobs = np.full((length, k), -np.inf, dtype=np.float32)
-    for t, entry in enumerate(sampler_topk):
-        if entry:
-            items = entry.items() if isinstance(entry, dict) else entry
-            pairs = np.asarray(list(items), dtype=np.float64).reshape(-1, 2)
-            ids[t, : len(pairs)] = pairs[:, 0]
-            logprobs[t, : len(pairs)] = pairs[:, 1]
-    return ids, logprobs
-
-
-def _candidates_to_csr(candidate_sets: CandidatesPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
-    if len(candidate_sets) != length:
-        raise ValueError(f"Sample.candidate_sets must have one entry per token ({length}), "
-                         f"got {len(candidate_sets)}")
-    sizes = np.array([0 if c is None else len(c) for c in candidate_sets], dtype=np.int64)
-    offsets = np.zeros(length + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    chunks = [np.asarray(c, dtype=np.int32) for c in candidate_sets if c]
-    ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
-    return ids, offsets
-
-
-def _check_trained_tokens_in_their_sets(tokens: np.ndarray, trained: np.ndarray, ids: np.ndarray,
-                                       offsets: np.ndarray) -> None:
-    """A trained token with a candidate set must be in it (the sampler could not have drawn it
-    otherwise, and its renormalised log-prob would be meaningless)."""
-    sizes = np.diff(offsets)
-    checked = trained & (sizes > 0)
-    if not checked.any():
-        return
-    owner = np.repeat(np.arange(tokens.size), sizes)
-    hits = np.zeros(tokens.size, dtype=np.int64)
-    np.add.at(hits, owner, ids == tokens[owner])
-    bad = np.flatnonzero(checked & (hits == 0))
-    if bad.size:
-        t = int(bad[0])
-        raise ValueError(
-            f"trained token {int(tokens[t])} at position {t} is not in its candidate set "
-            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such tokens "
-            "in this sample): the sampler could not have drawn it. A custom generate_one_turn must return, for "
-            "each output token, the candidate set it was drawn from in output_sampling_mask (or None for the "
-            "full vocabulary)"
-        )
-
 
 def sort_key(token_ids: np.ndarray) -> bytes:
     """Bytes that compare like the tuple of token ids (shorter prefix first)."""
@@ -255,8 +93,8 @@ class PackedRow:
     sampler_logprobs: torch.Tensor  # [N] float32
     sample_index: torch.Tensor  # [N] which sample (0..num_samples-1) the token belongs to
     completion_index: torch.Tensor  # [N] which completion: samples with the same rollout_id share one
-    topk_ids: torch.Tensor | None  # [N, K] int64, pad -1
-    topk_logprobs: torch.Tensor | None  # [N, K] float32, pad -inf
+    sampler_topk_ids: torch.Tensor | None  # [N, K] int64, pad -1
+    sampler_topk_logprobs: torch.Tensor | None  # [N, K] float32, pad -inf
     candidate_ids: torch.Tensor | None  # [M] int64
     candidate_offsets: torch.Tensor | None  # [N + 1]; empty range = no candidate set
     sample_last_index: torch.Tensor  # [num_samples] packed index of each sample's last token
@@ -434,9 +272,9 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
                     seg_len, subtree_end) -> PackedRow:
     pred, targets, adv, logp, owner = [], [], [], [], []
     topk_ids, topk_logp, cand_ids, cand_sizes = [], [], [], []
-    has_topk = any(s.topk_ids is not None for s in samples)
+    has_topk = any(s.sampler_topk_ids is not None for s in samples)
     has_cand = any(s.candidate_ids is not None for s in samples)
-    k_max = max((s.topk_ids.shape[1] for s in samples if s.topk_ids is not None), default=0)
+    k_max = max((s.sampler_topk_ids.shape[1] for s in samples if s.sampler_topk_ids is not None), default=0)
     for i, (sample, path) in enumerate(zip(samples, paths)):
         t = np.flatnonzero(sample.trained_mask)
         pred.append(path[t - 1])
@@ -447,10 +285,10 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
         if has_topk:
             block_ids = np.full((t.size, k_max), -1, dtype=np.int32)
             block_logp = np.full((t.size, k_max), -np.inf, dtype=np.float32)
-            if sample.topk_ids is not None:
-                k = sample.topk_ids.shape[1]
-                block_ids[:, :k] = sample.topk_ids[t]
-                block_logp[:, :k] = sample.topk_logprobs[t]
+            if sample.sampler_topk_ids is not None:
+                k = sample.sampler_topk_ids.shape[1]
+                block_ids[:, :k] = sample.sampler_topk_ids[t]
+                block_logp[:, :k] = sample.sampler_topk_logprobs[t]
             topk_ids.append(block_ids)
             topk_logp.append(block_logp)
         if has_cand:
@@ -486,8 +324,8 @@ def _gather_trained(samples, paths, lengths, input_ids, position_ids, segment_id
         sampler_logprobs=cat(logp, np.float32),
         sample_index=cat(owner, np.int64),
         completion_index=_completion_of_sample(samples)[cat(owner, np.int64)],
-        topk_ids=cat(topk_ids, np.int64) if has_topk else None,
-        topk_logprobs=cat(topk_logp, np.float32) if has_topk else None,
+        sampler_topk_ids=cat(topk_ids, np.int64) if has_topk else None,
+        sampler_topk_logprobs=cat(topk_logp, np.float32) if has_topk else None,
         candidate_ids=candidate_ids,
         candidate_offsets=candidate_offsets,
         sample_last_index=torch.from_numpy(np.array([p[-1] for p in paths], dtype=np.int64)),

@@ -64,13 +64,6 @@ def scored_std(rewards: np.ndarray | Sequence[float | None]) -> float:
     return float(values.std()) if values.size else float("nan")
 
 
-def scored_mean(rewards: np.ndarray | Sequence[float | None]) -> float:
-    """Mean of the scored (non-NaN) rewards; NaN when none is scored."""
-    r = _as_rewards(rewards)
-    values = r[~np.isnan(r)]
-    return float(values.mean()) if values.size else float("nan")
-
-
 def check_advantages(advantages: np.ndarray, num_rollouts: int) -> np.ndarray:
     """`compute_advantages`' result as float64, checked: one finite value per rollout (an inf or NaN
     advantage would make the loss, and then every weight, NaN)."""

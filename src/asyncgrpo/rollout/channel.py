@@ -20,8 +20,12 @@ tokens) are read together as a `TrainerView`.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.queues
+import multiprocessing.sharedctypes
+import multiprocessing.synchronize
 from dataclasses import dataclass, field
-from typing import Any
+
+from asyncgrpo.types import Sample
 
 ROLLOUT_PROCESS_NAME = "asyncgrpo-rollout"  # multiprocessing name of the spawned rollout process
 
@@ -30,17 +34,16 @@ ROLLOUT_PROCESS_NAME = "asyncgrpo-rollout"  # multiprocessing name of the spawne
 class QueuedSample:
     """One training sample and where it came from.
 
-    `sample` is an `asyncgrpo.packing.tree.Sample` (token ids, trained mask, sampler log-probs,
-    advantage, group id, model version, ...). `position` is the prompt's index in the rollout
+    `sample` holds the token ids, trained mask, sampler log-probs, advantage, group id and model
+    version. `position` is the prompt's index in the rollout
     process's prompt stream (epoch * len(dataset) + index within the epoch's order); the trainer uses
     it to count epochs and the resume position.
     """
 
-    sample: Any
+    sample: Sample
     position: int
     row_index: int
-    queued_at: float
-    num_generated_tokens: int
+    queued_at: float  # time.time() when queued (sample/time_in_queue_s)
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class RolloutIdle:
         return self.blocked_at is None
 
 
+SampleQueueItem = QueuedSample | GroupFinished | RolloutIdle  # what travels on RolloutChannel.samples
+
+
 @dataclass(frozen=True)
 class WorkerError:
     """An exception raised in the rollout process, with its formatted traceback."""
@@ -112,16 +118,16 @@ class WorkerError:
 class RolloutChannel:
     """The shared primitives of one trainer <-> rollout-process pair (see the module docstring)."""
 
-    samples: Any
-    metrics: Any
-    errors: Any
-    model_version: Any
-    token_allowance: Any
-    consumed_tokens: Any
-    heartbeat: Any
-    stop_event: Any
-    failed_event: Any
-    extra: dict = field(default_factory=dict)
+    samples: mp.queues.Queue  # of SampleQueueItem
+    metrics: mp.queues.Queue  # of asyncgrpo.metrics.MetricRecord
+    errors: mp.queues.Queue  # of WorkerError
+    model_version: mp.sharedctypes.Synchronized  # int
+    token_allowance: mp.sharedctypes.Synchronized  # int
+    consumed_tokens: mp.sharedctypes.Synchronized  # int
+    heartbeat: mp.sharedctypes.Synchronized  # float, time.time()
+    stop_event: mp.synchronize.Event
+    failed_event: mp.synchronize.Event
+    extra: dict[str, mp.queues.Queue] = field(default_factory=dict)  # "completions": log_completions entries
 
     def trainer_view(self) -> TrainerView:
         return TrainerView(
@@ -139,7 +145,10 @@ class RolloutChannel:
                 q.close()
 
     @classmethod
-    def create(cls, ctx: mp.context.BaseContext, *, initial_allowance: int) -> RolloutChannel:
+    def create(
+        cls, ctx: mp.context.BaseContext, *, initial_allowance: int, model_version: int = 0, completions: bool = False
+    ) -> RolloutChannel:
+        """The primitives of one pair; `completions` adds the `log_completions` queue (`extra["completions"]`)."""
         samples, metrics, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # The creating process (the trainer) only reads; an in-process writer (tests, a loop run in
         # a thread) must not block its exit on items nobody reads. Spawned children reset this flag.
@@ -149,10 +158,11 @@ class RolloutChannel:
             samples=samples,
             metrics=metrics,
             errors=errors,
-            model_version=ctx.Value("q", 0),
+            model_version=ctx.Value("q", int(model_version)),
             token_allowance=ctx.Value("q", int(initial_allowance)),
             consumed_tokens=ctx.Value("q", 0),
             heartbeat=ctx.Value("d", 0.0),
             stop_event=ctx.Event(),
             failed_event=ctx.Event(),
+            extra={"completions": ctx.Queue()} if completions else {},
         )

@@ -1,16 +1,13 @@
-"""How many rollouts may run: the server-load cap and the staleness token allowance (pure).
+"""How many rollouts the server can take: the KV-cache cap (pure).
 
-Three limits decide whether the rollout loop starts more work:
+Two of the limits on starting more work live here (the staleness allowance is in
+`asyncgrpo.rollout.admission`):
 
-    1. staleness, in tokens   queued + in-flight tokens < allowance = max(max_staleness, 1) x tokens
-                              the trainer consumed in its last step (before the first step: every row
-                              full, num_processes x token_budget x gradient_accumulation_steps);
-                              until the first group finishes, one group at a time
-    2. server load            `ConcurrencyCap`, fed the server's KV-cache usage every poll:
+    1. server load            `ConcurrencyCap`, fed the server's KV-cache usage every poll:
                               starts at kv_cache_tokens // max_model_len, +25 % at most once per `cap`
                               finished rollouts while usage < 0.6 and nothing waits, -30 % when
                               usage > 0.8; without /metrics it is fixed at max_concurrent_rollouts
-    3. resources              max_concurrent_rollouts, the user's upper bound for both
+    2. resources              max_concurrent_rollouts, the user's upper bound for both
 
 Nothing here reads a clock or does I/O: the loop polls `/metrics` and calls these.
 """
@@ -56,11 +53,6 @@ class ConcurrencyCap:
             self.cap = max_concurrent_rollouts
         self.finished_since_change = 0
 
-    def disable(self) -> None:
-        """The server has no usable `/metrics`: fix the cap at `max_concurrent_rollouts`."""
-        self.adaptive = False
-        self.cap = self.max_concurrent_rollouts
-
     def on_rollout_finished(self, count: int = 1) -> None:
         self.finished_since_change += count
 
@@ -87,39 +79,3 @@ class ConcurrencyCap:
             self.cap = new_cap
             self.finished_since_change = 0
         return self.cap
-
-
-def initial_tokens_per_step(num_processes: int, token_budget: int, gradient_accumulation_steps: int) -> int:
-    """Tokens one optimizer step consumes when every row is full: the estimate before the first step."""
-    return num_processes * token_budget * gradient_accumulation_steps
-
-
-def token_allowance(max_staleness: int, tokens_per_step: int) -> int:
-    """Tokens the rollout process may hold (queued + in flight): max(max_staleness, 1) steps' worth."""
-    return max(max_staleness, 1) * tokens_per_step
-
-
-def may_start_group(
-    *,
-    held_tokens: int,
-    allowance: int,
-    groups_finished: int,
-    groups_in_flight: int,
-) -> bool:
-    """Whether the staleness limit lets the loop start another group now.
-
-    Args:
-        held_tokens: Tokens queued for the trainer plus the estimate for groups in flight.
-        allowance: The current token allowance (see `token_allowance`).
-        groups_finished: Groups finished since the rollout process started.
-        groups_in_flight: Groups started and not finished.
-
-    Until the first group finishes, the size of a group is unknown: one group at a time. After that,
-    a group starts while the held tokens are below the allowance; with nothing held and nothing in
-    flight one group may always start, so a single group larger than the allowance cannot deadlock.
-    """
-    if groups_finished == 0:
-        return groups_in_flight == 0
-    if held_tokens <= 0 and groups_in_flight == 0:
-        return True
-    return held_tokens < allowance

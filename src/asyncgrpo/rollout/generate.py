@@ -6,7 +6,7 @@ One turn of `AsyncRolloutLoop.generate_one`:
     output_ids --decode_output--> text --parse_assistant_message--> assistant message (+ tool_calls)
     tool_calls --execute_tool_call (in order; sync tools in the thread pool)--> tool messages
 
-Tool calls are parsed in the model family's format by `asyncgrpo.data.chat_templates` (Qwen's
+Tool calls are parsed in the model family's format by `asyncgrpo.rollout.tool_calls` (Qwen's
 `<tool_call>` blocks, Llama 3.1 JSON, DeepSeek-V3 tokens, or the tokenizer's response parser). A
 malformed call, an unknown name or a raising tool becomes a tool message that carries the error; it is
 counted as a failed call, never raised.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import inspect
 import json
 import logging
@@ -31,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo import metrics as M
-from asyncgrpo.data.chat_templates import ToolCallParseError, parse_assistant_message
 from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN, PROMPT_COLUMN
-from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.rollout.reconcile import ReconciledRollout
+from asyncgrpo.rollout.rewards import callable_name
+from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message
 from asyncgrpo.types import Rollout, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -51,13 +50,6 @@ class ToolResult:
     failed: bool
     unknown_name: bool
     latency_s: float
-
-
-def tool_name(tool: Callable) -> str:
-    """The name the model calls a tool by: its `__name__` (a partial's function name)."""
-    while isinstance(tool, functools.partial):
-        tool = tool.func
-    return getattr(tool, "__name__", type(tool).__name__)
 
 
 def render_prompt_ids(
@@ -241,35 +233,6 @@ async def run_in_environment(
 # -- the default generate_one ---------------------------------------------------------------------
 
 
-def request_seed(base_seed: int, position: int, rollout_index: int, turn_index: int) -> int:
-    """A per-request sampling seed in [0, 2**63): unique per (run seed, prompt position, rollout, turn).
-
-    Data-parallel servers would otherwise decode identical text for a group (see duplicate_frac).
-    """
-    key = f"{base_seed}:{position}:{rollout_index}:{turn_index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def sampling_params(config: Any, *, seed: int, eos_token_ids: Sequence[int], return_sampling_mask: bool) -> SamplingParams:
-    """The request settings of one turn from the config's sampling fields.
-
-    Top-K sampler log-probs (`num_sampler_logprobs`) are asked for only with `score_centering`; the
-    request stops at any of `eos_token_ids` and is capped at `max_completion_length` new tokens.
-    """
-    return SamplingParams(
-        temperature=float(config.temperature),
-        top_k=int(config.top_k or 0),
-        top_p=float(config.top_p),
-        min_p=float(config.min_p or 0.0),
-        max_tokens=int(config.max_completion_length),
-        seed=seed,
-        logprobs=int(config.num_sampler_logprobs) if config.score_centering else 0,
-        repetition_penalty=float(config.repetition_penalty),
-        stop_token_ids=tuple(int(t) for t in eos_token_ids),
-        return_sampling_mask=return_sampling_mask,
-    )
-
-
 async def run_tool_loop(
     prompt: list[dict[str, Any]],
     tools: list[Callable],
@@ -294,7 +257,7 @@ async def run_tool_loop(
     completion: list[dict[str, Any]] = []
     completion_ids: list[int] = []
     turns: list[TurnRecord] = []
-    tools_by_name = {tool_name(t): t for t in tools}
+    tools_by_name = {callable_name(t): t for t in tools}
     num_calls = num_failures = iterations = 0
     exhausted = False
     while True:

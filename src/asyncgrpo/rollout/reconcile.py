@@ -93,9 +93,9 @@ class _SequenceBuilder:
         return TrainingSequence(
             token_ids=self.token_ids,
             trained_mask=self.trained,
-            sampler_log_probs=self.log_probs,
-            sampler_top_logprobs=self.top if self.has_top else None,
-            sampling_candidates=self.candidates if self.has_candidates else None,
+            sampler_logprobs=self.log_probs,
+            sampler_topk=self.top if self.has_top else None,
+            candidate_sets=self.candidates if self.has_candidates else None,
         )
 
 

@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.data.prompts import RESERVED_COLUMNS
 from asyncgrpo.types import RolloutGroup
-
-RESERVED_REWARD_KWARGS = ("prompts", "completions", "completion_ids")
 
 
 class RewardFunctionError(RuntimeError):
@@ -48,8 +47,9 @@ class GroupRewards:
     per_source: dict[str, np.ndarray]
 
 
-def reward_func_name(func: Callable[..., Any]) -> str:
-    """The name a reward function is logged under: `__name__`, a partial's function, or the class."""
+def callable_name(func: Callable[..., Any]) -> str:
+    """The name of a reward function or tool (how it is logged, how the model calls a tool): its
+    `__name__`, a partial's function's, or the class name of a callable instance."""
     while isinstance(func, functools.partial):
         func = func.func
     name = getattr(func, "__name__", None)
@@ -61,7 +61,7 @@ def reward_func_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
     names: list[str] = []
     seen: dict[str, int] = {}
     for func in funcs:
-        base = reward_func_name(func)
+        base = callable_name(func)
         count = seen.get(base, 0)
         seen[base] = count + 1
         names.append(base if count == 0 else f"{base}_{count}")
@@ -127,11 +127,11 @@ async def call_reward_funcs(
 ) -> dict[str, np.ndarray]:
     """Call every reward function concurrently; return name -> values (NaN for None), shape (n,)."""
     n = len(completions)
-    clash = [key for key in RESERVED_REWARD_KWARGS if key in reward_kwargs]
+    clash = [key for key in RESERVED_COLUMNS if key in reward_kwargs]
     if clash:
         raise ValueError(
             f"dataset column(s) {clash} clash with the arguments every reward function receives "
-            f"({', '.join(RESERVED_REWARD_KWARGS)}); rename them, e.g. dataset.rename_column({clash[0]!r}, ...)"
+            f"({', '.join(RESERVED_COLUMNS)}); rename them, e.g. dataset.rename_column({clash[0]!r}, ...)"
         )
     kwargs = dict(reward_kwargs, prompts=prompts, completions=completions, completion_ids=completion_ids)
     results = await asyncio.gather(*(_call_one(f, name, kwargs) for f, name in zip(funcs, names, strict=True)))

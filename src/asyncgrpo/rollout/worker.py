@@ -198,8 +198,7 @@ class RolloutWorker:
         self.loop_kwargs = dict(loop_kwargs)
         self.channel = channel
         if heartbeat_timeout_s is None:
-            config = self.loop_kwargs.get("config")
-            heartbeat_timeout_s = float(getattr(config, "rollout_worker_timeout", 300.0))
+            heartbeat_timeout_s = float(self.loop_kwargs["config"].rollout_worker_timeout)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._process: mp.process.BaseProcess | None = None
         self._started_at = 0.0

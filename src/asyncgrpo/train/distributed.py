@@ -8,9 +8,12 @@ that never comes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from asyncgrpo.train.loss import LossStats
 
 T = TypeVar("T")
 
@@ -43,3 +46,13 @@ def broadcast_from_rank0(compute: Callable[[], T], what: str) -> T:
     if error is not None:
         raise RuntimeError(f"{what} failed on rank 0: {error} (see rank 0's log)")
     return value
+
+
+def all_reduce_loss_stats(stats: LossStats) -> LossStats:
+    """Loss statistics summed (and min/max-ed) over all processes, in place."""
+    if rank_and_world_size()[1] == 1:
+        return stats
+    for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN), (stats.maxs, dist.ReduceOp.MAX)):
+        for value in values.values():
+            dist.all_reduce(value, op=op)
+    return stats

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from asyncgrpo import metrics as M
+
 __all__ = [
     "LossStats",
     "PolicyLoss",
@@ -373,26 +375,26 @@ def loss_metrics(stats: LossStats) -> dict[str, float]:
         return float(value) if count > 0 else float("nan")
 
     metrics = {
-        "sampling/sampling_logp_difference/mean": mean("sampling/sampling_logp_difference/sum"),
-        "sampling/sampling_logp_difference/max": extreme(stats.maxs["sampling/sampling_logp_difference/max"]),
-        "sampling/importance_sampling_ratio/min": extreme(
+        M.SAMPLING_LOGP_DIFFERENCE_MEAN: mean("sampling/sampling_logp_difference/sum"),
+        M.SAMPLING_LOGP_DIFFERENCE_MAX: extreme(stats.maxs["sampling/sampling_logp_difference/max"]),
+        M.SAMPLING_IS_RATIO_MIN: extreme(
             stats.mins["sampling/importance_sampling_ratio/min"]
         ),
-        "sampling/importance_sampling_ratio/mean": mean("sampling/importance_sampling_ratio/sum"),
-        "sampling/importance_sampling_ratio/max": extreme(
+        M.SAMPLING_IS_RATIO_MEAN: mean("sampling/importance_sampling_ratio/sum"),
+        M.SAMPLING_IS_RATIO_MAX: extreme(
             stats.maxs["sampling/importance_sampling_ratio/max"]
         ),
-        "sampling/masked_mean": mean("sampling/masked/count"),
-        "clip_ratio/region_mean": mean("clip_ratio/region/count"),
-        "clip_ratio/low_mean": mean("clip_ratio/low/count"),
-        "clip_ratio/low_min": extreme(stats.mins["clip_ratio/low_min"]),
-        "clip_ratio/high_mean": mean("clip_ratio/high/count"),
-        "clip_ratio/high_max": extreme(stats.maxs["clip_ratio/high_max"]),
+        M.SAMPLING_MASKED_MEAN: mean("sampling/masked/count"),
+        M.CLIP_RATIO_REGION_MEAN: mean("clip_ratio/region/count"),
+        M.CLIP_RATIO_LOW_MEAN: mean("clip_ratio/low/count"),
+        M.CLIP_RATIO_LOW_MIN: extreme(stats.mins["clip_ratio/low_min"]),
+        M.CLIP_RATIO_HIGH_MEAN: mean("clip_ratio/high/count"),
+        M.CLIP_RATIO_HIGH_MAX: extreme(stats.maxs["clip_ratio/high_max"]),
     }
     if "sampling/sampler_mass/sum" in s:
-        metrics["sampling/sampler_mass"] = mean("sampling/sampler_mass/sum")
+        metrics[M.SAMPLING_SAMPLER_MASS] = mean("sampling/sampler_mass/sum")
     if "entropy/sum" in s:
-        metrics["entropy"] = mean("entropy/sum")
+        metrics[M.ENTROPY] = mean("entropy/sum")
     if "aux_loss/sum" in s:  # per micro-batch, not per token
-        metrics["aux_loss"] = s["aux_loss/sum"] / s["aux_loss/count"] if s["aux_loss/count"] > 0 else float("nan")
+        metrics[M.AUX_LOSS] = s["aux_loss/sum"] / s["aux_loss/count"] if s["aux_loss/count"] > 0 else float("nan")
     return metrics

@@ -30,6 +30,8 @@ from transformers import (
 )
 
 from asyncgrpo.models import resolve_model_path
+from asyncgrpo.packing.attention import enable_tree_attention
+from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,24 @@ def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_re
     auto_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path, **config_kwargs)) \
         else AutoModelForCausalLM
     return auto_class.from_pretrained(path, **kwargs)
+
+
+def prepare_policy(model: str | PreTrainedModel, args: Any) -> tuple[PreTrainedModel, str]:
+    """(the model to train, its id): loaded when `model` is an id or path, checked for tree packing, its
+    attention switched to the tree-attention backend; of a vision-language model only the text model trains."""
+    if isinstance(model, str):
+        model_id = model
+        model = load_policy(
+            model, dtype=args.dtype, init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code
+        )
+    elif isinstance(model, PreTrainedModel):
+        model_id = model.config._name_or_path
+    else:
+        raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+    check_supported(model.config)
+    enable_tree_attention(model)
+    train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
+    return model, model_id
 
 
 def is_vision_language(config: PreTrainedConfig) -> bool:
@@ -79,6 +99,18 @@ def train_text_model_only(model: PreTrainedModel) -> None:
 def _text_parameter_ids(model: torch.nn.Module) -> set[int]:
     body, head = decoder_and_head(model)
     return {id(p) for module in (body, head) for p in module.parameters()}
+
+
+def wrap_peft(model: PreTrainedModel, peft_config: Any) -> Any:
+    """The model with PEFT adapters (synced merged); adapters on lm_head are refused."""
+    from peft import get_peft_model
+
+    targets = getattr(peft_config, "target_modules", None) or []  # not every PEFT method has them
+    if isinstance(targets, str):
+        targets = [targets]
+    if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
+        raise ValueError("PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save")
+    return get_peft_model(model, peft_config)
 
 
 def load_tokenizer(model_id: str, *, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -213,7 +245,7 @@ def weights_for_server(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[t
     is sent merged: LoRA deltas are folded into the base weights for the copy only, the trained
     model keeps its adapter. A sharded (FSDP2) parameter is cast to `dtype` on its shard, then
     gathered (`full_tensor()`, one all-gather): with a sharded model, every rank must iterate this
-    to the end, in step (`asyncgrpo.train.sharded_weights`).
+    to the end, in step (`asyncgrpo.train.weight_push`).
     """
     base = unwrap(model)
     is_peft = base is not model and hasattr(model, "merge_adapter")

@@ -40,10 +40,10 @@ from typing import Any
 import torch.distributed as dist
 
 from asyncgrpo import metrics as M
+from asyncgrpo.rollout.admission import is_stale, on_policy_extension, staleness
 from asyncgrpo.rollout.channel import IDLE_ON_POLICY, GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.train.distributed import rank_and_world_size
 from asyncgrpo.train.progress import TrainedPrompts
-from asyncgrpo.train.staleness import is_stale
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,9 @@ class RolloutBatches:
             self._consume([item])  # generated past the last epoch: not part of this run
             return
         version = self.current_version()
-        staleness = version - item.sample.model_version
-        self.record(M.SAMPLE_STALENESS_MEAN, staleness)
-        self.record(M.SAMPLE_STALENESS_MAX, staleness)
+        behind = staleness(item.sample.model_version, version)
+        self.record(M.SAMPLE_STALENESS_MEAN, behind)
+        self.record(M.SAMPLE_STALENESS_MAX, behind)
         if is_stale(item.sample.model_version, version, self.max_staleness):
             self.record(M.SAMPLE_DROPPED_STALE_COUNT, 1)
             self._consume([item])
@@ -161,7 +161,7 @@ class RolloutBatches:
         generate one more micro-batch's worth of tokens (see the module docstring)."""
         _, world = rank_and_world_size()
         with self.channel.token_allowance.get_lock():
-            self.channel.token_allowance.value += self.token_budget * world
+            self.channel.token_allowance.value += on_policy_extension(self.token_budget, world)
         logger.debug("on-policy quota raised to %d tokens", self.channel.token_allowance.value)
 
     def _consume(self, items: list[QueuedSample]) -> None:

@@ -30,6 +30,7 @@ import torch
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
 from asyncgrpo.generation.protocol import TRAINER_HEADER, ProtocolError
 from asyncgrpo.sync.packed import TensorMeta
+from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,14 @@ class ServerLink:
             ) from None
 
     def connect(self) -> Any:
-        """Wait for the server (bounded by `vllm_server_timeout`) and detect its features."""
-        self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
+        """Wait for the server (bounded by `vllm_server_timeout`, saying so within seconds and every
+        minute) and detect its features."""
+        with notice_while_waiting(lambda waited: (
+            f"waiting for the inference server at {self.base_url} ({waited:.0f} s so far; giving up after "
+            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
+            "or fix vllm_server_base_url"
+        )):
+            self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
         self._run(self._take_over())  # before detect(): its probe request would wait on a paused server
         self.info = self._run(self.client.detect())
         return self.info
@@ -143,6 +150,12 @@ class ServerLink:
             self._run(self.client.resume(), timeout_s=30)
         except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
+
+    def close_weight_transfer(self) -> None:
+        """Leave the weight-transfer group (`init_weight_transfer` forms a new one)."""
+        sender, self._sender = self._sender, None
+        if sender is not None and self._thread.is_alive():
+            self._run(sender.close(), timeout_s=30)
 
     def close(self) -> None:
         if not self._thread.is_alive():  # closed already

@@ -19,15 +19,13 @@ Several processes (torchrun / accelerate launch): rank 0 owns the server link an
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
 micro-batch; the loss is normalised by the trained tokens of all rows. A DDP replica syncs from rank 0
 alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every rank taking part
-(`asyncgrpo.train.sharded_weights`).
+(`asyncgrpo.train.weight_push`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing as mp
-import queue as queue_lib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,45 +37,46 @@ from asyncgrpo import metrics as M
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.chat_templates import prepare_chat_template
-from asyncgrpo.data.prompts import validate_prompt_dataset
+from asyncgrpo.data.prompts import end_position
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
+from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
-from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.tree import pack_row
-from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel
-from asyncgrpo.rollout.concurrency import initial_tokens_per_step, token_allowance
+from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
+from asyncgrpo.rollout.channel import RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
-from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
-from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
+from asyncgrpo.train.completions_table import drain, print_completions
+from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
 from asyncgrpo.train.flops import FlopModel, peak_flops
-from asyncgrpo.train.logprobs import token_logprobs
-from asyncgrpo.train.loss import LossStats, add_router_aux_loss, loss_metrics, merge_loss_stats, policy_loss
+from asyncgrpo.train.inputs import (
+    check_args,
+    check_fsdp_version,
+    check_not_in_rollout_process,
+    check_prompt_source,
+    reward_func_list,
+)
+from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
 from asyncgrpo.train.model_setup import (
     eos_token_ids,
-    hidden_states_and_head,
-    is_sharded,
-    load_policy,
     load_tokenizer,
     logit_processing,
+    prepare_policy,
     router_aux_loss_coef,
-    server_weight_metas,
-    train_text_model_only,
-    weights_for_server,
+    wrap_peft,
 )
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
+from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.sharded_weights import push_sharded_weights
+from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
 from asyncgrpo.train.step_metrics import StepTotals
-from asyncgrpo.train.waiting import notice_while_waiting
+from asyncgrpo.train.weight_push import CollectiveTransport, WeightTransport, push_weights
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -115,33 +114,13 @@ class AsyncGRPOTrainer(Trainer):
         tools: list[Callable] | None = None,
         environment_factory: Callable | dict[str, Callable] | None = None,
     ) -> None:
-        if mp.current_process().name == ROLLOUT_PROCESS_NAME:
-            raise RuntimeError(
-                "AsyncGRPOTrainer was constructed inside the rollout process: the training script runs "
-                "training when it is imported. The rollout process is spawned and imports the script to "
-                "find the reward functions, tools or loop class defined there; put the training code "
-                "under `if __name__ == \"__main__\":`"
-            )
-        if args is None:
-            args = AsyncGRPOConfig(output_dir="asyncgrpo-output")
-        if not isinstance(args, AsyncGRPOConfig):
-            raise TypeError(f"`args` must be an AsyncGRPOConfig, got {type(args).__name__}")
+        check_not_in_rollout_process()
+        args = check_args(args)
 
-        if isinstance(model, str):
-            self.model_id = model
-            model = load_policy(
-                model, dtype=args.dtype, init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code
-            )
-        elif isinstance(model, PreTrainedModel):
-            self.model_id = model.config._name_or_path
-        else:
-            raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
-        check_supported(model.config)
-        enable_tree_attention(model)
-        train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
-        self._logit_processing = logit_processing(model.config)
+        model, self.model_id = prepare_policy(model, args)
         self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
         self._flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
+        logit_proc = logit_processing(model.config)
 
         if processing_class is None:
             revision = (args.model_init_kwargs or {}).get("revision")
@@ -155,34 +134,12 @@ class AsyncGRPOTrainer(Trainer):
             chat_template_kwargs=args.chat_template_kwargs,
         )
         if peft_config is not None:
-            model = _wrap_peft(model, peft_config)
+            model = wrap_peft(model, peft_config)
 
-        if reward_funcs is None:
-            reward_funcs = []
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        for i, fn in enumerate(self.reward_funcs):
-            if not callable(fn):
-                raise TypeError(
-                    f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; reward models given as ids or "
-                    "PreTrainedModels are not supported: wrap the model behind a picklable reward function"
-                )
+        self.reward_funcs = reward_func_list(reward_funcs)
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
-        if not self.reward_funcs and environment_factory is None:
-            raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class defines get_reward")
-        if train_dataset is None:
-            if environment_factory is None or isinstance(environment_factory, dict):
-                raise ValueError(
-                    "`train_dataset` is required unless a single `environment_factory` provides the prompts from reset()"
-                )
-            if args.max_steps <= 0:
-                raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
-        else:
-            validate_prompt_dataset(
-                train_dataset,
-                environment=environment_factory is not None,
-                environment_names=list(environment_factory) if isinstance(environment_factory, dict) else None,
-            )
+        check_prompt_source(self.reward_funcs, train_dataset, environment_factory, args.max_steps)
         self.prompt_dataset = train_dataset
 
         super().__init__(
@@ -197,6 +154,7 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(_PipelineCallback(self))
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
+        self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
         self._worker: RolloutWorker | None = None
         self._channel: RolloutChannel | None = None
         self._batches: RolloutBatches | None = None
@@ -204,7 +162,6 @@ class AsyncGRPOTrainer(Trainer):
         self.model_version = 0
         self.last_trained_position = 0
         self._step = StepTotals()
-        self._completions_table: list[dict] = []
         self._loss_stats: LossStats | None = None
         self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
@@ -212,12 +169,11 @@ class AsyncGRPOTrainer(Trainer):
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
-        fsdp_plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if fsdp_plugin is not None and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                "FSDP version 1 is not supported: weight sync gathers FSDP2's DTensor parameters; set "
-                "fsdp_config={'fsdp_version': 2} (or `accelerate launch --fsdp_version 2`)"
-            )
+        check_fsdp_version(getattr(self.accelerator.state, "fsdp_plugin", None))  # absent without FSDP
+        self._loss_settings = LossSettings.from_config(
+            args, logit_processing=logit_proc, router_aux_loss_coef=self._router_aux_loss_coef,
+            num_processes=self.accelerator.num_processes,
+        )
         if args.fsdp and not self.is_fsdp_enabled:
             logger.warning(
                 "fsdp=%r has no effect on %s: accelerate shards only on accelerators, so every process holds "
@@ -229,20 +185,24 @@ class AsyncGRPOTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
+        resumed = RolloutState()
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
-        resumed = self._rollout_state(resume_from_checkpoint)
+            resumed = read_rollout_state(resume_from_checkpoint)
+            assert resumed is not None, f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
         start_position, self.model_version = resumed.trained_position, resumed.model_version
         user_max_steps = args.max_steps
         try:
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
             info = broadcast_from_rank0(self._connect, "connecting to the inference server")
-            self._token_budget = self._resolve_token_budget(info)
-            self._serving_dtype = _DTYPE_NAMES.get(str(info.dtype).replace("torch.", ""), torch.float32)
-            self._peak_flops = peak_flops(args.device, self._training_dtype())
-            total_positions = self._total_positions(start_position)
+            self._token_budget = token_budget(args.token_budget, info)
+            self._serving_dtype = serving_dtype(info)
+            weights_dtype = next(self.model.parameters()).dtype
+            self._peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
+            total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             if self._server is not None:
-                self._server.init_weight_transfer(args.device)
+                self.weight_transport = CollectiveTransport(self._server, args.device)
+                self.weight_transport.init()
             self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
@@ -259,15 +219,11 @@ class AsyncGRPOTrainer(Trainer):
 
     def _connect(self) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
-        url, timeout_s = self.args.vllm_server_base_url, self.args.vllm_server_timeout
-        self._server = ServerLink(url, timeout_s=timeout_s, api_key=self.args.vllm_server_api_key)
-        with notice_while_waiting(lambda waited: (
-            f"waiting for the inference server at {url} ({waited:.0f} s so far; giving up after "
-            f"vllm_server_timeout={timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
-            "or fix vllm_server_base_url"
-        )):
-            info = self._server.connect()
-        self._warn_dtype(info)
+        args = self.args
+        self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
+                                  api_key=args.vllm_server_api_key)
+        info = self._server.connect()
+        warn_dtype_mismatch(next(self.model.parameters()).dtype, info)
         return info
 
     def _check_picklable(self) -> None:
@@ -278,60 +234,16 @@ class AsyncGRPOTrainer(Trainer):
              "environment_factory": self.environment_factory, "config": self.args},
         )
 
-    def _rollout_state(self, checkpoint: str | None) -> RolloutState:
-        if not checkpoint:
-            return RolloutState()
-        state = read_rollout_state(checkpoint)
-        assert state is not None, f"{checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
-        return state
-
-    def _training_dtype(self) -> torch.dtype:
-        """The precision of the training matmuls: the mixed-precision dtype, else the weights'."""
-        if self.args.bf16:
-            return torch.bfloat16
-        if self.args.fp16:
-            return torch.float16
-        return next(self.model.parameters()).dtype
-
-    def _resolve_token_budget(self, info: Any) -> int:
-        if self.args.token_budget is not None:
-            return int(self.args.token_budget)
-        if info.max_model_len is None:
-            raise ValueError("token_budget is None and the server did not report max_model_len: set `token_budget`")
-        return int(info.max_model_len)
-
-    def _warn_dtype(self, info: Any) -> None:
-        if not getattr(info, "dtype", None):
-            return
-        trainer_dtype = str(next(self.model.parameters()).dtype).replace("torch.", "")
-        server_dtype = str(info.dtype).replace("torch.", "")
-        if server_dtype != trainer_dtype:
-            logger.warning(
-                "the server runs in %s and the trainer in %s: importance ratios will carry that mismatch "
-                "(watch sampling/sampling_logp_difference); start the server with --dtype %s to close it",
-                server_dtype, trainer_dtype, trainer_dtype,
-            )
-
-    def _total_positions(self, start_position: int) -> int | None:
-        if self.args.max_steps > 0 or self.prompt_dataset is None:
-            return None  # max_steps stops the run; the rollout cycles through epochs
-        try:
-            n = len(self.prompt_dataset)
-        except TypeError:
-            return None  # a stream: it ends when the rollout process runs out of prompts
-        return math.ceil(self.args.num_train_epochs * n)
-
     def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
         ctx = mp.get_context("spawn")
-        initial = token_allowance(
-            args.max_staleness,
-            initial_tokens_per_step(args.world_size, self._token_budget, args.gradient_accumulation_steps),
+        initial = initial_allowance(
+            num_processes=args.world_size, token_budget=self._token_budget,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, max_staleness=args.max_staleness,
         )
-        self._channel = RolloutChannel.create(ctx, initial_allowance=initial)
-        if args.log_completions:
-            self._channel.extra["completions"] = ctx.Queue()
-        self._channel.model_version.value = self.model_version
+        self._channel = RolloutChannel.create(
+            ctx, initial_allowance=initial, model_version=self.model_version, completions=args.log_completions
+        )
         loop_kwargs = {
             "config": args,
             "model_name": info.model_name,
@@ -374,6 +286,9 @@ class AsyncGRPOTrainer(Trainer):
             self._worker = None
         if self._channel is not None:
             self._channel.close()
+        if self.weight_transport is not None:
+            self.weight_transport.close()
+            self.weight_transport = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -400,49 +315,14 @@ class AsyncGRPOTrainer(Trainer):
         return 0  # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
 
     def training_step(self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None) -> torch.Tensor:
-        args = self.args
         model.train()
-        device = args.device
+        device = self.args.device
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         with self.compute_loss_context_manager(), tree_attention_context(TreeMask.from_row(row, device)):
-            hidden, head, aux_loss = hidden_states_and_head(
-                model, row.input_ids, row.position_ids, router_aux_loss=self._router_aux_loss_coef > 0
+            result = row_loss(
+                model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
             )
-            logps = token_logprobs(
-                hidden,
-                head.weight,
-                row.pred_index,
-                row.target_ids,
-                temperature=args.temperature,
-                lm_head_bias=getattr(head, "bias", None),
-                **self._logit_processing,
-                topk_ids=row.topk_ids if args.score_centering else None,
-                candidate_ids=row.candidate_ids,
-                candidate_offsets=row.candidate_offsets,
-            )
-            result = policy_loss(
-                logps.target_logprobs,
-                row.sampler_logprobs,
-                row.advantages,
-                row.completion_index,
-                num_trained_tokens_global=inputs.num_trained_tokens_global,
-                gradient_accumulation_steps=args.gradient_accumulation_steps,
-                score_centering=args.score_centering,
-                topk_logprobs=logps.topk_logprobs,
-                sampler_topk_logprobs=row.topk_logprobs if args.score_centering else None,
-                entropy=logps.entropy,
-                epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high,
-                is_clip_min=args.vllm_importance_sampling_clip_min,
-                is_clip_max=args.vllm_importance_sampling_clip_max,
-            )
-            if aux_loss is not None:
-                result = add_router_aux_loss(
-                    result, aux_loss, coef=self._router_aux_loss_coef,
-                    gradient_accumulation_steps=args.gradient_accumulation_steps,
-                    num_processes=self.accelerator.num_processes,
-                )
             loss = result.loss
         t_fwd = time.perf_counter()
         # The loss is already normalised by the trained tokens of all processes; data-parallel
@@ -468,47 +348,21 @@ class AsyncGRPOTrainer(Trainer):
         self._print_completions()
         logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
         if self._loss_stats is not None:
-            logs.update(loss_metrics(_all_reduce_stats(self._loss_stats)))
+            logs.update(loss_metrics(all_reduce_loss_stats(self._loss_stats)))
             self._loss_stats = None
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
     def _print_completions(self) -> None:
-        """`log_completions`: a table of the latest sampled completions (one per group), rank 0 only."""
+        """`log_completions`: the latest sampled completions, as a table (rank 0 only)."""
         q = self._channel.extra.get("completions") if self._channel is not None else None
-        if q is None:
-            return
-        entries = []
-        while True:
-            try:
-                entries.append(q.get_nowait())
-            except (queue_lib.Empty, EOFError, OSError):
-                break
-        limit = self.args.num_completions_to_print
-        entries = entries[-limit:] if limit else entries
-        if not entries or not self.is_world_process_zero():
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"completions at step {self.state.global_step}", show_lines=True)
-        for column in ("prompt", "completion", "reward", "advantage", "version"):
-            table.add_column(column)
-        for e in entries:
-            prompt = (e["prompt"] or [{}])[-1].get("content", "")
-            completion = "\n".join(str(m.get("content") or m.get("tool_calls") or "") for m in e["completion"])
-            table.add_row(prompt, completion, f"{e['reward']:.3f}", f"{e['advantage']:+.3f}", str(e["model_version"]))
-        Console().print(table)
+        entries = drain(q) if q is not None else []
+        if entries and self.is_world_process_zero():
+            print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
 
     def _drain_worker_metrics(self) -> None:
         if self._channel is None:
             return
-        while True:
-            try:
-                record = self._channel.metrics.get_nowait()
-            except queue_lib.Empty:
-                return
-            except (EOFError, OSError):
-                return
+        for record in drain(self._channel.metrics):
             self._window.add(record)
 
     def _get_output_dir(self, trial: Any) -> str:
@@ -546,7 +400,7 @@ class AsyncGRPOTrainer(Trainer):
         args = self.args
         step_totals, self._step = self._step.across_processes(), StepTotals()
         if self._channel is not None:  # what the whole step consumed, every process's rows
-            self._channel.token_allowance.value = token_allowance(args.max_staleness, max(step_totals.raw_tokens, 1))
+            self._channel.token_allowance.value = allowance_after_step(step_totals.raw_tokens, args.max_staleness)
         sync_s: dict[str, float] = {}
         self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
@@ -562,20 +416,10 @@ class AsyncGRPOTrainer(Trainer):
         self._num_tokens_forwarded += step_totals.forwarded_tokens
 
     def _sync_weights(self) -> dict[str, float]:
-        version, dtype = f"step-{self.state.global_step}", self._serving_dtype
-        if is_sharded(self.model):  # FSDP2: every rank gathers, rank 0 sends
-            return push_sharded_weights(
-                self.model, dtype, link=self._server, version=version, bucket_bytes=DEFAULT_BUFFER_SIZE_BYTES
-            )
-        if self._server is None:
-            return {}  # a replica (DDP): rank 0 holds the same weights and sends them alone
-        tensors = weights_for_server(self.model, dtype)
-        try:
-            return self._server.sync_weights(
-                lambda: tensors, version=version, metas=server_weight_metas(self.model, dtype)
-            )
-        finally:
-            tensors.close()  # after a failed push: runs its end (PEFT adapters are unmerged)
+        """The server serves the weights being trained, labelled with the step (every rank calls this)."""
+        return push_weights(
+            self.model, self.weight_transport, dtype=self._serving_dtype, version=f"step-{self.state.global_step}"
+        )
 
 
 class _PipelineCallback(TrainerCallback):
@@ -594,28 +438,5 @@ class _PipelineCallback(TrainerCallback):
         self.trainer._after_optimizer_step()
 
 
-def _all_reduce_stats(stats: LossStats) -> LossStats:
-    """Loss statistics summed (and min/max-ed) over all processes."""
-    import torch.distributed as dist
-
-    if rank_and_world_size()[1] == 1:
-        return stats
-    for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN), (stats.maxs, dist.ReduceOp.MAX)):
-        for value in values.values():
-            dist.all_reduce(value, op=op)
-    return stats
-
-
 def _identity(features: Any) -> Any:
     return features
-
-
-def _wrap_peft(model: PreTrainedModel, peft_config: Any) -> Any:
-    from peft import get_peft_model
-
-    targets = getattr(peft_config, "target_modules", None) or []
-    if isinstance(targets, str):
-        targets = [targets]
-    if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
-        raise ValueError("PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save")
-    return get_peft_model(model, peft_config)

@@ -1,0 +1,79 @@
+"""The trainer's arguments, checked before anything starts: each error names what to pass instead.
+
+Run by `AsyncGRPOTrainer.__init__` (every rank); nothing here loads a model or talks to a server.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
+
+from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.data.prompts import validate_prompt_dataset
+from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
+
+
+def check_not_in_rollout_process() -> None:
+    if mp.current_process().name == ROLLOUT_PROCESS_NAME:
+        raise RuntimeError(
+            "AsyncGRPOTrainer was constructed inside the rollout process: the training script runs "
+            "training when it is imported. The rollout process is spawned and imports the script to "
+            "find the reward functions, tools or loop class defined there; put the training code "
+            "under `if __name__ == \"__main__\":`"
+        )
+
+
+def check_args(args: AsyncGRPOConfig | None) -> AsyncGRPOConfig:
+    """`args`, or the default config when None."""
+    if args is None:
+        return AsyncGRPOConfig(output_dir="asyncgrpo-output")
+    if not isinstance(args, AsyncGRPOConfig):
+        raise TypeError(f"`args` must be an AsyncGRPOConfig, got {type(args).__name__}")
+    return args
+
+
+def reward_func_list(reward_funcs: Callable | list[Callable] | None) -> list[Callable]:
+    """The reward functions as a list; each must be callable."""
+    if reward_funcs is None:
+        reward_funcs = []
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for i, fn in enumerate(funcs):
+        if not callable(fn):
+            raise TypeError(
+                f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; reward models given as ids or "
+                "PreTrainedModels are not supported: wrap the model behind a picklable reward function"
+            )
+    return funcs
+
+
+def check_prompt_source(
+    reward_funcs: list[Callable],
+    train_dataset: Any,
+    environment_factory: Callable | dict[str, Callable] | None,
+    max_steps: int,
+) -> None:
+    """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them."""
+    if not reward_funcs and environment_factory is None:
+        raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class defines get_reward")
+    if train_dataset is None:
+        if environment_factory is None or isinstance(environment_factory, dict):
+            raise ValueError(
+                "`train_dataset` is required unless a single `environment_factory` provides the prompts from reset()"
+            )
+        if max_steps <= 0:
+            raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
+        return
+    validate_prompt_dataset(
+        train_dataset,
+        environment=environment_factory is not None,
+        environment_names=list(environment_factory) if isinstance(environment_factory, dict) else None,
+    )
+
+
+def check_fsdp_version(fsdp_plugin: Any) -> None:
+    if fsdp_plugin is not None and fsdp_plugin.fsdp_version != 2:
+        raise ValueError(
+            "FSDP version 1 is not supported: weight sync gathers FSDP2's DTensor parameters; set "
+            "fsdp_config={'fsdp_version': 2} (or `accelerate launch --fsdp_version 2`)"
+        )

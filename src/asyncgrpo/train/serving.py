@@ -1,0 +1,55 @@
+"""What the trainer takes from the server it trains against: the packing budget and the serving dtype.
+
+Read once, on rank 0, from `ServerInfo` at connect time (then broadcast to the other ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncgrpo.generation.protocol import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def token_budget(requested: int | None, info: ServerInfo) -> int:
+    """`token_budget`, or the server's `max_model_len` when None."""
+    if requested is not None:
+        return int(requested)
+    if info.max_model_len is None:
+        raise ValueError("token_budget is None and the server did not report max_model_len: set `token_budget`")
+    return int(info.max_model_len)
+
+
+def serving_dtype(info: ServerInfo) -> torch.dtype:
+    """The dtype weight pushes are cast to: the server's (float32 when it does not say)."""
+    return DTYPES_BY_NAME.get(dtype_name(info.dtype), torch.float32)
+
+
+def warn_dtype_mismatch(trainer_dtype: torch.dtype, info: ServerInfo) -> None:
+    if not info.dtype:
+        return
+    trainer, server = dtype_name(trainer_dtype), dtype_name(info.dtype)
+    if server != trainer:
+        logger.warning(
+            "the server runs in %s and the trainer in %s: importance ratios will carry that mismatch "
+            "(watch sampling/sampling_logp_difference); start the server with --dtype %s to close it",
+            server, trainer, trainer,
+        )
+
+
+def training_dtype(*, bf16: bool, fp16: bool, weights_dtype: torch.dtype) -> torch.dtype:
+    """The precision of the training matmuls: the mixed-precision dtype, else the weights'."""
+    if bf16:
+        return torch.bfloat16
+    if fp16:
+        return torch.float16
+    return weights_dtype
