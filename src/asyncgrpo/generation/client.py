@@ -466,6 +466,14 @@ class GenerationClient:
                                         retry_transient=False, pass_statuses=frozenset({404}))
         return status != 404
 
+    async def served_adapters(self) -> list[str]:
+        """The names of the LoRA adapters the server has loaded (the /v1/models cards with a parent)."""
+        body = await self._get_json("/v1/models")
+        cards = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(cards, list):
+            raise ProtocolError(f"/v1/models: expected {{'data': [cards]}}, got {json.dumps(body)[:300]}")
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent")]
+
     # ---------------------------------------------------------------------------------- weight transfer
 
     async def _weight_call(self, path: str, body: Any = None) -> dict[str, Any]:
