@@ -46,7 +46,7 @@ import numpy as np
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import PromptItem, iter_prompts
-from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.client import GenerationClient, ServerRequestError
 from asyncgrpo.packing.tree import Sample
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.channel import (
@@ -69,6 +69,7 @@ from asyncgrpo.rollout.generate import (
     sampling_params,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
+from asyncgrpo.train.staleness import oldest_fresh_version
 from asyncgrpo.rollout.rewards import reward_func_names, score_group
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
@@ -235,7 +236,12 @@ class AsyncRolloutLoop:
         params = sampling_params(
             config, seed=seed, eos_token_ids=self.eos_token_ids, return_sampling_mask=self._wants_candidates(info)
         )
-        out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        try:
+            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        except ServerRequestError as exc:  # LoRA hook: the adapter was retired between naming and serving it
+            if exc.status != 404 or not self.lora_name:
+                raise
+            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -346,7 +352,10 @@ class AsyncRolloutLoop:
         adapter it started with (the trainer keeps max_staleness + 1 versions loaded)."""
         if not self.lora_name:
             return {}
-        version = context.model_version if context is not None else int(self.channel.model_version.value)
+        current = int(self.channel.model_version.value)
+        version = context.model_version if context is not None else current
+        # LoRA hook: a rollout already too stale to train asks for the oldest version still registered
+        version = max(version, oldest_fresh_version(current, int(self.config.max_staleness)))
         return {"model": self.lora_name.format(version=version)}
 
     def _wants_candidates(self, info: Any) -> bool:

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
+from asyncgrpo.generation.protocol import LoraServing
+from asyncgrpo.train.lora_mode import choose_lora_sync
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +180,29 @@ class AdapterSync:
         except (ServerRequestError, ServerConnectionError, TimeoutError) as exc:
             logger.warning("unloading the LoRA adapters at the end of training failed (%s); the next run unloads "
                            "them at its start", exc)
+
+
+def start_adapter_sync(
+    peft_config: Any,
+    lora: LoraServing | None,
+    *,
+    base_url: str,
+    output_dir: str | Path,
+    max_staleness: int,
+    timeout_s: float,
+    api_key: str | None,
+    sharded: bool,
+) -> AdapterSync | None:
+    """At start, for a PEFT run (`peft_config` not None): an `AdapterSync` ready to push when the server
+    serves LoRA adapters at run time, None for merged sync; an INFO line says which and why. Raises
+    `ValueError` with the restart flags when the server's LoRA limits are too small for the run."""
+    if peft_config is None:
+        return None
+    choice = choose_lora_sync(lora, peft_config, max_staleness=max_staleness, sharded=sharded, server_url=base_url)
+    logger.info("PEFT weight sync: %s (%s)", "adapter only" if choice.adapter_only else "merged", choice.reason)
+    if not choice.adapter_only:
+        return None
+    sync = AdapterSync(base_url, output_dir=output_dir, max_staleness=max_staleness, timeout_s=timeout_s,
+                       api_key=api_key)
+    sync.start()
+    return sync

@@ -24,6 +24,12 @@ def is_stale(model_version: int, current_version: int, max_staleness: int) -> bo
     return staleness(model_version, current_version) > max_staleness
 
 
+def oldest_fresh_version(current_version: int, max_staleness: int) -> int:
+    """The oldest model version whose samples are still trained at `current_version`: a rollout started
+    under an older one is dropped whatever it generates next (so it may be served by any newer policy)."""
+    return current_version - max_staleness
+
+
 def split_stale(
     samples: Iterable[T],
     current_version: int,

@@ -54,6 +54,7 @@ from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkp
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.logprobs import token_logprobs
+from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
 from asyncgrpo.train.loss import LossStats, add_router_aux_loss, loss_metrics, merge_loss_stats, policy_loss
 from asyncgrpo.train.model_setup import (
     eos_token_ids,
@@ -93,7 +94,8 @@ class AsyncGRPOTrainer(Trainer):
             `environment_factory` (then `max_steps` is required).
         processing_class: the tokenizer; loaded from the model when None.
         callbacks, optimizers: as in `transformers.Trainer`.
-        peft_config: wrap the model with PEFT (weights are synced merged).
+        peft_config: wrap the model with PEFT. Synced as an adapter when the server serves LoRA
+            adapters at run time (`asyncgrpo.train.lora_sync`), merged otherwise.
         tools, environment_factory: agent training (see the rollout loop).
 
     Subclass and set `loop_cls` to an `AsyncRolloutLoop` subclass to customise generation,
@@ -156,6 +158,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         if peft_config is not None:
             model = _wrap_peft(model, peft_config)
+        self._peft_config = peft_config  # LoRA hook: read at train() to choose the sync
+        self._adapter_sync: AdapterSync | None = None  # LoRA hook: set for adapter-only sync
 
         if reward_funcs is None:
             reward_funcs = []
@@ -241,9 +245,9 @@ class AsyncGRPOTrainer(Trainer):
             self._serving_dtype = _DTYPE_NAMES.get(str(info.dtype).replace("torch.", ""), torch.float32)
             self._peak_flops = peak_flops(args.device, self._training_dtype())
             total_positions = self._total_positions(start_position)
-            if self._server is not None:
+            if self._server is not None and self._adapter_sync is None:  # LoRA hook: adapters need no transfer group
                 self._server.init_weight_transfer(args.device)
-            self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
+            self._sync_weights(self.model_version)  # the server serves exactly the weights being trained
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
@@ -268,6 +272,12 @@ class AsyncGRPOTrainer(Trainer):
         )):
             info = self._server.connect()
         self._warn_dtype(info)
+        # LoRA hook: adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
+        self._adapter_sync = start_adapter_sync(
+            self._peft_config, info.lora, base_url=url, output_dir=self.args.output_dir,
+            max_staleness=self.args.max_staleness, timeout_s=timeout_s, api_key=self.args.vllm_server_api_key,
+            sharded=is_sharded(self.model),
+        )
         return info
 
     def _check_picklable(self) -> None:
@@ -343,6 +353,8 @@ class AsyncGRPOTrainer(Trainer):
             "environment_factory": self.environment_factory,
             "dataset_start_index": resumed.trained_position,
             "dataset_skip_positions": resumed.trained_above,
+            # LoRA hook: rollouts ask for the adapter version they started under
+            "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
         }
         self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
         self._worker.start()
@@ -374,6 +386,9 @@ class AsyncGRPOTrainer(Trainer):
             self._worker = None
         if self._channel is not None:
             self._channel.close()
+        if self._adapter_sync is not None:  # LoRA hook: unload the adapter versions, remove their folders
+            self._adapter_sync.close()
+            self._adapter_sync = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -550,7 +565,7 @@ class AsyncGRPOTrainer(Trainer):
         sync_s: dict[str, float] = {}
         self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
-            sync_s = self._sync_weights()
+            sync_s = self._sync_weights(self.model_version + 1)
             self.model_version += 1
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
@@ -561,7 +576,10 @@ class AsyncGRPOTrainer(Trainer):
         self._window.end_step()
         self._num_tokens_forwarded += step_totals.forwarded_tokens
 
-    def _sync_weights(self) -> dict[str, float]:
+    def _sync_weights(self, model_version: int) -> dict[str, float]:
+        """Push the weights that become `model_version` (published to the rollout process after this)."""
+        if self._adapter_sync is not None:  # LoRA hook: adapter-only sync (asyncgrpo.train.lora_sync)
+            return self._adapter_sync.push(self.model, version=model_version, dtype=self._serving_dtype)
         version, dtype = f"step-{self.state.global_step}", self._serving_dtype
         if is_sharded(self.model):  # FSDP2: every rank gathers, rank 0 sends
             return push_sharded_weights(
