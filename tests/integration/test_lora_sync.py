@@ -246,7 +246,7 @@ def test_a_server_with_too_little_lora_room_stops_training_at_start_with_the_res
     message = str(err.value)
     assert "--max-lora-rank 8 is below the adapter's rank 16" in message
     assert "--max-loras 3 is below max_staleness + 2 = 4" in message
-    assert f"Restart it with --enable-lora --max-lora-rank 16 --max-loras 4 " in message
+    assert "Restart it with --enable-lora --max-lora-rank 16 --max-loras 4 " in message
 
 
 @pytest.fixture(scope="module")

@@ -69,8 +69,8 @@ from asyncgrpo.rollout.generate import (
     sampling_params,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
-from asyncgrpo.train.staleness import oldest_fresh_version
 from asyncgrpo.rollout.rewards import reward_func_names, score_group
+from asyncgrpo.train.staleness import oldest_fresh_version
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
