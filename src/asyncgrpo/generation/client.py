@@ -300,6 +300,7 @@ class GenerationClient:
             kv_cache_tokens=config.kv_cache_tokens if config else None,
             world_size=world_size,
             dev_mode=config is not None,
+            lora=config.lora if config else None,
         )
         if info.logprobs_mode is not None and info.logprobs_mode != "processed_logprobs":
             logger.warning(
@@ -449,6 +450,29 @@ class GenerationClient:
         if not isinstance(tensors, dict):
             raise ProtocolError(f"/weight_checksum: expected {{'tensors': {{name: digest}}}}, got {body!r}")
         return tensors
+
+    # ---------------------------------------------------------------------------------- LoRA adapters
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """POST /v1/load_lora_adapter: the server reads the PEFT adapter at `path` (a path it can
+        see) and serves it as model `name`. A refusal raises `ServerRequestError` with vLLM's message;
+        a load is not retried (a 5xx here is the adapter's fault, not a transient one)."""
+        await self._request("POST", "/v1/load_lora_adapter", json_body={"lora_name": name, "lora_path": path},
+                            retry_transient=False)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """POST /v1/unload_lora_adapter; False when the server does not know `name` (404)."""
+        status, _ = await self._request("POST", "/v1/unload_lora_adapter", json_body={"lora_name": name},
+                                        retry_transient=False, pass_statuses=frozenset({404}))
+        return status != 404
+
+    async def served_adapters(self) -> list[str]:
+        """The names of the LoRA adapters the server has loaded (the /v1/models cards with a parent)."""
+        body = await self._get_json("/v1/models")
+        cards = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(cards, list):
+            raise ProtocolError(f"/v1/models: expected {{'data': [cards]}}, got {json.dumps(body)[:300]}")
+        return [str(c["id"]) for c in cards if isinstance(c, dict) and c.get("parent")]
 
     # ---------------------------------------------------------------------------------- weight transfer
 

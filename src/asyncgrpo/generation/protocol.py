@@ -321,6 +321,16 @@ def parse_models(body: dict[str, Any]) -> tuple[str, int | None]:
 
 
 @dataclass(frozen=True)
+class LoraServing:
+    """The server's LoRA limits (`vllm_config.lora_config`, set by --enable-lora) and whether adapters
+    can be loaded at run time (vLLM: `VLLM_ALLOW_RUNTIME_LORA_UPDATING`; the embedded server always can)."""
+
+    max_lora_rank: int
+    max_loras: int
+    runtime_updating: bool
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The parts of `/server_info?config_format=json` the trainer uses."""
 
@@ -329,6 +339,7 @@ class ServerConfig:
     logprobs_mode: str | None
     return_sampling_mask: bool
     kv_cache_tokens: int | None
+    lora: LoraServing | None = None
 
 
 def parse_server_info(body: dict[str, Any]) -> ServerConfig:
@@ -346,12 +357,18 @@ def parse_server_info(body: dict[str, Any]) -> ServerConfig:
     if kv_tokens is None and cache.get("num_gpu_blocks") and cache.get("block_size"):
         kv_tokens = int(cache["num_gpu_blocks"]) * int(cache["block_size"])
     mml = model.get("max_model_len")
+    lora = config.get("lora_config")
+    env = body.get("vllm_env") or {}
     return ServerConfig(
         max_model_len=int(mml) if mml is not None else None,
         dtype=dtype,
         logprobs_mode=model.get("logprobs_mode"),
         return_sampling_mask=bool(model.get("return_sampling_mask", False)),
         kv_cache_tokens=int(kv_tokens) if kv_tokens is not None else None,
+        # vLLM always lists the variable (a bool); the embedded server lists none and needs none
+        lora=LoraServing(int(lora["max_lora_rank"]), int(lora["max_loras"]),
+                         bool(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True)))
+        if isinstance(lora, dict) else None,
     )
 
 
@@ -378,6 +395,8 @@ class ServerInfo:
     world_size: int | None
     dev_mode: bool = field(default=False)
     """True when the RL/dev routes (`/server_info`, `/pause`, weight transfer) answered."""
+    lora: LoraServing | None = None
+    """The server's LoRA serving (None: no --enable-lora, or no /server_info)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -68,6 +68,12 @@ def is_stale(model_version: int, current_version: int, max_staleness: int) -> bo
 # -- the rollout process's side ----------------------------------------------------------------------
 
 
+def oldest_fresh_version(current_version: int, max_staleness: int) -> int:
+    """The oldest model version whose samples are still trained at `current_version`: a rollout started
+    under an older one is dropped whatever it generates next (so any newer policy may serve it)."""
+    return current_version - max_staleness
+
+
 def may_start_group(*, held_tokens: int, allowance: int, groups_finished: int, groups_in_flight: int) -> bool:
     """Whether the staleness limit lets another group start (see the module docstring).
 

@@ -46,10 +46,10 @@ import numpy as np
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import PromptItem, end_position, prompt_stream, row_reward_kwargs
-from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.client import GenerationClient, ServerRequestError
 from asyncgrpo.generation.protocol import ServerInfo
 from asyncgrpo.rollout import advantages as adv
-from asyncgrpo.rollout.admission import Admission, Started
+from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
 from asyncgrpo.rollout.channel import (
     IDLE_ON_POLICY,
     IDLE_OUT_OF_PROMPTS,
@@ -184,7 +184,13 @@ class AsyncRolloutLoop:
         settings = self._request_settings
         wants_candidates = self._server_load.wants_candidates(settings.truncated, settings.describe_truncation())
         params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
-        out = await client.generate(list(prompt_ids), params, **self._model_kwargs(CURRENT_ROLLOUT.get()))
+        context = CURRENT_ROLLOUT.get()
+        try:
+            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        except ServerRequestError as exc:  # LoRA: the adapter was retired between naming and serving it
+            if exc.status != 404 or not self.lora_name:
+                raise
+            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -265,7 +271,10 @@ class AsyncRolloutLoop:
         adapter it started with (the trainer keeps max_staleness + 1 versions loaded)."""
         if not self.lora_name:
             return {}
-        version = context.model_version if context is not None else int(self.channel.model_version.value)
+        current = int(self.channel.model_version.value)
+        version = context.model_version if context is not None else current
+        # LoRA: a rollout already too stale to train asks for the oldest version still registered
+        version = max(version, oldest_fresh_version(current, int(self.config.max_staleness)))
         return {"model": self.lora_name.format(version=version)}
 
     # -- admission and dispatch -------------------------------------------------------------------

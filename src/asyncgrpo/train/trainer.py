@@ -57,9 +57,11 @@ from asyncgrpo.train.inputs import (
     check_prompt_source,
     reward_func_list,
 )
+from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
 from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
 from asyncgrpo.train.model_setup import (
     eos_token_ids,
+    is_sharded,
     load_tokenizer,
     logit_processing,
     prepare_policy,
@@ -92,7 +94,8 @@ class AsyncGRPOTrainer(Trainer):
             `environment_factory` (then `max_steps` is required).
         processing_class: the tokenizer; loaded from the model when None.
         callbacks, optimizers: as in `transformers.Trainer`.
-        peft_config: wrap the model with PEFT (weights are synced merged).
+        peft_config: wrap the model with PEFT. Synced as an adapter when the server serves LoRA
+            adapters at run time (`asyncgrpo.train.lora_sync`), merged otherwise.
         tools, environment_factory: agent training (see the rollout loop).
 
     Subclass and set `loop_cls` to an `AsyncRolloutLoop` subclass to customise generation,
@@ -135,6 +138,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         if peft_config is not None:
             model = wrap_peft(model, peft_config)
+        self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
+        self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
         self.reward_funcs = reward_func_list(reward_funcs)
         self.tools = list(tools or [])
@@ -200,10 +205,10 @@ class AsyncGRPOTrainer(Trainer):
             weights_dtype = next(self.model.parameters()).dtype
             self._peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
-            if self._server is not None:
+            if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
                 self.weight_transport = CollectiveTransport(self._server, args.device)
                 self.weight_transport.init()
-            self._sync_weights()  # the server serves exactly the weights being trained (all ranks if sharded)
+            self._sync_weights(self.model_version)  # the server serves exactly the weights being trained
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
@@ -224,6 +229,12 @@ class AsyncGRPOTrainer(Trainer):
                                   api_key=args.vllm_server_api_key)
         info = self._server.connect()
         warn_dtype_mismatch(next(self.model.parameters()).dtype, info)
+        # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
+        self._adapter_sync = start_adapter_sync(
+            self._peft_config, info.lora, base_url=args.vllm_server_base_url, output_dir=args.output_dir,
+            max_staleness=args.max_staleness, timeout_s=args.vllm_server_timeout, api_key=args.vllm_server_api_key,
+            sharded=is_sharded(self.model),
+        )
         return info
 
     def _check_picklable(self) -> None:
@@ -255,6 +266,8 @@ class AsyncGRPOTrainer(Trainer):
             "environment_factory": self.environment_factory,
             "dataset_start_index": resumed.trained_position,
             "dataset_skip_positions": resumed.trained_above,
+            # LoRA: rollouts ask for the adapter version they started under
+            "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
         }
         self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
         self._worker.start()
@@ -286,6 +299,9 @@ class AsyncGRPOTrainer(Trainer):
             self._worker = None
         if self._channel is not None:
             self._channel.close()
+        if self._adapter_sync is not None:  # LoRA: unload the adapter versions, remove their folders
+            self._adapter_sync.close()
+            self._adapter_sync = None
         if self.weight_transport is not None:
             self.weight_transport.close()
             self.weight_transport = None
@@ -404,7 +420,7 @@ class AsyncGRPOTrainer(Trainer):
         sync_s: dict[str, float] = {}
         self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
-            sync_s = self._sync_weights()
+            sync_s = self._sync_weights(self.model_version + 1)
             self.model_version += 1
             if self._channel is not None:
                 self._channel.model_version.value = self.model_version
@@ -415,8 +431,12 @@ class AsyncGRPOTrainer(Trainer):
         self._window.end_step()
         self._num_tokens_forwarded += step_totals.forwarded_tokens
 
-    def _sync_weights(self) -> dict[str, float]:
-        """The server serves the weights being trained, labelled with the step (every rank calls this)."""
+    def _sync_weights(self, model_version: int) -> dict[str, float]:
+        """The server serves the weights that become `model_version` (published to the rollout process
+        after this), labelled with the step; every rank calls this. LoRA adapters synced alone take
+        their own path (`train/lora_sync.py`): they are files the server loads, not a tensor stream."""
+        if self._adapter_sync is not None:
+            return self._adapter_sync.push(self.model, version=model_version, dtype=self._serving_dtype)
         return push_weights(
             self.model, self.weight_transport, dtype=self._serving_dtype, version=f"step-{self.state.global_step}"
         )
