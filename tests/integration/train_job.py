@@ -84,7 +84,8 @@ class WatchAllowance(TrainerCallback):
         self.after_step: list[int] = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        channel = self.trainer._channel
+        rollout = self.trainer._rollout
+        channel = rollout.channel if rollout is not None else None
         if channel is not None:
             self.after_step.append(int(channel.token_allowance.value))
 

@@ -25,7 +25,6 @@ alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every r
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,11 +42,10 @@ from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
-from asyncgrpo.rollout.channel import RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable
+from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
-from asyncgrpo.train.completions_table import drain, print_completions
+from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
 from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.inputs import (
@@ -71,6 +69,7 @@ from asyncgrpo.train.model_setup import (
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
+from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
@@ -160,8 +159,7 @@ class AsyncGRPOTrainer(Trainer):
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
-        self._worker: RolloutWorker | None = None
-        self._channel: RolloutChannel | None = None
+        self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
         self._batches: RolloutBatches | None = None
         self._progress: TrainedPrompts | None = None
         self.model_version = 0
@@ -247,14 +245,6 @@ class AsyncGRPOTrainer(Trainer):
 
     def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
-        ctx = mp.get_context("spawn")
-        initial = initial_allowance(
-            num_processes=args.world_size, token_budget=self._token_budget,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, max_staleness=args.max_staleness,
-        )
-        self._channel = RolloutChannel.create(
-            ctx, initial_allowance=initial, model_version=self.model_version, completions=args.log_completions
-        )
         loop_kwargs = {
             "config": args,
             "model_name": info.model_name,
@@ -269,17 +259,21 @@ class AsyncGRPOTrainer(Trainer):
             # LoRA: rollouts ask for the adapter version they started under
             "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
         }
-        self._worker = RolloutWorker(self.loop_cls, loop_kwargs, self._channel)
-        self._worker.start()
+        initial = initial_allowance(
+            num_processes=args.world_size, token_budget=self._token_budget,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, max_staleness=args.max_staleness,
+        )
+        self._rollout = RolloutProcess(self.loop_cls, loop_kwargs, initial_allowance=initial,
+                                       model_version=self.model_version, log_completions=args.log_completions)
 
     def _make_batches(self, total_positions: int | None, start_position: int) -> RolloutBatches:
         self._progress = TrainedPrompts(start_position)
         batcher = TokenBudgetBatcher(token_budget=self._token_budget, num_processes=self.args.world_size)
         return RolloutBatches(
-            channel=self._channel,
+            channel=self._rollout.channel if self._rollout is not None else None,
             batcher=batcher,
             progress=self._progress,
-            check_health=self._check_worker_health,
+            check_health=self._rollout.check_health if self._rollout is not None else lambda: None,
             current_version=lambda: self.model_version,
             record=self._window.record,
             max_staleness=self.args.max_staleness,
@@ -287,18 +281,12 @@ class AsyncGRPOTrainer(Trainer):
             total_positions=total_positions,
         )
 
-    def _check_worker_health(self) -> None:
-        if self._worker is not None:
-            self._worker.check_health()
-
     def _shutdown(self) -> None:
         if self._progress is not None:
             self.last_trained_position = self._progress.trained_position
-        if self._worker is not None:
-            self._worker.stop()
-            self._worker = None
-        if self._channel is not None:
-            self._channel.close()
+        if self._rollout is not None:
+            self._rollout.stop()
+            self._rollout = None
         if self._adapter_sync is not None:  # LoRA: unload the adapter versions, remove their folders
             self._adapter_sync.close()
             self._adapter_sync = None
@@ -360,26 +348,17 @@ class AsyncGRPOTrainer(Trainer):
         return grad_norm
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._drain_worker_metrics()
-        self._print_completions()
+        if self._rollout is not None:  # rank 0: what the rollout process reported since the last log
+            for record in self._rollout.metrics():
+                self._window.add(record)
+            entries = self._rollout.completions()
+            if entries:  # `log_completions`: the latest sampled completions, as a table
+                print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
         logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
         if self._loss_stats is not None:
             logs.update(loss_metrics(all_reduce_loss_stats(self._loss_stats)))
             self._loss_stats = None
         super().log(logs, start_time) if start_time is not None else super().log(logs)
-
-    def _print_completions(self) -> None:
-        """`log_completions`: the latest sampled completions, as a table (rank 0 only)."""
-        q = self._channel.extra.get("completions") if self._channel is not None else None
-        entries = drain(q) if q is not None else []
-        if entries and self.is_world_process_zero():
-            print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
-
-    def _drain_worker_metrics(self) -> None:
-        if self._channel is None:
-            return
-        for record in drain(self._channel.metrics):
-            self._window.add(record)
 
     def _get_output_dir(self, trial: Any) -> str:
         if self._checkpoint_staging is not None:  # the Trainer writes the checkpoint there
@@ -415,15 +394,15 @@ class AsyncGRPOTrainer(Trainer):
     def _after_optimizer_step(self) -> None:
         args = self.args
         step_totals, self._step = self._step.across_processes(), StepTotals()
-        if self._channel is not None:  # what the whole step consumed, every process's rows
-            self._channel.token_allowance.value = allowance_after_step(step_totals.raw_tokens, args.max_staleness)
+        if self._rollout is not None:  # what the whole step consumed, every process's rows
+            self._rollout.publish(token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness))
         sync_s: dict[str, float] = {}
         self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             sync_s = self._sync_weights(self.model_version + 1)
             self.model_version += 1
-            if self._channel is not None:
-                self._channel.model_version.value = self.model_version
+            if self._rollout is not None:
+                self._rollout.publish(model_version=self.model_version)
         step_totals.record_into(
             self._window, sync_s, flop_model=self._flop_model, peak_flops=self._peak_flops,
             num_processes=args.world_size,
