@@ -301,6 +301,7 @@ class GenerationClient:
             world_size=world_size,
             dev_mode=config is not None,
             lora=config.lora if config else None,
+            device=config.device if config else None,
         )
         if info.logprobs_mode is not None and info.logprobs_mode != "processed_logprobs":
             logger.warning(

@@ -340,6 +340,47 @@ class ServerConfig:
     return_sampling_mask: bool
     kv_cache_tokens: int | None
     lora: LoraServing | None = None
+    device: ServerDevice | None = None
+
+
+@dataclass(frozen=True)
+class ServerDevice:
+    """Where the server computes and how it takes weights (for choosing the weight transport).
+
+    `device_uuid`: the GPU's UUID (`torch.cuda.get_device_properties(i).uuid`); the embedded server
+    reports it on CUDA, vLLM does not. `transfer_backend`: vLLM's `--weight-transfer-config` backend
+    (the embedded server: its default). `accepts_ipc`: the server copies weights from CUDA IPC handles
+    (vLLM: backend "ipc"; the embedded server: its JSON IPC path). `insecure_serialization`: vLLM's
+    `VLLM_ALLOW_INSECURE_SERIALIZATION` (its ipc backend unpickles the handles only with it)."""
+
+    device_type: str | None
+    device_uuid: str | None
+    transfer_backend: str | None
+    accepts_ipc: bool
+    embedded: bool
+    insecure_serialization: bool = False
+
+
+def parse_server_device(body: dict[str, Any]) -> ServerDevice:
+    config = body.get("vllm_config") or {}
+    device = config.get("device_config") or {}
+    transfer = config.get("weight_transfer_config") or {}
+    env = body.get("vllm_env") or {}
+    embedded = body.get("embedded")
+    backend = transfer.get("backend") if isinstance(transfer, dict) else None
+    if isinstance(embedded, dict):
+        accepts_ipc = "ipc" in (embedded.get("weight_transfer_backends") or [])
+    else:
+        accepts_ipc = backend == "ipc"
+    uuid = device.get("device_uuid")
+    return ServerDevice(
+        device_type=device.get("device_type") or device.get("device"),
+        device_uuid=str(uuid) if uuid else None,
+        transfer_backend=backend,
+        accepts_ipc=accepts_ipc,
+        embedded=isinstance(embedded, dict),
+        insecure_serialization=str(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")).lower() in ("1", "true"),
+    )
 
 
 def parse_server_info(body: dict[str, Any]) -> ServerConfig:
@@ -369,6 +410,7 @@ def parse_server_info(body: dict[str, Any]) -> ServerConfig:
         lora=LoraServing(int(lora["max_lora_rank"]), int(lora["max_loras"]),
                          bool(env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", True)))
         if isinstance(lora, dict) else None,
+        device=parse_server_device(body),
     )
 
 
@@ -397,6 +439,8 @@ class ServerInfo:
     """True when the RL/dev routes (`/server_info`, `/pause`, weight transfer) answered."""
     lora: LoraServing | None = None
     """The server's LoRA serving (None: no --enable-lora, or no /server_info)."""
+    device: ServerDevice | None = None
+    """The server's device and weight-transfer backends (None: no /server_info)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -75,6 +75,17 @@ def _query_bool(request: web.Request, key: str, default: bool) -> bool:
     raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
+def device_config(device) -> dict[str, Any]:
+    """vLLM's `device_config` keys, plus the GPU's UUID on CUDA: a trainer on the same GPU (equal
+    UUIDs) sends weights by CUDA IPC, since NCCL refuses two ranks on one GPU."""
+    config: dict[str, Any] = {"device": device.type, "device_type": device.type}
+    if device.type == "cuda":
+        from asyncgrpo.sync.ipc import gpu_uuid
+
+        config["device_uuid"] = gpu_uuid(device)
+    return config
+
+
 class ControlRoutes:
     """Handlers of the RL / dev routes (mixed into app.Server)."""
 
@@ -100,7 +111,7 @@ class ControlRoutes:
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "policy": "fcfs",
             },
-            "device_config": {"device": s.device.type},
+            "device_config": device_config(s.device),
             "lora_config": self.lora_config(),
             "weight_transfer_config": {"backend": "nccl" if s.device.type == "cuda" else "gloo"},
         }
@@ -108,6 +119,8 @@ class ControlRoutes:
         embedded = {
             "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
             "num_preemptions": st.num_preemptions,
+            # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
+            "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
         }
         fmt = request.query.get("config_format", "text")
         return _json({

@@ -104,7 +104,16 @@ class WeightTransfer:
         if self.receiver is not None:
             self.receiver.shutdown()
             self.receiver = None
-        receiver = WeightReceiver(device=self.device, timeout_s=self.timeout_s)
+        if init_info.get("backend") == "ipc":  # the trainer shares this GPU (asyncgrpo.sync.ipc)
+            if self.device.type != "cuda":
+                raise WeightTransferError(
+                    f"the ipc weight-transfer backend needs a CUDA server; this one runs on {self.device}: use gloo"
+                )
+            from asyncgrpo.sync.ipc import IpcReceiver
+
+            receiver = IpcReceiver(self.device)
+        else:
+            receiver = WeightReceiver(device=self.device, timeout_s=self.timeout_s)
         try:
             receiver.init(init_info)
         except (ValueError, RuntimeError) as exc:  # bad init_info, or the trainer's group could not be joined
@@ -148,6 +157,7 @@ class WeightTransfer:
         if not self.active:
             raise WeightTransferError("No weight update is active; call /start_weight_update first")
         self.active = False
+        self.receiver.end_update()
 
     def store_address(self) -> tuple[str, int] | None:
         """(host, port) of the trainer's TCPStore of a gloo group (None for NCCL or no group)."""

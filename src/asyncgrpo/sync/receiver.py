@@ -141,6 +141,9 @@ class WeightReceiver:
             if not finished:
                 self._broken = "an update was not received to the end"
 
+    def end_update(self) -> None:
+        """An update finished (nothing to release: received buffers are the server's own)."""
+
     def shutdown(self) -> None:
         comm, self._comm = self._comm, None
         self.config, self._last_metas, self._broken = None, None, None

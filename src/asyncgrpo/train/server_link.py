@@ -107,10 +107,15 @@ class ServerLink:
                 # the next sync reports a server that is really gone; one missed renewal is not fatal
                 logger.debug("renewing the trainer lease failed: %s", exc)
 
-    def init_weight_transfer(self, device: torch.device) -> None:
+    def run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
+        """Run a coroutine of this link's client on its loop (bounded by `timeout_s`)."""
+        return self._run(coro, timeout_s)
+
+    def init_weight_transfer(self, device: torch.device, backend: str | None = None) -> None:
+        """Form the collective weight-transfer group; `backend` defaults to NCCL from a CUDA trainer."""
         from asyncgrpo.sync.sender import WeightSender
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         self._sender = WeightSender(self.client, backend=backend, device=device, timeout_s=self.timeout_s)
         self._run(self._sender.init())
 
@@ -125,11 +130,17 @@ class ServerLink:
         order) the tensors are pulled lazily, one chunk at a time (see `WeightSender.push`). Returns
         the time split for `perf/weight_sync_*` and the transfer's size (`bytes`, `num_chunks`)."""
         assert self._sender is not None, "init_weight_transfer() must run before sync_weights()"
+        sender = self._sender
+        return self.while_paused(lambda: sender.push(named_tensors(), version=version, metas=metas))
+
+    def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
+        """Pause (keep), run the coroutine `push()` returns on the link's loop, resume; the push returns
+        at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=True))
         t_paused = time.perf_counter()
         try:
-            pushed = self._run(self._sender.push(named_tensors(), version=version, metas=metas))
+            pushed = self._run(push())
         except BaseException:
             self._resume_after_failure()
             raise

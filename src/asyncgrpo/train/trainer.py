@@ -74,7 +74,7 @@ from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
 from asyncgrpo.train.step_metrics import StepTotals
-from asyncgrpo.train.weight_push import CollectiveTransport, WeightTransport, push_weights
+from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class AsyncGRPOTrainer(Trainer):
             self._peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
-                self.weight_transport = CollectiveTransport(self._server, args.device)
+                self.weight_transport = make_transport(self._server, args.device, info.device)
                 self.weight_transport.init()
             self._sync_weights(self.model_version)  # the server serves exactly the weights being trained
             if self._server is not None:

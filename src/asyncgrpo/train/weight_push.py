@@ -35,10 +35,12 @@ from typing import Protocol
 
 import torch
 
+from asyncgrpo.generation.protocol import ServerDevice
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, plan_chunks
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.model_setup import is_sharded, server_weight_metas, weights_for_server
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.transport_choice import all_gpus_visible, choose_transport, nccl_failure_hint, same_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +65,65 @@ class CollectiveTransport:
     """The server's weight-transfer group: NCCL from a CUDA trainer, gloo from a CPU one (`ServerLink`
     pauses the server, `asyncgrpo.sync.sender.WeightSender` broadcasts packed chunks, the server resumes)."""
 
-    def __init__(self, link: ServerLink, device: torch.device) -> None:
+    def __init__(self, link: ServerLink, device: torch.device, backend: str | None = None) -> None:
         self.link = link
         self.device = torch.device(device)
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
 
     def init(self) -> None:
-        self.link.init_weight_transfer(self.device)
+        try:
+            self.link.init_weight_transfer(self.device, self.backend)
+        except RuntimeError as exc:
+            hint = nccl_failure_hint(str(exc)) if self.backend == "nccl" else None
+            if hint is None:
+                raise
+            raise RuntimeError(f"{exc}\n{hint}") from exc
 
     def push(self, named_tensors: NamedTensors, *, version: str, metas: Sequence[TensorMeta]) -> dict[str, float]:
         return self.link.sync_weights(lambda: named_tensors, version=version, metas=metas)
 
     def close(self) -> None:
         self.link.close_weight_transfer()
+
+
+class IpcTransport:
+    """CUDA IPC on the server's own GPU (`asyncgrpo.sync.ipc_sender.IpcSender`), paused like the
+    collective path; `dialect` "embedded" (JSON handles) or "vllm" (vLLM 0.33's ipc backend)."""
+
+    def __init__(self, link: ServerLink, device: torch.device, dialect: str) -> None:
+        from asyncgrpo.sync.ipc_sender import IpcSender
+
+        self.link = link
+        self.sender = IpcSender(link.client, device=torch.device(device), dialect=dialect)
+
+    def init(self) -> None:
+        self.link.run(self.sender.init())
+
+    def push(self, named_tensors: NamedTensors, *, version: str, metas: Sequence[TensorMeta]) -> dict[str, float]:
+        return self.link.while_paused(lambda: self.sender.push(named_tensors, version=version, metas=metas))
+
+    def close(self) -> None:
+        self.link.run(self.sender.close(), timeout_s=30)
+
+
+def make_transport(link: ServerLink, device: torch.device, server: ServerDevice | None) -> WeightTransport:
+    """The transport `transport_choice.choose_transport` picks for this trainer and server (ValueError:
+    a setup that cannot work, with what to restart)."""
+    device = torch.device(device)
+    uuid = None
+    if device.type == "cuda":
+        from asyncgrpo.sync.ipc import gpu_uuid
+
+        uuid = gpu_uuid(device)
+    host_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    shared = same_gpu(uuid, server, link.base_url, host_gpus, all_gpus_visible())
+    choice = choose_transport(device.type, server, shared)
+    logger.info("weight transport: %s (trainer on %s, same GPU as the server: %s)", choice, device, shared)
+    if choice == "ipc":
+        return IpcTransport(link, device, "embedded")
+    if choice == "vllm_ipc":
+        return IpcTransport(link, device, "vllm")
+    return CollectiveTransport(link, device, choice)
 
 
 def push_weights(
