@@ -25,6 +25,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences decoded together.")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens.")
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="Fraction of the whole GPU the server may use for weights, KV cache and activations, as vLLM's flag "
+        "(e.g. 0.4 leaves 60%% to a trainer on the same GPU); sizes the KV cache (CUDA only; default: the KV cache "
+        "takes 80%% of the memory free after loading).",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_API_KEY") or None,
         help="Require `Authorization: Bearer KEY` on every route except /health (default: $VLLM_API_KEY).",

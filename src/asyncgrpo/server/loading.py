@@ -203,18 +203,56 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     )
 
 
-def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: int, block_size: int) -> int:
+def step_activation_bytes(max_num_batched_tokens: int, max_num_seqs: int, hidden_size: int, vocab_size: int,
+                          dtype_bytes: int) -> int:
+    """Upper estimate of one engine step's transient memory: per batched token ~16 hidden-sized
+    activations (q/k/v, attention output, the MLP's gate/up/act at ~3-4x hidden, residuals), and float32
+    logits plus their sampling copy for every sequence (only last positions reach the LM head)."""
+    return max_num_batched_tokens * hidden_size * dtype_bytes * 16 + max_num_seqs * vocab_size * 4 * 2
+
+
+def gpu_kv_budget_bytes(total_bytes: int, utilization: float, used_bytes: int, activation_bytes: int) -> int:
+    """vLLM's --gpu-memory-utilization: the server may use `utilization` of the WHOLE GPU for weights,
+    KV cache and activations together; the KV cache gets what is left of that share after the weights
+    already loaded (`used_bytes`) and one step's activations. The rest of the GPU is the trainer's."""
+    if not 0 < utilization <= 1:
+        raise ModelLoadError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    budget = int(total_bytes * utilization) - used_bytes - activation_bytes
+    if budget <= 0:
+        raise ModelLoadError(
+            f"--gpu-memory-utilization {utilization} gives the server {total_bytes * utilization / 2**30:.2f} GiB of "
+            f"the GPU's {total_bytes / 2**30:.2f} GiB, but its weights take {used_bytes / 2**30:.2f} GiB and one step's "
+            f"activations ~{activation_bytes / 2**30:.2f} GiB: raise it, or lower --max-num-batched-tokens"
+        )
+    return budget
+
+
+def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: int, block_size: int,
+                    gpu_memory_utilization: float | None = None, max_num_batched_tokens: int = 8192) -> int:
     """KV-cache size in tokens (a multiple of block_size).
 
     Default: room for max_num_seqs full-length sequences, capped on CUDA at 80 % of the memory
     free after loading and on CPU at 30 % of the available RAM, less a hybrid's recurrent state
-    (max_num_seqs slots, allocated beside the cache).
+    (max_num_seqs slots, allocated beside the cache). With `gpu_memory_utilization` (CUDA only) the
+    cap is `gpu_kv_budget_bytes` instead, so a trainer on the same GPU keeps the rest.
     """
     per_token = PagedKVCache.bytes_per_token(len(served.attention_layers), served.num_kv_heads, served.head_dim,
                                              served.dtype)
+    if gpu_memory_utilization is not None and (requested is not None or served.device.type != "cuda"):
+        raise ModelLoadError(
+            "--gpu-memory-utilization sizes the KV cache of a CUDA server: drop it (or --kv-cache-tokens), "
+            f"the server runs on {served.device} with --kv-cache-tokens {requested}"
+        )
     if requested is None:
         want = max_num_seqs * served.max_model_len
-        if served.device.type == "cuda":
+        if gpu_memory_utilization is not None:
+            _, total = torch.cuda.mem_get_info(served.device)
+            hidden = served.model.get_input_embeddings().embedding_dim
+            activations = step_activation_bytes(max_num_batched_tokens, max_num_seqs, hidden, served.vocab_size,
+                                                served.dtype.itemsize)
+            budget = gpu_kv_budget_bytes(total, gpu_memory_utilization, torch.cuda.memory_reserved(served.device),
+                                         activations)
+        elif served.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(served.device)
             budget = int(0.8 * free)
         else:

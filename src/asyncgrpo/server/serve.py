@@ -77,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
         if args.max_num_batched_tokens is None:
             args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
         served = load_served_model(args.model, device, args.dtype, args.max_model_len)
-        kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE)
+        kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
+                                    args.gpu_memory_utilization, args.max_num_batched_tokens)
         server = Server(args, served, kv_tokens)
         check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
                      device=served.device, name=args.model)
