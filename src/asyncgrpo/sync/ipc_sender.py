@@ -22,7 +22,13 @@ import torch
 
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.sync.ipc import embedded_update_info, share_buffer, vllm_update_info
-from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, check_tensor, plan_chunks, tensor_bytes
+from asyncgrpo.sync.packed import (
+    DEFAULT_BUFFER_SIZE_BYTES,
+    TensorMeta,
+    check_tensor,
+    plan_chunks,
+    tensor_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
