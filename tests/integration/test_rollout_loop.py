@@ -140,6 +140,7 @@ class Trainer:
             self.order.append(item)
             if isinstance(item, GroupFinished):
                 self.markers.append(item)
+                self.records.extend(tuple(r) for r in item.records)  # a group's records ride its marker
             else:
                 self.samples.append(item)
                 if consume:

@@ -85,6 +85,7 @@ def _pipeline(check_health, max_staleness: int):
         check_health=check_health,
         current_version=lambda: int(channel.model_version.value),
         record=lambda name, value: None,
+        add_record=lambda record: None,
         max_staleness=max_staleness,
         token_budget=BUDGET,
         total_positions=None,
@@ -205,3 +206,24 @@ def test_waiting_while_every_finished_prompt_was_dropped_is_a_warning(pipeline, 
         assert not reader.arrived(timeout_s=1.0)
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert warnings and "all 3 prompts finished so far were dropped" in warnings[0].getMessage()
+
+
+def test_a_groups_metric_records_are_recorded_when_its_marker_is_read(pipeline):
+    """A group's own records (reward, frac_reward_zero_std) ride its GroupFinished marker, so they
+    are logged with the micro-batch that read the group, not whenever a separate queue delivers."""
+    from asyncgrpo import metrics as M
+
+    channel, batches = pipeline(max_staleness=0)
+    recorded: list = []
+    batches.add_record = recorded.append
+    reader = Reader(batches)
+    records = (M.metric(M.REWARD, 0.5), M.metric(M.FRAC_REWARD_ZERO_STD, 0.0))
+    for i in range(2):
+        tokens = [1] + [100 + i] * 7
+        sample = Sample(tokens, [j > 0 for j in range(8)], [0.0] * 8, 1.0, 0)
+        channel.samples.put(QueuedSample(sample, 0, 0, time.time()))
+    channel.samples.put(GroupFinished(0, 0, 2, records))
+    channel.samples.put(RolloutIdle("on-policy", channel.trainer_view()))
+    reader.request()
+    assert reader.arrived(timeout_s=5.0)
+    assert recorded == list(records)

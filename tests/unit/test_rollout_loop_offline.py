@@ -200,6 +200,9 @@ def test_in_process_loop_queues_samples_then_markers_and_stops():
         else:
             assert item.num_samples == seen.get(item.position, 0) == 3
     names = {r[0] for r in run.records()}
+    reward_names = {r.name for item in items if isinstance(item, GroupFinished) for r in item.records}
+    assert M.REWARD in reward_names and M.FRAC_REWARD_ZERO_STD in reward_names  # a group's records ride its marker
+    names |= reward_names
     for name in (M.REWARD, M.ROLLOUT_DURATION_S, M.ROLLOUT_SCORE_S, M.ROLLOUT_SCORE_WAIT_S, M.ROLLOUT_CONCURRENCY,
                  M.COMPLETIONS_MEAN_TERMINATED_LENGTH, M.ROLLOUT_GENERATED_TOKENS_PER_S):
         assert name in names

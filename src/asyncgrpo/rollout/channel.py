@@ -58,6 +58,9 @@ class GroupFinished:
     position: int
     row_index: int
     num_samples: int
+    # the group's metric records (rewards, frac_reward_zero_std, ...): they travel with the marker, so
+    # the trainer logs them in order with the group's samples, not whenever the metrics queue delivers
+    records: tuple = ()
 
 
 @dataclass(frozen=True)

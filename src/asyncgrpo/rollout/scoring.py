@@ -135,13 +135,13 @@ class Scorer:
         warning = self._dropped_watch.observe(group.rewards, kept=not scored.dropped)
         if warning is not None:
             logger.warning(warning)
-        for record in scored.records:
-            self.channel.metrics.put(record)
         for sample in scored.samples:
             self.admission.on_samples_queued(sample.num_tokens)
             self.channel.samples.put(QueuedSample(sample, pending.position, group.row_index, time.time()))
         self.admission.on_group_scored(pending.started, len(scored.samples))
-        self.channel.samples.put(GroupFinished(pending.position, group.row_index, len(scored.samples)))
+        self.channel.samples.put(
+            GroupFinished(pending.position, group.row_index, len(scored.samples), tuple(scored.records))
+        )
         if self.log_completions:
             self._log_completion(pending, scored.advantages)
 

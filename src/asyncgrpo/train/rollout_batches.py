@@ -70,6 +70,7 @@ class RolloutBatches:
         check_health: Callable[[], None],
         current_version: Callable[[], int],
         record: Callable[[str, float], None],
+        add_record: Callable[[Any], None],
         max_staleness: int,
         token_budget: int,
         total_positions: int | None,
@@ -81,6 +82,7 @@ class RolloutBatches:
         self.check_health = check_health
         self.current_version = current_version
         self.record = record
+        self.add_record = add_record  # a group's own records (MetricRecord), from its GroupFinished marker
         self.max_staleness = max_staleness
         self.token_budget = token_budget
         self._warned_oversize = False
@@ -108,6 +110,8 @@ class RolloutBatches:
             self._on_idle(item)
             return
         if isinstance(item, GroupFinished):
+            for record in item.records:
+                self.add_record(record)
             self._markers_seen += 1
             self._empty_markers += item.num_samples == 0
             self.progress.on_group_finished(item.position, item.num_samples)

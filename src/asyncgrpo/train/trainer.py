@@ -276,6 +276,7 @@ class AsyncGRPOTrainer(Trainer):
             check_health=self._rollout.check_health if self._rollout is not None else lambda: None,
             current_version=lambda: self.model_version,
             record=self._window.record,
+            add_record=self._window.add,
             max_staleness=self.args.max_staleness,
             token_budget=self._token_budget,
             total_positions=total_positions,
