@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from asyncgrpo.rollout import parent_death
+from asyncgrpo import parent_watch as parent_death
 
 
 def child(parent_pid: int, use_prctl: bool) -> None:

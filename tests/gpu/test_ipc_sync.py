@@ -10,7 +10,6 @@ are pushed with JSON handles, and the server's /weight_checksum must equal the t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,33 +23,21 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
-    from test_weight_sync import _free_port, _tiny_qwen3
+    from test_weight_sync import _tiny_qwen3
+
+    from asyncgrpo.launch import EmbeddedServer
 
     model_dir = tmp_path_factory.mktemp("tiny_qwen3_gpu")
     model = _tiny_qwen3(model_dir)
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log = (model_dir / "server.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.cli", "serve", str(model_dir), "--port", str(port), "--device", "cuda:0",
-         "--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        yield model, f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    args = ["--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"]
+    with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log") as server:
+        yield model, server.url
 
 
 @needs_gpu
 def test_ipc_sync_makes_the_server_weights_equal_the_trainers(gpu_server):
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
+    from asyncgrpo.sync.packed import TensorMeta
     from asyncgrpo.train.server_link import ServerLink
     from asyncgrpo.train.weight_push import IpcTransport, make_transport
 
@@ -66,8 +53,6 @@ def test_ipc_sync_makes_the_server_weights_equal_the_trainers(gpu_server):
         for version in ("ipc-1", "ipc-2"):  # the second push reuses the shared buffer
             named = [(n, (p.detach() + 0.1 * torch.randn(p.shape, generator=g)).to(device))
                      for n, p in model.named_parameters()]
-            from asyncgrpo.sync.packed import TensorMeta
-
             timings = transport.push(iter(named), version=version, metas=[TensorMeta.of(n, t) for n, t in named])
             served = link.run(link.client.weight_checksum())
             expected = weights_checksum([(n, t.cpu()) for n, t in named])

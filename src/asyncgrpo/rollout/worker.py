@@ -29,8 +29,8 @@ import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from asyncgrpo.parent_watch import exit_with_parent
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel, WorkerError
-from asyncgrpo.rollout.parent_death import exit_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import time
 
 from aiohttp import web
 
+from asyncgrpo.parent_watch import watch_parent
 from asyncgrpo.server.app import BLOCK_SIZE, Server
 from asyncgrpo.server.loading import ModelLoadError, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.self_check import check_engine
@@ -46,23 +47,18 @@ async def _serve(args: argparse.Namespace, server: Server) -> None:
 
 
 def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 30.0) -> threading.Thread:
-    """Watch the process that started this one: once it is gone (this process was re-parented, which
-    is how POSIX reports a dead parent, killed or not), send ourselves SIGTERM -- a clean shutdown
-    once serving, an immediate exit while still loading -- and exit hard if that has not finished
-    after grace_s. Returns the (daemon) watcher thread."""
+    """Watch the process that started this one: once it is gone, send ourselves SIGTERM -- a clean
+    shutdown once serving, an immediate exit while still loading -- and exit hard if that has not
+    finished after grace_s. Returns the (daemon) watcher thread."""
 
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
+    def gone() -> None:
         logger.warning("the launching process %d is gone; shutting down", parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         logger.error("shutdown did not finish within %.0f s of the launcher's exit; exiting", grace_s)
         os._exit(1)
 
-    thread = threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True)
-    thread.start()
-    return thread
+    return watch_parent(parent_pid, gone, interval_s)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,4 +1,8 @@
-"""The rollout process dies with the trainer that spawned it, however the trainer ends.
+"""A child process ends with the process that started it, however that one ends.
+
+`watch_parent` is the shared mechanism (a daemon thread polling `os.getppid()`: POSIX re-parents an
+orphan, so a changed parent pid means the parent is gone); the embedded server uses it to shut down
+cleanly when its launcher dies, the rollout process through `exit_with_parent`:
 
 A trainer killed with SIGKILL runs no cleanup, so its rollout process (and, through the pipe the child
 keeps open, multiprocessing's resource tracker) would live on, polling the server forever. Two layers:
@@ -22,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +44,27 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
-    """Make this process end when `parent_pid` (its parent) ends; returns the watchdog thread."""
-    _set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+def watch_parent(parent_pid: int, on_gone: Callable[[], None], poll_s: float = 0.5) -> threading.Thread:
+    """Call `on_gone()` from a daemon thread once `parent_pid` is no longer this process's parent."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        logger.warning("the trainer (pid %d) is gone; the rollout process exits", parent_pid)
-        os._exit(1)
+        on_gone()
 
     thread = threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
+    """Make this process end hard when `parent_pid` (its parent) ends; returns the watchdog thread."""
+    _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def gone() -> None:
+        logger.warning("the trainer (pid %d) is gone; the rollout process exits", parent_pid)
+        os._exit(1)
+
+    return watch_parent(parent_pid, gone, poll_s)
