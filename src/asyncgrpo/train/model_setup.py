@@ -36,7 +36,8 @@ from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {**TORCH_DTYPES, "auto": "auto"}
 
 
 def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:

@@ -10,10 +10,10 @@ import logging
 import torch
 
 from asyncgrpo.generation.protocol import ServerInfo
+from asyncgrpo.train.model_setup import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
-DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -31,7 +31,7 @@ def token_budget(requested: int | None, info: ServerInfo) -> int:
 
 def serving_dtype(info: ServerInfo) -> torch.dtype:
     """The dtype weight pushes are cast to: the server's (float32 when it does not say)."""
-    return DTYPES_BY_NAME.get(dtype_name(info.dtype), torch.float32)
+    return TORCH_DTYPES.get(dtype_name(info.dtype), torch.float32)
 
 
 def warn_dtype_mismatch(trainer_dtype: torch.dtype, info: ServerInfo) -> None:
