@@ -23,11 +23,10 @@ from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.recurrent_state import RecurrentState, serve_deltanet_layers
-from asyncgrpo.train.model_setup import is_vision_language, load_policy
+from asyncgrpo.train.model_setup import TORCH_DTYPES, is_vision_language, load_policy
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(ValueError):
@@ -90,9 +89,9 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's half precision dtype if it has one; else float32 on CPU, bfloat16 on GPU."""
     if name != "auto":
-        if name not in _DTYPES:
-            raise ModelLoadError(f"--dtype {name!r}: use one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name]
+        if name not in TORCH_DTYPES:
+            raise ModelLoadError(f"--dtype {name!r}: use one of auto, {', '.join(TORCH_DTYPES)}")
+        return TORCH_DTYPES[name]
     if config_dtype in (torch.bfloat16, torch.float16):
         return config_dtype
     return torch.float32 if device.type == "cpu" else torch.bfloat16
