@@ -254,11 +254,14 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     chunk_decay = cum[..., -1].exp()[..., None, None]
     state = (torch.zeros(batch, heads, key.shape[-1], value.shape[-1], dtype=dtype, device=q.device)
              if initial_state is None else initial_state.to(dtype))
+    # Unbind once: indexing chunk i inside the loop would make autograd scatter every chunk's
+    # gradient into a zero tensor of the full size, quadratic in the number of chunks.
+    per_chunk = zip(*(x.unbind(2) for x in (new_values, state_keys, q_decayed, intra, k_decayed, chunk_decay)))
     outputs = []
-    for i in range(num_chunks):
-        delta = new_values[:, :, i] - state_keys[:, :, i] @ state
-        outputs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ delta)
-        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ delta
+    for new_value, state_key, q_i, intra_i, k_i, decay_i in per_chunk:
+        delta = new_value - state_key @ state
+        outputs.append(q_i @ state + intra_i @ delta)
+        state = state * decay_i + k_i.transpose(-1, -2) @ delta
     out = torch.stack(outputs, dim=2).reshape(batch, heads, -1, value.shape[-1])[:, :, :length]
     return out.transpose(1, 2), state
 
