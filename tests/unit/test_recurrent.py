@@ -200,3 +200,32 @@ def test_backend_choice_names_what_is_missing():
 def test_layout_refuses_segments_out_of_depth_first_order():
     with pytest.raises(ValueError, match="depth-first"):
         RecurrentLayout.build([-1, 2, 0], [0, 1, 2], [1, 1, 1], conv_width=4)
+
+
+def test_a_check_run_isolated_inside_a_checkpointed_forward_leaves_the_checkpoint_intact():
+    """The fla training check runs once, lazily, from inside a (checkpointed) layer forward; it must
+    not add its own saved tensors to the checkpoint, or the recomputation (which skips the cached
+    check) would save fewer tensors and the backward would fail."""
+    from torch.utils.checkpoint import checkpoint
+
+    from asyncgrpo.packing.recurrent import run_isolated
+
+    def own_forward_and_backward():
+        x = torch.randn(4, 4, requires_grad=True)
+        (x.sin() * x).sum().backward()
+        return torch.is_grad_enabled()
+
+    checked = []
+
+    def layer(x):
+        if not checked:
+            checked.append(run_isolated(own_forward_and_backward))
+        return (x.exp() * x.sin()).sum()
+
+    x = torch.randn(8, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).backward()
+    expected = (x.exp() * x.sin() + x.exp() * x.cos()).detach()
+    torch.testing.assert_close(x.grad, expected)
+    assert checked == [True]
+    with torch.no_grad():  # the caller's grad mode does not reach the check either
+        assert run_isolated(torch.is_grad_enabled) is True

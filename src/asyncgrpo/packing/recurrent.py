@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -308,6 +309,31 @@ def _fla_training_problem(device_index: int) -> str | None:
     """Why fla-core's delta rule cannot train on this GPU, or None. fla refuses some Triton / GPU pairs
     in the backward pass only (Triton 3.4 to 3.7.0 on Hopper miscompiles one of its kernels), so a
     tiny forward + backward finds out once, before a training step would fail."""
+    return run_isolated(_fla_check, device_index)
+
+
+def run_isolated(fn, *args):
+    """fn(*args) on a fresh thread, so that the caller's autograd state does not apply to it: grad mode,
+    and above all the saved-tensor hooks of activation checkpointing. A check that runs its own backward
+    from inside a checkpointed forward would otherwise change what the checkpoint saves, and the
+    recomputation (which skips the cached check) would no longer match it."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+            result["error"] = err
+
+    thread = threading.Thread(target=target, name="asyncgrpo-isolated-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _fla_check(device_index: int) -> str | None:
     kernel, _ = _fla_kernel()
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
