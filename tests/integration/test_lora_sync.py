@@ -107,9 +107,10 @@ def _sync(server, tmp_path) -> AdapterSync:
 def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotate_out(server, tmp_path):
     model, base = _peft_model(0), _base_model()
     sync = _sync(server, tmp_path)
+    keep = MAX_STALENESS + 1
     try:
         references = {}
-        for version in range(3):
+        for version in range(2 * keep + 2):
             if version:
                 _perturb(model, version)
             stats = sync.push(model, version=version, dtype=torch.float32)
@@ -123,8 +124,11 @@ def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotat
             # every version of the window still serves its own weights
             for older in range(max(0, version - MAX_STALENESS), version):
                 assert _gap(_generate(server.url, sync.adapter_name(older), seed=1), references[older]) < TOL
-        assert _served_adapters(server.url) == [sync.adapter_name(1), sync.adapter_name(2)]
-        assert sorted(p.name for p in sync.root.iterdir()) == [sync.adapter_name(1), sync.adapter_name(2)]
+            # the window stays registered; the folders stay one window longer (vLLM may reload from them)
+            window = range(max(0, version - keep + 1), version + 1)
+            assert _served_adapters(server.url) == [sync.adapter_name(v) for v in window]
+            on_disk = range(max(0, version - 2 * keep + 1), version + 1)
+            assert sorted(p.name for p in sync.root.iterdir()) == sorted(sync.folder(v).name for v in on_disk)
         # only the adapter's weights: far smaller than the model
         model_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" not in n)
         assert stats["bytes"] < model_bytes / 4
@@ -167,6 +171,8 @@ def test_a_restarted_run_unloads_the_versions_an_earlier_run_left_registered(ser
         assert _served_adapters(server.url) == [] and list(later.root.iterdir()) == []
         later.push(model, version=1, dtype=torch.float32)  # a resumed run reuses the version numbers
         assert _served_adapters(server.url) == [later.adapter_name(1)]
+        # ... but not the paths: vLLM keys an adapter's prefix-cache blocks by its name and path
+        assert later.adapter_name(1) == earlier.adapter_name(1) and later.folder(1) != earlier.folder(1)
     finally:
         later.close()
 
@@ -209,7 +215,8 @@ class _Watch:
         class Callback(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 watch.served.append(_served_adapters(url))
-                watch.folders.append(sorted(p.name for p in root.iterdir()))
+                # a folder is named <adapter name>-<run id>
+                watch.folders.append(sorted(p.name.rsplit("-", 1)[0] for p in root.iterdir()))
 
         self.callback = Callback()
 
@@ -230,10 +237,11 @@ def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(se
     assert logs[0]["sample/staleness_max"] == 0 and logs[0]["sampling/sampling_logp_difference/max"] < 1e-3
     assert all(e["perf/weight_sync_pause_s"] == 0.0 for e in logs)
     name = "asyncgrpo-lora-v{}".format
-    # before step k's sync the server holds versions k-1-max_staleness .. k-1
-    expected = [[name(v) for v in range(max(0, k - 1 - MAX_STALENESS), k)] for k in range(1, 5)]
-    assert watch.served == expected
-    assert watch.folders == expected
+    # before step k's sync the server holds versions k-1-max_staleness .. k-1, and their folders are on
+    # disk with those of the max_staleness + 1 versions before them
+    keep = MAX_STALENESS + 1
+    assert watch.served == [[name(v) for v in range(max(0, k - keep), k)] for k in range(1, 5)]
+    assert watch.folders == [[name(v) for v in range(max(0, k - 2 * keep), k)] for k in range(1, 5)]
     # the end of training unloads every version and removes the serving cache
     assert _served_adapters(server.url) == [] and list((tmp_path / "out" / ".vllm_lora").iterdir()) == []
 
