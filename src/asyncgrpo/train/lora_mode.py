@@ -42,12 +42,9 @@ def _unservable(peft_config: Any) -> str | None:
     init = getattr(c, "init_lora_weights", True)
     features = [
         (getattr(c, "use_dora", False), "DoRA adapters cannot be served as adapters"),
-        (getattr(c, "modules_to_save", None), f"modules_to_save={getattr(c, 'modules_to_save', None)} are full "
-                                              "modules, not adapters"),
-        (getattr(c, "trainable_token_indices", None), "trainable_token_indices trains embedding rows, which servers "
-                                                      "do not load from adapters"),
-        (getattr(c, "bias", "none") != "none", f"bias={getattr(c, 'bias', None)!r} adapters cannot be served as "
-                                               "adapters"),
+        (getattr(c, "modules_to_save", None), f"modules_to_save={c.modules_to_save} are full modules, not adapters"),
+        (getattr(c, "trainable_token_indices", None), "trainable_token_indices (embedding rows) cannot be served"),
+        (getattr(c, "bias", "none") != "none", f"bias={getattr(c, 'bias', None)!r} adapters cannot be served"),
         (getattr(c, "lora_bias", False), "lora_bias adapters cannot be served as adapters"),
         (isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS,
          f"init_lora_weights={init!r} also changes the base weights, which the server does not have"),
@@ -55,8 +52,7 @@ def _unservable(peft_config: Any) -> str | None:
         (getattr(c, "alora_invocation_tokens", None), "activated LoRA (alora_invocation_tokens) cannot be served"),
         (getattr(c, "use_qalora", False), "QALoRA adapters cannot be served as adapters"),
         (getattr(c, "use_bdlora", None), "block-diagonal LoRA (use_bdlora) cannot be served as adapters"),
-        (getattr(c, "target_parameters", None), f"target_parameters={getattr(c, 'target_parameters', None)} "
-                                                "(LoRA on raw parameters) is not served as an adapter here"),
+        (getattr(c, "target_parameters", None), "LoRA on raw parameters (target_parameters) is not served as adapters"),
         (getattr(c, "fan_in_fan_out", False), "fan_in_fan_out adapters (Conv1D layers) cannot be served"),
     ]
     return next((why for present, why in features if present), None)
