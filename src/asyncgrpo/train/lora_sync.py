@@ -139,7 +139,8 @@ class AdapterSync:
 
     def push(self, model: Any, *, version: int, dtype: torch.dtype) -> dict[str, float]:
         """Serve `model`'s adapter as version `version`, then retire the versions that left the window.
-        Returns the time split and size for `perf/weight_sync_*` (no pause: pause_s is 0)."""
+        Returns the time split and size for `perf/weight_sync_*` (no pause: pause_s is 0; transfer_s =
+        write_s + load_s, the folder written, then loaded by the server)."""
         t0 = time.perf_counter()
         name, folder = self.adapter_name(version), self.folder(version)
         num_bytes = write_adapter(model, folder, dtype)
@@ -165,7 +166,7 @@ class AdapterSync:
         logger.debug("LoRA adapter version %d: %d bytes, written in %.3fs, loaded in %.3fs",
                      version, num_bytes, t_written - t0, t_loaded - t_written)
         return {"pause_s": 0.0, "transfer_s": t_loaded - t0, "resume_s": 0.0, "total_s": t_done - t0,
-                "bytes": num_bytes, "num_chunks": 1}
+                "write_s": t_written - t0, "load_s": t_loaded - t_written, "bytes": num_bytes, "num_chunks": 1}
 
     def _retire(self) -> None:
         """Unload the versions beyond the newest max_staleness + 1; remove the folders beyond the newest
