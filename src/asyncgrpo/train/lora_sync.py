@@ -64,10 +64,11 @@ def write_adapter(model: Any, folder: Path, dtype: torch.dtype) -> int:
     tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        state = get_peft_model_state_dict(model)
+        adapter = model.active_adapter  # its weights and its config (PEFT's default is "default")
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        model.peft_config[model.active_adapter].save_pretrained(str(tmp))
+        model.peft_config[adapter].save_pretrained(str(tmp))
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
