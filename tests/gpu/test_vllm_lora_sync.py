@@ -139,9 +139,10 @@ def _gaps(model_name: str | None, references: dict, fixed: list[int], prompts: l
     return gaps
 
 
-def _served_adapters() -> list[str]:
+def _served_adapters(prefix: str) -> list[str]:
+    """The adapters vLLM lists whose names start with `prefix` (other runs may have left others)."""
     with urllib.request.urlopen(f"{VLLM_URL}/v1/models", timeout=60) as resp:
-        return [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent")]
+        return [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent") and c["id"].startswith(prefix)]
 
 
 @needs_vllm
@@ -169,7 +170,7 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
             merged[version] = copy.deepcopy(model).merge_and_unload().eval()
             merged.pop(version - MAX_STALENESS - 1, None)  # left the window: unloaded, and its memory freed
             window = sorted(merged)
-            assert _served_adapters() == [sync.adapter_name(v) for v in window]
+            assert _served_adapters(sync.name) == [sync.adapter_name(v) for v in window]
             for served in window:  # every registered version serves its own weights, the newest and the older
                 gaps = _gaps(sync.adapter_name(served), {"own": merged[served], "base": base}, fixed, prompts)
                 report.append(f"v{version} sync ({stats['bytes'] / 1e6:.1f} MB, {stats['total_s']:.2f} s): "
@@ -184,7 +185,7 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
             assert max(gaps["base"]) < MEAN_TOL and min(gaps["adapter"]) > 10 * max(gaps["base"])
     finally:
         sync.close()
-    assert _served_adapters() == []
+    assert _served_adapters(sync.name) == []
 
 
 @needs_vllm
@@ -215,7 +216,7 @@ def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tm
         print(message)
         assert f"LoRA rank {2 * max_rank} is greater than max_lora_rank {max_rank}" in message
         assert f"It keeps serving version 0 ({sync.adapter_name(0)})" in message
-        assert not sync.folder(1).exists() and _served_adapters() == [sync.adapter_name(0)]
+        assert not sync.folder(1).exists() and _served_adapters(sync.name) == [sync.adapter_name(0)]
         g = torch.Generator().manual_seed(2)
         fixed = torch.randint(2, reference.config.vocab_size, (64,), generator=g).tolist()
         gap = (_fixed_token_logprobs(sync.adapter_name(0), fixed) - _reference(reference, fixed[:1], fixed[1:]))
