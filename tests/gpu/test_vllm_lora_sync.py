@@ -71,7 +71,7 @@ def _base():
     return AutoModelForCausalLM.from_pretrained(VLLM_MODEL, dtype=torch.bfloat16).cuda().eval()
 
 
-def _set_adapter(model, seed: int, fraction: float = 1.0) -> None:
+def _set_adapter(model, seed: int, fraction: float = 2.0) -> None:
     """Random B of every LoRA module such that its delta (scaling * B @ A) has `fraction` of the base
     weight's spread, whatever the checkpoint: each version changes the model well beyond the tolerance."""
     g = torch.Generator(device="cuda").manual_seed(seed)
