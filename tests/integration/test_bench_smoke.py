@@ -75,3 +75,35 @@ def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
     assert result["tree_delta_rule"] == "torch"  # no fla kernel on CPU
     assert result["tree"]["trained_tokens_per_s"] > 0 and result["speedup_vs_tree_torch"] > 0
     assert result["packing_ratio"] > 1 and result["logprob_max_abs_diff"] < 1e-4
+
+
+def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
+    """bench/lora_sync.py --shape tiny: both syncs ran through the trainer's paths, and the adapter
+    generation really went through the adapter (its tokens differ from the base model's)."""
+    out = tmp_path / "lora.json"
+    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "8", "--syncs", "2", "--reps", "1",
+         "--output", str(out))
+    result = json.loads(out.read_text())
+    assert result["status"] == "complete" and result["command"].startswith("python bench/lora_sync.py --shape tiny")
+    side, meta = result["embedded"], result["meta"]
+    assert side["generation"]["identical_outputs"] == 0
+    assert side["generation"]["base"]["tokens_per_s"] > 0 and side["generation"]["adapter"]["tokens_per_s"] > 0
+    assert side["generation_without_lora"]["base"]["tokens_per_s"] > 0 and "adapter" not in side["generation_without_lora"]
+    assert len(side["adapter_sync"]["syncs"]) == 2 and len(side["merged_sync"]["syncs"]) == 2
+    # float32 on CPU: the merged sync carries every served weight, the adapter sync its A and B (+ config, header)
+    assert side["merged_sync"]["bytes"] == 4 * meta["params"] and side["merged_sync"]["transport"] == "gloo"
+    adapter_bytes = side["adapter_sync"]["bytes"]
+    assert 4 * meta["adapter_params"] < adapter_bytes < 4 * meta["adapter_params"] + 64 * 1024
+    assert side["bytes_merged_over_adapter"] == side["merged_sync"]["bytes"] / adapter_bytes
+
+
+def test_lora_sync_bench_writes_partial_results_when_phases_run_out_of_time(tmp_path):
+    out = tmp_path / "lora.json"
+    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "4", "--phase-timeout-s", "0",
+         "--output", str(out))
+    result = json.loads(out.read_text())
+    assert result["status"].startswith("cut by --phase-timeout-s: embedded/generation_without_lora")
+    side = result["embedded"]
+    assert side["adapter_sync"] == {"timed_out": True, "phase_s": side["adapter_sync"]["phase_s"]}
+    assert side["merged_sync"]["timed_out"] and "median" not in side["merged_sync"]
+    assert "bytes_merged_over_adapter" not in side

@@ -24,7 +24,7 @@ from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.models import resolve_model_path
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError
+from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError, write_adapter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")
@@ -107,9 +107,10 @@ def _sync(server, tmp_path) -> AdapterSync:
 def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotate_out(server, tmp_path):
     model, base = _peft_model(0), _base_model()
     sync = _sync(server, tmp_path)
+    keep = MAX_STALENESS + 1
     try:
         references = {}
-        for version in range(3):
+        for version in range(2 * keep + 2):
             if version:
                 _perturb(model, version)
             stats = sync.push(model, version=version, dtype=torch.float32)
@@ -123,8 +124,11 @@ def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotat
             # every version of the window still serves its own weights
             for older in range(max(0, version - MAX_STALENESS), version):
                 assert _gap(_generate(server.url, sync.adapter_name(older), seed=1), references[older]) < TOL
-        assert _served_adapters(server.url) == [sync.adapter_name(1), sync.adapter_name(2)]
-        assert sorted(p.name for p in sync.root.iterdir()) == [sync.adapter_name(1), sync.adapter_name(2)]
+            # the window stays registered; the folders stay one window longer (vLLM may reload from them)
+            window = range(max(0, version - keep + 1), version + 1)
+            assert _served_adapters(server.url) == [sync.adapter_name(v) for v in window]
+            on_disk = range(max(0, version - 2 * keep + 1), version + 1)
+            assert sorted(p.name for p in sync.root.iterdir()) == sorted(sync.folder(v).name for v in on_disk)
         # only the adapter's weights: far smaller than the model
         model_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" not in n)
         assert stats["bytes"] < model_bytes / 4
@@ -167,8 +171,48 @@ def test_a_restarted_run_unloads_the_versions_an_earlier_run_left_registered(ser
         assert _served_adapters(server.url) == [] and list(later.root.iterdir()) == []
         later.push(model, version=1, dtype=torch.float32)  # a resumed run reuses the version numbers
         assert _served_adapters(server.url) == [later.adapter_name(1)]
+        # ... but not the paths: vLLM keys an adapter's prefix-cache blocks by its name and path
+        assert later.adapter_name(1) == earlier.adapter_name(1) and later.folder(1) != earlier.folder(1)
     finally:
         later.close()
+
+
+# -- the adapter folder, without a server ---------------------------------------------------------
+
+
+def _tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def test_the_folder_holds_the_active_adapter_in_the_serving_dtype_and_replaces_an_older_one(tmp_path):
+    from safetensors.torch import load_file
+
+    model = peft.get_peft_model(_tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    model.add_adapter("other", peft.LoraConfig(r=8, lora_alpha=3, target_modules=["down_proj"],
+                                               init_lora_weights=False))
+    folder = tmp_path / "v0"
+    folder.mkdir()
+    (folder / "stale.bin").write_text("an older write")
+    for name, rank, module in (("default", 4, "q_proj"), ("other", 8, "down_proj")):
+        model.set_adapter(name)
+        size = write_adapter(model, folder, torch.bfloat16)
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert size == sum(p.stat().st_size for p in folder.iterdir())
+        config = json.loads((folder / "adapter_config.json").read_text())
+        assert config["r"] == rank and config["target_modules"] == [module]
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        params = dict(model.named_parameters())
+        assert len(tensors) == 4  # lora_A and lora_B of two layers
+        for key, tensor in tensors.items():
+            assert f".{module}." in key and tensor.dtype == torch.bfloat16
+            own = params[key.replace(".weight", f".{name}.weight")]
+            assert torch.equal(tensor, own.detach().to(torch.bfloat16))
+    assert [p.name for p in tmp_path.iterdir()] == ["v0"]  # no temporary folder left beside it
 
 
 # -- the trainer: the choice at start, and a short run --------------------------------------------
@@ -209,7 +253,8 @@ class _Watch:
         class Callback(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 watch.served.append(_served_adapters(url))
-                watch.folders.append(sorted(p.name for p in root.iterdir()))
+                # a folder is named <adapter name>-<run id>
+                watch.folders.append(sorted(p.name.rsplit("-", 1)[0] for p in root.iterdir()))
 
         self.callback = Callback()
 
@@ -230,10 +275,11 @@ def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(se
     assert logs[0]["sample/staleness_max"] == 0 and logs[0]["sampling/sampling_logp_difference/max"] < 1e-3
     assert all(e["perf/weight_sync_pause_s"] == 0.0 for e in logs)
     name = "asyncgrpo-lora-v{}".format
-    # before step k's sync the server holds versions k-1-max_staleness .. k-1
-    expected = [[name(v) for v in range(max(0, k - 1 - MAX_STALENESS), k)] for k in range(1, 5)]
-    assert watch.served == expected
-    assert watch.folders == expected
+    # before step k's sync the server holds versions k-1-max_staleness .. k-1, and their folders are on
+    # disk with those of the max_staleness + 1 versions before them
+    keep = MAX_STALENESS + 1
+    assert watch.served == [[name(v) for v in range(max(0, k - keep), k)] for k in range(1, 5)]
+    assert watch.folders == [[name(v) for v in range(max(0, k - 2 * keep), k)] for k in range(1, 5)]
     # the end of training unloads every version and removes the serving cache
     assert _served_adapters(server.url) == [] and list((tmp_path / "out" / ".vllm_lora").iterdir()) == []
 

@@ -71,10 +71,16 @@ def test_adapter_files_are_checked_like_vllm(tmp_path):
         read_adapter("a", str(tmp_path / "a"), lora.targets(), 1)
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     for change, message in (({"use_dora": True}, "DoRA"), ({"bias": "all"}, "Adapter bias is not supported"),
-                            ({"modules_to_save": ["lm_head"]}, "modules_to_save")):
+                            ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                            ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
+                            ({"layer_replication": [[0, 2]]}, "layer_replication"),
+                            ({"use_qalora": True}, "QALoRA")):
         (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(AdapterLoadError, match=message):
             read_adapter("a", str(tmp_path / "a"), lora.targets(), 8)
+    # inits that only set the first adapter weights leave a plain LoRA, which loads
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "gaussian"}))
+    assert read_adapter("a", str(tmp_path / "a"), lora.targets(), 8).rank == 4
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
     (tmp_path / "a" / "adapter_model.safetensors").unlink()
     with pytest.raises(AdapterLoadError, match="doesn't contain tensors"):

@@ -40,10 +40,19 @@ def test_vllm_without_runtime_updating_falls_back_to_merged_sync_naming_the_vari
     ({"use_dora": True}, "DoRA"),
     ({"modules_to_save": ["q_proj"]}, "modules_to_save"),
     ({"bias": "lora_only"}, "bias"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' also changes the base weights"),
+    ({"layer_replication": [[0, 1]]}, "layer_replication"),
+    ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
+    ({"target_parameters": ["mlp.experts.gate_up_proj"], "target_modules": []}, "target_parameters"),
 ])
 def test_adapters_a_server_cannot_serve_fall_back_to_merged_sync(peft_kwargs, words):
     choice = choose(LoraServing(32, 6, True), **peft_kwargs)
     assert not choice.adapter_only and words in choice.reason
+
+
+def test_an_init_that_only_sets_the_first_adapter_weights_keeps_adapter_only_sync():
+    assert choose(LoraServing(32, 6, True), init_lora_weights="gaussian").adapter_only
 
 
 def test_a_sharded_model_falls_back_to_merged_sync():

@@ -26,6 +26,10 @@ if TYPE_CHECKING:  # torch only for annotations: the CLI reads ALLOWED_MAX_RANKS
     import torch
 
 ALLOWED_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+# `init_lora_weights` strings that only set an adapter's first weights, so the saved adapter is a plain
+# LoRA (vLLM 0.33 `PEFTHelper._init_is_supported`); the others (PiSSA, OLoRA, CorDA, LoftQ) also change
+# the base weights, which the server does not have
+PLAIN_LORA_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 _PREFIX = "base_model.model."
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -70,6 +74,16 @@ def _check_config(config: dict, path: str, max_rank: int) -> None:
         problems.append("DoRA is not supported (train with use_dora=False).")
     if config.get("fan_in_fan_out"):
         problems.append("fan_in_fan_out adapters (Conv1D layers) are not supported.")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS:
+        problems.append(
+            f"vLLM does not support init_lora_weights={init!r}: it also changes the base model's weights. Convert it "
+            "to a regular LoRA adapter with PEFT's path_initial_model_for_weight_conversion."
+        )
+    for key, what in (("alora_invocation_tokens", "Activated LoRA (aLoRA)"), ("layer_replication", "layer_replication"),
+                      ("use_bdlora", "block-diagonal LoRA (BD-LoRA)"), ("use_qalora", "QALoRA")):
+        if config.get(key):
+            problems.append(f"vLLM does not support {what}.")
     if config.get("target_parameters"):
         problems.append(f"target_parameters {config['target_parameters']} (LoRA on raw parameters) is not supported.")
     ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]

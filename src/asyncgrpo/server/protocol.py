@@ -132,8 +132,10 @@ def check_text_only(body: dict, prompts: list[list[int]], spec: ServerSpec, key:
 
 
 def check_model(model: Any, spec: ServerSpec) -> None:
+    """vLLM 0.33's answer to a `model` that is neither the base model nor a loaded adapter (its aliases
+    list the base model's names only)."""
     if model is not None and model != spec.served_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {spec.served_name}.", param="model")
 
 
 def parse_sampling(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.generation.protocol import LoraServing
-from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS
+from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS, PLAIN_LORA_INITS
 
 
 @dataclass(frozen=True)
@@ -33,16 +33,29 @@ def adapter_rank(peft_config: Any) -> int:
 
 
 def _unservable(peft_config: Any) -> str | None:
-    """Why the server cannot serve this adapter as an adapter (None: it can)."""
-    if str(getattr(peft_config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
-        return f"the adapter is {peft_config.peft_type}, and servers load LoRA adapters only"
-    if getattr(peft_config, "use_dora", False):
-        return "DoRA adapters cannot be served as adapters"
-    if getattr(peft_config, "modules_to_save", None):
-        return f"modules_to_save={peft_config.modules_to_save} are full modules, not adapters"
-    if getattr(peft_config, "bias", "none") != "none":
-        return f"bias={peft_config.bias!r} adapters cannot be served as adapters"
-    return None
+    """Why the server cannot serve this adapter as an adapter (None: it can). vLLM 0.33 refuses the
+    same features at load time (`PEFTHelper._validate_features`); routing them to merged sync here
+    keeps the run going instead of failing its first sync."""
+    c = peft_config
+    if str(getattr(c, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
+        return f"the adapter is {c.peft_type}, and servers load LoRA adapters only"
+    init = getattr(c, "init_lora_weights", True)
+    features = [
+        (getattr(c, "use_dora", False), "DoRA adapters cannot be served as adapters"),
+        (getattr(c, "modules_to_save", None), f"modules_to_save={c.modules_to_save} are full modules, not adapters"),
+        (getattr(c, "trainable_token_indices", None), "trainable_token_indices (embedding rows) cannot be served"),
+        (getattr(c, "bias", "none") != "none", f"bias={getattr(c, 'bias', None)!r} adapters cannot be served"),
+        (getattr(c, "lora_bias", False), "lora_bias adapters cannot be served as adapters"),
+        (isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS,
+         f"init_lora_weights={init!r} also changes the base weights, which the server does not have"),
+        (getattr(c, "layer_replication", None), "layer_replication adapters cannot be served as adapters"),
+        (getattr(c, "alora_invocation_tokens", None), "activated LoRA (alora_invocation_tokens) cannot be served"),
+        (getattr(c, "use_qalora", False), "QALoRA adapters cannot be served as adapters"),
+        (getattr(c, "use_bdlora", None), "block-diagonal LoRA (use_bdlora) cannot be served as adapters"),
+        (getattr(c, "target_parameters", None), "LoRA on raw parameters (target_parameters) is not served as adapters"),
+        (getattr(c, "fan_in_fan_out", False), "fan_in_fan_out adapters (Conv1D layers) cannot be served"),
+    ]
+    return next((why for present, why in features if present), None)
 
 
 def restart_flags(rank: int, max_staleness: int, lora: LoraServing | None) -> str:

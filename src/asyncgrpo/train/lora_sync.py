@@ -1,11 +1,14 @@
 """Adapter-only weight sync: each sync writes the LoRA adapter to disk and has the server load it.
 
     push(model, version v)
-      write <output_dir>/.vllm_lora/<name>-v<v>      temp folder + rename: the server never reads half a file
-      POST /v1/load_lora_adapter <name>-v<v>         refused: the folder is removed, versions < v keep serving,
-                                                     AdapterSyncError says what the server answered
-      POST /v1/unload_lora_adapter <name>-v<v-k-1>   k = max_staleness: v-k .. v stay registered, so a rollout
-      remove its folder                              that started under any of them finishes under it
+      write <output_dir>/.vllm_lora/<name>-v<v>-<run>  temp folder + rename: the server never reads half
+                                                      a file; <run> is new for every AdapterSync
+      POST /v1/load_lora_adapter <name>-v<v>          refused: the folder is removed, versions < v keep
+                                                      serving, AdapterSyncError says what the server said
+      POST /v1/unload_lora_adapter <name>-v<v-k-1>    k = max_staleness: v-k .. v stay registered, so a
+                                                      rollout that started under any of them finishes
+                                                      under it
+      remove the folder of v-2k-2                     folders outlive their registration by k + 1 syncs
 
 Versions are the trainer's model versions: the rollout process asks for `<name>-v{version}` with the
 version it read when the rollout started (`AsyncRolloutLoop(lora_name=...)`), and the trainer publishes
@@ -13,6 +16,14 @@ version v only after `push(v)` returned, so the adapter a rollout names is loade
 a new version is a new name, and requests under the older ones run on. The server reads the folder
 itself, so `output_dir` must be on a file system it can see. Rank 0 only (the adapter of an unsharded
 model is whole there).
+
+Why a folder per run and why folders stay after the unload (vLLM 0.33, `entrypoints/openai/models/
+serving.py`, `lora/worker_manager.py`, `v1/core/kv_cache_utils.py`): vLLM keys the prefix cache of a
+LoRA request by (adapter name, path), so a resumed run that loaded its version 5 from the path an
+earlier run's version 5 had would be served KV blocks of the earlier weights; a new path per run rules
+that out. And vLLM's unload only forgets the name: the engine keeps the adapter in an LRU cache of
+--max-cpu-loras entries and reloads an evicted one from its path when a request still running under
+it is scheduled again, so the files stay one more staleness window after the unload.
 """
 
 from __future__ import annotations
@@ -53,10 +64,11 @@ def write_adapter(model: Any, folder: Path, dtype: torch.dtype) -> int:
     tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        state = get_peft_model_state_dict(model)
+        adapter = model.active_adapter  # its weights and its config (PEFT's default is "default")
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        model.peft_config[model.active_adapter].save_pretrained(str(tmp))
+        model.peft_config[adapter].save_pretrained(str(tmp))
         if folder.exists():
             shutil.rmtree(folder)
         tmp.rename(folder)
@@ -85,7 +97,9 @@ class AdapterSync:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.name = name
+        self.run_id = uuid.uuid4().hex[:8]  # in every folder name: a new path per run (module docstring)
         self.loaded: deque[int] = deque()  # the versions registered on the server, oldest first
+        self.on_disk: deque[int] = deque()  # the versions whose folders exist, oldest first
 
     @property
     def name_template(self) -> str:
@@ -96,7 +110,7 @@ class AdapterSync:
         return f"{self.name}-v{version}"
 
     def folder(self, version: int) -> Path:
-        return self.root / self.adapter_name(version)
+        return self.root / f"{self.adapter_name(version)}-{self.run_id}"
 
     def _call(self, work: Callable[[GenerationClient], Coroutine]) -> Any:
         async def run() -> Any:
@@ -126,7 +140,8 @@ class AdapterSync:
 
     def push(self, model: Any, *, version: int, dtype: torch.dtype) -> dict[str, float]:
         """Serve `model`'s adapter as version `version`, then retire the versions that left the window.
-        Returns the time split and size for `perf/weight_sync_*` (no pause: pause_s is 0)."""
+        Returns the time split and size for `perf/weight_sync_*` (no pause: pause_s is 0; transfer_s =
+        write_s + load_s, the folder written, then loaded by the server)."""
         t0 = time.perf_counter()
         name, folder = self.adapter_name(version), self.folder(version)
         num_bytes = write_adapter(model, folder, dtype)
@@ -145,16 +160,18 @@ class AdapterSync:
                 f"{exc}. It keeps serving {serving}.{hint}"
             ) from exc
         self.loaded.append(version)
+        self.on_disk.append(version)
         t_loaded = time.perf_counter()
         self._retire()
         t_done = time.perf_counter()
         logger.debug("LoRA adapter version %d: %d bytes, written in %.3fs, loaded in %.3fs",
                      version, num_bytes, t_written - t0, t_loaded - t_written)
         return {"pause_s": 0.0, "transfer_s": t_loaded - t0, "resume_s": 0.0, "total_s": t_done - t0,
-                "bytes": num_bytes, "num_chunks": 1}
+                "write_s": t_written - t0, "load_s": t_loaded - t_written, "bytes": num_bytes, "num_chunks": 1}
 
     def _retire(self) -> None:
-        """Unload and remove the versions beyond the newest max_staleness + 1."""
+        """Unload the versions beyond the newest max_staleness + 1; remove the folders beyond the newest
+        2 * (max_staleness + 1) (the server may reload an unloaded version a running request still uses)."""
         old = []
         while len(self.loaded) > self.keep:
             old.append(self.loaded.popleft())
@@ -167,13 +184,13 @@ class AdapterSync:
         try:
             if old:
                 self._call(unload)
-        finally:  # the server read the folder at load time: it needs it no longer, loaded or not
-            for version in old:
-                shutil.rmtree(self.folder(version), ignore_errors=True)
+        finally:
+            while len(self.on_disk) > 2 * self.keep:
+                shutil.rmtree(self.folder(self.on_disk.popleft()), ignore_errors=True)
 
     def close(self) -> None:
-        """Unload every version still registered and remove the folders (the end of training; the
-        checkpoints, not this cache, keep the trained adapter)."""
+        """Unload every version still registered and remove the folders (the end of training, after the
+        rollouts stopped; the checkpoints, not this cache, keep the trained adapter)."""
         self.keep = 0
         try:
             self._retire()
