@@ -45,6 +45,7 @@ from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
+from asyncgrpo.train.compiled_layers import compile_decoder_layers
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
 from asyncgrpo.train.flops import FlopModel, peak_flops
@@ -137,6 +138,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         if peft_config is not None:
             model = wrap_peft(model, peft_config)
+        if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
+            compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -156,6 +159,10 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.add_callback(_PipelineCallback(self))
+        if args.torch_compile:  # the layers are compiled already: accelerate must not compile the whole model
+            from accelerate.utils import DynamoBackend
+
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
