@@ -18,8 +18,11 @@ to the host range that launched it. Categories are exclusive and add up to the w
 
 Concurrent kernels share their time, so busy time never exceeds the wall. `phases` splits each phase
 (mask, forward, logprob_head, recompute, backward) into kernel kinds (matmul, attention, elementwise,
-copy), which shows all matmul time and what recompute is made of. Without a GPU the outermost aten
-ops stand in for kernels (a smoke test of the attribution, not a measurement).
+copy), which shows all matmul time and what recompute is made of. Recomputation is marked through
+checkpointing's `context_fn`, except for compiled layers on transformers versions that checkpoint
+inside the layer's forward (`recompute_marked`: false; it is then counted in the backward pass).
+Without a GPU the outermost aten ops stand in for kernels (a smoke test of the attribution, not a
+measurement).
 
     python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \\
         --variants base compile+head
@@ -172,6 +175,14 @@ def marked_attention(function):
     return forward
 
 
+def checkpoint_wraps_the_call() -> bool:
+    """Whether transformers checkpoints a decoder layer around its `__call__` (then a compiled layer's
+    recomputation can be marked), not inside `forward` (newer versions: inside the compiled region)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return "__call__" in GradientCheckpointingLayer.__dict__
+
+
 def profiled_step(model, batch, args, device, options, windows):
     from asyncgrpo.packing.attention import TreeMask
     from asyncgrpo.train.logprobs import token_logprobs
@@ -200,8 +211,10 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
     from asyncgrpo.packing.attention import TREE_ATTENTION, attention_windows, tree_attention_forward
 
     gpu = device.type == "cuda"
-    model = prepare_model(base_model, options,
-                          recompute_context=lambda: torch.profiler.record_function(MARK + "recompute"))
+    marker = lambda: torch.profiler.record_function(MARK + "recompute")
+    if options.compile and not checkpoint_wraps_the_call():
+        marker = None  # checkpointing inside the compiled forward takes no context_fn but dispatch modes
+    model = prepare_model(base_model, options, recompute_context=marker)
     attention = tree_attention_forward if options.compile else marked_attention(tree_attention_forward)
     AttentionInterface.register(TREE_ATTENTION, attention)
     windows = attention_windows(model)
@@ -234,6 +247,7 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
         "trained_per_row": float(np.mean([b["trained"] for b in timed])),
         "packing_ratio": sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:]) / sum(b["tokens"] for b in timed),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "recompute_marked": marker is not None and not options.nockpt,
         **summarise(trace, len(timed), gpu, compiled_layers=options.compile),
     }
     if model is not base_model:
