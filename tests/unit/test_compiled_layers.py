@@ -65,3 +65,25 @@ def test_inductor_compiled_layers_match_eager():
 def test_decoder_layers_are_the_repeated_blocks():
     model = tiny_model("qwen3")
     assert decoder_layers(model) == list(model.model.layers)
+
+
+def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph():
+    """The CUDA path's masks (FlexAttention BlockMask, forward on CPU): rows of 600 to 1050 tokens run
+    through one compiled graph and keep packed == unpacked."""
+    full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
+    model, reference = tiny_model("qwen3", **full), tiny_model("qwen3", **full)
+    model.config.use_cache = False
+    enable_tree_attention(model)
+    compile_decoder_layers(model, backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rng = np.random.default_rng(0)
+    for n in (5, 7, 9):
+        samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
+        row = pack_row(samples)
+        mask = TreeMask.from_row(row, backend="flex")
+        with torch.no_grad(), tree_attention_context(mask):
+            hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+            lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+        torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
