@@ -235,10 +235,12 @@ def time_layout(model, name, rows, args, device, options):
     first_logprobs = None
     try:
         with liger_rotary_scope(options):
+            warmup_start = time.perf_counter()
             for batch in batches[: args.warmup]:
                 fwd_bwd(model, batch, args.chunk_size, fused_head=options.head)
                 model.zero_grad(set_to_none=True)
             sync(device)
+            warmup_s = time.perf_counter() - warmup_start  # compilation included
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             elapsed = 0.0
@@ -264,6 +266,7 @@ def time_layout(model, name, rows, args, device, options):
         "mfu": flops / elapsed / (args.peak_tflops * 1e12),
         "mfu_of_matmul": flops / elapsed / (args.matmul_tflops * 1e12) if args.matmul_tflops else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "warmup_s": warmup_s,
     }
     if name == "padded":
         entry["pad_frac"] = 1 - tokens / sum(b["slots"] for b in timed)
@@ -295,7 +298,9 @@ def bench_model(shape, workload, args, device):
         layouts = tuple(name for name in layouts if name in args.layouts or name == "tree")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+    with device:  # random initialisation on the GPU: seconds instead of a CPU pass over every weight
+        base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    base_model.to(device)
     base_model.train()
     enable_tree_attention(base_model)
     args.n_body = sum(p.numel() for n, p in base_model.named_parameters() if ".layers." in n)

@@ -295,7 +295,9 @@ def main(argv=None):
         config = make_config(shape)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if gpu else torch.float32
-        base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
+        with device:  # random initialisation on the GPU: seconds instead of a CPU pass over every weight
+            base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        base_model.to(device)
         base_model.train()
         enable_tree_attention(base_model)
         rng = np.random.default_rng(args.seed)
