@@ -336,10 +336,12 @@ class AsyncGRPOTrainer(Trainer):
                 model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
             )
             loss = result.loss
+        _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
         t_fwd = time.perf_counter()
         # The loss is already normalised by the trained tokens of all processes; data-parallel
         # gradient averaging divides by the world size once more, which this undoes.
         self.accelerator.backward(loss * self.accelerator.num_processes)
+        _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
         t_bwd = time.perf_counter()
         self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
@@ -447,3 +449,8 @@ class _PipelineCallback(TrainerCallback):
 
 def _identity(features: Any) -> Any:
     return features
+
+
+def _wait_for_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
