@@ -15,7 +15,8 @@ unsharded model, same compute dtype, no gradient); the sharded step-0 loss summe
 equal it within bf16 tolerance (fp32 on CPU).
 
 MFU counts 6 * N_body * forwarded tokens + 6 * V * H * trained tokens + 12 * layers * heads *
-head_dim * attended pairs (bench/packing.py) per rank against --peak-tflops (H200 dense bf16: 791).
+head_dim * attended pairs (bench/packing.py) per rank against --peak-tflops (default: the device's datasheet
+dense bf16 peak, as the trainer's perf/*_mfu; bench/peak.py).
 
     torchrun --nproc_per_node 2 bench/fsdp_step.py --device cpu --out /tmp/fsdp_step.json   # smoke, gloo
     # 2 GPUs (the server elsewhere, or none: this is the training step alone)
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_arguments(parser)
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="No activation checkpointing (default: on, as in training).")
-    parser.add_argument("--peak-tflops", type=float, default=791.0)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="default: the device's datasheet dense bf16 peak (bench/peak.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    from peak import resolve_peak_tflops
+
+    args.peak_tflops = resolve_peak_tflops(args.peak_tflops, device)
     dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
     try:
         results = [bench_model(shape, args, device) for shape in args.models]

@@ -1,4 +1,4 @@
-"""Tree-packing benchmark: trained tokens per second of forward + backward, three layouts.
+"""Tree-packing benchmark: trained tokens per second of forward + backward, three layouts, two workloads.
 
 The same GRPO-shaped samples (groups of `--num-generations` completions of one prompt) are split into
 rows by `TokenBudgetBatcher` (one process) and trained three ways:
@@ -12,20 +12,33 @@ A Gated DeltaNet hybrid (`qwen3.5-*` shapes) adds
     tree_torch  tree packing with the pure-PyTorch chunked delta rule, where `tree` takes fla-core's
                 Triton kernel when it is installed (CUDA), so the two compare the kernels
 
+Workloads (`--workloads`, each its own samples and rows; explicit sizes on the command line win):
+
+    default        512-token prompts, completions of 256-2048 tokens (packing ratio about 1.35)
+    shared-prompt  long shared prompts of 1280-2048 tokens, completions of 256-512 (ratio about 3.4)
+
 Each step is forward (gradient checkpointing) + the chunked log-prob head of
 `asyncgrpo.train.logprobs` at the trained tokens + backward of an advantage-weighted surrogate.
 There is no optimizer step. Models are random-initialised Qwen3 / Qwen3.5 shapes in bf16 (no hub).
+`--variants` times faster paths side by side (bench/step_options.py: compiled layers, fused log-prob
+head, no checkpointing, liger-kernel) on `--variant-layouts`, each on a copy of the model, with its
+log-probs checked against the base path's on the same row.
 
 MFU counts the FLOPs the layout must do, with no credit for recomputation or padding:
 6 * N_body * forwarded tokens + 6 * V * H * trained tokens (the LM head runs only there) +
 3 * 4 * full-attention layers * heads * head_dim * attended pairs + on hybrids, per token, linear layer
 and value head, 6 * (C (2.5 K + 1.5 V) + 3 K V) for the chunked delta rule's multiply-adds (chunk
-C = 64), against 791 TFLOP/s (H200 dense bf16 as measured; pass --peak-tflops for other devices).
+C = 64): the trainer's FLOP model (`asyncgrpo.train.flops`, `perf/*_mfu`). The peak is the trainer's
+too: the device's dense bf16 datasheet figure (`PEAK_TFLOPS`, H100/H200 SXM: 989.4 TFLOP/s), or
+--peak-tflops. `mfu_of_matmul` divides by what one 8192^3 bf16 matmul reaches on the device instead
+(measured once per run; about 790 TFLOP/s on the H200 here, the figure earlier results used as peak).
 The tree row's attended pairs are its own (`PackedRow.attention_pairs`); the other layouts attend
 sum(L (L + 1) / 2).
 
     python bench/packing.py                       # CPU smoke run, tiny configs (< 1 min)
-    python bench/packing.py --device cuda         # Qwen3-0.6B and -1.7B shapes
+    python bench/packing.py --device cuda         # Qwen3-0.6B and -1.7B shapes, default workload
+    python bench/packing.py --device cuda --workloads default shared-prompt \\
+        --variants base compile+head compile+head+nockpt
     python bench/packing.py --device cuda --models qwen3.5-2b --out bench/results/packing_hybrid_cuda.json
 
 Writes bench/results/packing_<device>.json unless --out says otherwise.
@@ -83,16 +96,33 @@ def step_flops(config, n_body, tokens, trained, pairs):
     return FlopModel.for_config(config, n_body).step_flops(tokens, trained, pairs)
 
 
-def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab):
+# Per workload, the sizes a device type runs unless the command line gives them (cuda, cpu).
+WORKLOADS = {
+    "default": {"cuda": {"groups": 20, "prompt_len": 512, "max_prompt_len": 512, "min_completion": 256,
+                         "max_completion": 2048},
+                "cpu": {"groups": 6, "prompt_len": 64, "max_prompt_len": 64, "min_completion": 32,
+                        "max_completion": 192}},
+    "shared-prompt": {"cuda": {"groups": 40, "prompt_len": 1280, "max_prompt_len": 2048, "min_completion": 256,
+                               "max_completion": 512},
+                      "cpu": {"groups": 14, "prompt_len": 96, "max_prompt_len": 160, "min_completion": 16,
+                              "max_completion": 40}},
+}
+
+
+def make_samples(rng, num_groups, num_generations, prompt_len, min_completion, max_completion, vocab,
+                 max_prompt_len=None):
+    """GRPO groups of random tokens: per group one prompt of prompt_len..max_prompt_len tokens (exactly
+    prompt_len when max_prompt_len is None), `num_generations` completions of min..max_completion."""
     from asyncgrpo.packing import Sample
 
     samples = []
     for group in range(num_groups):
-        prompt = rng.integers(0, vocab, prompt_len)
+        length = prompt_len if max_prompt_len is None else int(rng.integers(prompt_len, max_prompt_len + 1))
+        prompt = rng.integers(0, vocab, length)
         for _ in range(num_generations):
             completion = rng.integers(0, vocab, int(rng.integers(min_completion, max_completion + 1)))
             tokens = np.concatenate([prompt, completion])
-            mask = np.arange(tokens.size) >= prompt_len
+            mask = np.arange(tokens.size) >= length
             samples.append(Sample(tokens, mask, np.where(mask, -1.0, 0.0), float(rng.normal()), group))
     return samples
 
@@ -152,11 +182,12 @@ def hidden_states(model, batch):
     return out.last_hidden_state.flatten(0, 1)
 
 
-def fwd_bwd(model, batch, chunk_size):
+def fwd_bwd(model, batch, chunk_size, fused_head=False):
     from asyncgrpo.train.logprobs import token_logprobs
 
     hidden = hidden_states(model, batch)
-    lp = token_logprobs(hidden, model.lm_head.weight, batch["pred"], batch["target"], chunk_size=chunk_size)
+    lp = token_logprobs(hidden, model.lm_head.weight, batch["pred"], batch["target"], chunk_size=chunk_size,
+                        fused=fused_head)
     loss = -(lp.target_logprobs * batch["adv"]).sum() / batch["trained"]
     loss.backward()
     return lp.target_logprobs.detach()
@@ -193,9 +224,69 @@ def logprob_diff(model, samples, device):
     return float((packed.target_logprobs - torch.cat(alone)).abs().max())
 
 
-def bench_model(shape, args, device):
+def time_layout(model, name, rows, args, device, options):
+    """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
+    (an "error" entry when the GPU runs out of memory), and the first timed row's log-probs."""
+    from step_options import liger_rotary_scope
+
+    set_layout(model, name)
+    layout = Layout(name, device)
+    batches = [layout.prepare(r) for r in rows]
+    first_logprobs = None
+    try:
+        with liger_rotary_scope(options):
+            warmup_start = time.perf_counter()
+            for batch in batches[: args.warmup]:
+                fwd_bwd(model, batch, args.chunk_size, fused_head=options.head)
+                model.zero_grad(set_to_none=True)
+            sync(device)
+            warmup_s = time.perf_counter() - warmup_start  # compilation included
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            elapsed = 0.0
+            for batch in batches[args.warmup:]:
+                sync(device)
+                start = time.perf_counter()
+                lp = fwd_bwd(model, batch, args.chunk_size, fused_head=options.head)
+                sync(device)
+                elapsed += time.perf_counter() - start
+                first_logprobs = lp if first_logprobs is None else first_logprobs
+                model.zero_grad(set_to_none=True)
+    except torch.cuda.OutOfMemoryError as exc:
+        model.zero_grad(set_to_none=True)
+        return {"error": f"out of memory: {str(exc).splitlines()[0]}"}, None
+    timed = batches[args.warmup:]
+    tokens, trained = sum(b["tokens"] for b in timed), sum(b["trained"] for b in timed)
+    flops = step_flops(model.config, args.n_body, tokens, trained, sum(b["pairs"] for b in timed))
+    entry = {
+        "trained_tokens_per_s": trained / elapsed,
+        "fwd_bwd_s_per_row": elapsed / len(timed),
+        "tokens_per_row": tokens / len(timed),
+        "tflops": flops / elapsed / 1e12,
+        "mfu": flops / elapsed / (args.peak_tflops * 1e12),
+        "mfu_of_matmul": flops / elapsed / (args.matmul_tflops * 1e12) if args.matmul_tflops else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "warmup_s": warmup_s,
+    }
+    if name == "padded":
+        entry["pad_frac"] = 1 - tokens / sum(b["slots"] for b in timed)
+    return entry, first_logprobs
+
+
+def speedups(result):
+    """Tree over each other layout of one entry set (trained tokens per second)."""
+    out = {}
+    for other in ("padfree", "padded", "tree_torch"):
+        if "error" not in result.get("tree", {"error": 1}) and "error" not in result.get(other, {"error": 1}):
+            out[f"speedup_vs_{other}"] = result["tree"]["trained_tokens_per_s"] / result[other]["trained_tokens_per_s"]
+    return out
+
+
+def bench_model(shape, workload, args, device):
+    from step_options import StepOptions, prepare_model
     from transformers import AutoModelForCausalLM
 
+    from asyncgrpo.packing.attention import enable_tree_attention
     from asyncgrpo.packing.recurrent import resolve_delta_rule_backend
 
     config = make_config(shape)
@@ -207,104 +298,72 @@ def bench_model(shape, args, device):
         layouts = tuple(name for name in layouts if name in args.layouts or name == "tree")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
-    model.train()
-    model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n_body = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    with device:  # random initialisation on the GPU: seconds instead of a CPU pass over every weight
+        base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    base_model.to(device)
+    base_model.train()
+    enable_tree_attention(base_model)
+    args.n_body = sum(p.numel() for n, p in base_model.named_parameters() if ".layers." in n)
 
     rng = np.random.default_rng(args.seed)
-    samples = make_samples(rng, args.groups, args.num_generations, args.prompt_len, args.min_completion,
-                           args.max_completion, config.vocab_size)
+    samples = make_samples(rng, workload["groups"], args.num_generations, workload["prompt_len"],
+                           workload["min_completion"], workload["max_completion"], config.vocab_size,
+                           workload["max_prompt_len"])
     rows = make_rows(samples, args.token_budget)
     needed = args.warmup + args.steps
     if len(rows) < needed:
         raise ValueError(f"{len(rows)} rows < warmup + steps = {needed}: raise --groups")
-    result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "rows": needed,
-              "samples_per_row": float(np.mean([len(r) for r in rows[:needed]])), "layouts": list(layouts)}
+    rows = rows[:needed]
+    raw = sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:])
+    result = {"workload": workload["name"], "shape": shape, "params": sum(p.numel() for p in base_model.parameters()),
+              "rows": needed, "samples_per_row": float(np.mean([len(r) for r in rows])), "layouts": list(layouts),
+              "variants": {}}
     if hybrid:
         result["tree_delta_rule"] = resolve_delta_rule_backend("auto", device)
-    for name in layouts:
-        print(f"{shape}: {name} ...", flush=True)
-        set_layout(model, name)
-        layout = Layout(name, device)
-        batches = [layout.prepare(r) for r in rows[:needed]]
-        for batch in batches[: args.warmup]:
-            fwd_bwd(model, batch, args.chunk_size)
-            model.zero_grad(set_to_none=True)
-        sync(device)
+    base_logprobs = {}
+    for variant in args.variants:
+        options = StepOptions.parse(variant)
+        model = prepare_model(base_model, options)
+        entries = {}
+        names = layouts if options == StepOptions() else [n for n in args.variant_layouts if n in layouts]
+        for name in names:
+            print(f"{workload['name']} {shape} {options.name}: {name} ...", flush=True)
+            entries[name], logprobs = time_layout(model, name, rows, args, device, options)
+            if logprobs is not None and options == StepOptions():
+                base_logprobs[name] = logprobs
+            elif logprobs is not None and name in base_logprobs:
+                entries[name]["logprob_max_abs_diff_vs_base"] = float((logprobs - base_logprobs[name]).abs().max())
+        entries.update(speedups(entries))
+        if options == StepOptions():
+            result.update(entries)
+            if "error" not in entries["tree"]:
+                result["packing_ratio"] = raw / (entries["tree"]["tokens_per_row"] * args.steps)
+            model.eval()
+            result["logprob_max_abs_diff"] = logprob_diff(model, rows[0][: args.diff_samples], device)
+            result["logprob_dtype"] = str(dtype).replace("torch.", "")
+            model.train()
+            enable_tree_attention(model)
+        else:
+            result["variants"][options.name] = entries
+            del model
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        elapsed = 0.0
-        for batch in batches[args.warmup:]:
-            sync(device)
-            start = time.perf_counter()
-            fwd_bwd(model, batch, args.chunk_size)
-            sync(device)
-            elapsed += time.perf_counter() - start
-            model.zero_grad(set_to_none=True)
-        timed = batches[args.warmup:]
-        tokens = sum(b["tokens"] for b in timed)
-        trained = sum(b["trained"] for b in timed)
-        pairs = sum(b["pairs"] for b in timed)
-        flops = step_flops(config, n_body, tokens, trained, pairs)
-        entry = {
-            "trained_tokens_per_s": trained / elapsed,
-            "fwd_bwd_s_per_row": elapsed / len(timed),
-            "tokens_per_row": tokens / len(timed),
-            "tflops": flops / elapsed / 1e12,
-            "mfu": flops / elapsed / (args.peak_tflops * 1e12),
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        }
-        if name == "padded":
-            entry["pad_frac"] = 1 - tokens / sum(b["slots"] for b in timed)
-        result[name] = entry
-        del batches
-    raw = sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:needed])
-    result["packing_ratio"] = raw / (result["tree"]["tokens_per_row"] * args.steps)
-    for other in ("padfree", "padded"):
-        if other in result:
-            result[f"speedup_vs_{other}"] = result["tree"]["trained_tokens_per_s"] / result[other]["trained_tokens_per_s"]
-    if "tree_torch" in result:
-        result["speedup_vs_tree_torch"] = (result["tree"]["trained_tokens_per_s"]
-                                           / result["tree_torch"]["trained_tokens_per_s"])
-    model.eval()
-    result["logprob_max_abs_diff"] = logprob_diff(model, rows[0][: args.diff_samples], device)
-    result["logprob_dtype"] = str(dtype).replace("torch.", "")
-    del model
+            torch.cuda.empty_cache()
+    del base_model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def print_table(results):
-    print(f"{'model':<12} {'layout':<10} {'trained tok/s':>14} {'s/row':>8} {'tok/row':>8} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'peak GiB':>9}")
-    for r in results:
-        for name in r["layouts"]:
-            e = r[name]
-            mem = f"{e['peak_memory_gib']:.1f}" if e["peak_memory_gib"] is not None else "-"
-            print(f"{r['shape']:<12} {name:<10} {e['trained_tokens_per_s']:>14.0f} {e['fwd_bwd_s_per_row']:>8.3f} "
-                  f"{e['tokens_per_row']:>8.0f} {e['tflops']:>8.1f} {e['mfu']:>6.1%} {mem:>9}")
-        speedups = [f"vs {name} {r[f'speedup_vs_{name}']:.2f}" for name in ("padfree", "padded", "tree_torch")
-                    if f"speedup_vs_{name}" in r]
-        if "speedup_vs_padfree" in r:
-            speedups[0] += f" ({r['speedup_vs_padfree'] / r['packing_ratio']:.2f} x ratio)"
-        print(f"{r['shape']:<12} packing ratio {r['packing_ratio']:.2f}, samples/row {r['samples_per_row']:.1f}, "
-              f"tree speedup {', '.join(speedups)}; {r['logprob_dtype']} log-prob max diff "
-              f"{r['logprob_max_abs_diff']:.3g}")
-        if "tree_delta_rule" in r:
-            print(f"{r['shape']:<12} tree runs the {r['tree_delta_rule']} delta rule")
-
-
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model shapes and the synthetic workload (shared with bench/fsdp_step.py); None = device default."""
+    """The model shapes and the synthetic workload (shared with bench/fsdp_step.py and profile_step.py);
+    None = the workload's size for the device (`WORKLOADS`)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", default=None,
                         help=f"from {sorted(SHAPES)} (bench/packing.py also {sorted(HYBRID_SHAPES)})")
     parser.add_argument("--groups", type=int, default=None)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None, help="(shortest) prompt length")
+    parser.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt length")
     parser.add_argument("--min-completion", type=int, default=None)
     parser.add_argument("--max-completion", type=int, default=None)
     parser.add_argument("--token-budget", type=int, default=None)
@@ -312,12 +371,31 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None)
 
 
+def workload_sizes(name, args, device):
+    """The sizes of workload `name` on `device`, where the command line gives none; "name" included."""
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}; pick from {sorted(WORKLOADS)}")
+    sizes = dict(WORKLOADS[name]["cuda" if device.type == "cuda" else "cpu"], name=name)
+    for key in ("groups", "prompt_len", "max_prompt_len", "min_completion", "max_completion"):
+        if getattr(args, key, None) is not None:
+            sizes[key] = getattr(args, key)
+    if args.prompt_len is not None and args.max_prompt_len is None:
+        sizes["max_prompt_len"] = args.prompt_len
+    return sizes
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
+    parser.add_argument("--workloads", nargs="+", default=["default"], help=f"from {sorted(WORKLOADS)}")
+    parser.add_argument("--variants", nargs="+", default=["base"],
+                        help="step variants, e.g. base compile+head compile+head+nockpt (bench/step_options.py)")
+    parser.add_argument("--variant-layouts", nargs="+", default=["tree", "padfree"],
+                        help="the layouts the variants other than base run")
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--diff-samples", type=int, default=16)
-    parser.add_argument("--peak-tflops", type=float, default=791.0)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="default: the device's datasheet dense bf16 peak, as the trainer's perf/*_mfu")
     parser.add_argument("--layouts", nargs="+", choices=("tree_torch", "padfree", "padded"), default=None,
                         help="baselines to run next to tree (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -325,20 +403,31 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
-    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny", "tiny-hybrid"], "groups": 20 if gpu else 6,
-                "prompt_len": 512 if gpu else 64, "min_completion": 256 if gpu else 32,
-                "max_completion": 2048 if gpu else 192, "token_budget": 32768 if gpu else 1536,
-                "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny", "tiny-hybrid"],
+                "token_budget": 32768 if gpu else 1536, "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    from peak import matmul_tflops, resolve_peak_tflops
+    from step_options import StepOptions
 
-    results = [bench_model(shape, args, device) for shape in args.models]
+    variants = [StepOptions.parse(v).name for v in args.variants]
+    args.variants = ["base"] + [v for v in dict.fromkeys(variants) if v != "base"]  # base first: the reference
+    args.peak_tflops = resolve_peak_tflops(args.peak_tflops, device)
+    args.matmul_tflops = matmul_tflops(device)
+
+    results = [bench_model(shape, workload_sizes(w, args, device), args, device)
+               for w in args.workloads for shape in args.models]
+    from packing_table import print_table
+
     print_table(results)
+    print(f"MFU against {args.peak_tflops:.1f} TFLOP/s"
+          + (f"; one 8192^3 bf16 matmul reached {args.matmul_tflops:.0f} TFLOP/s" if args.matmul_tflops else ""))
     name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
     out = Path(args.out or Path(__file__).parent / "results" / f"packing_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": name, "torch": torch.__version__, "args": vars(args)}
+    meta = {"device": name, "torch": torch.__version__,
+            "args": {k: v for k, v in vars(args).items() if k != "n_body"}}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -46,6 +46,10 @@ class AsyncGRPOConfig(TrainingArguments):
       skip-and-replay resume does not apply to a live rollout queue; `rollout_state.json` is used.
     - `report_to`: "none".
 
+    `torch_compile` (with `torch_compile_backend`, `torch_compile_mode`) compiles each decoder layer in
+    place, for any row length, and the elementwise work of the log-prob head, instead of the whole
+    model (`asyncgrpo.train.compiled_layers`); the first steps take longer while the graphs compile.
+
     Training length: `num_train_epochs` counts passes over the prompt dataset (distinct prompts
     trained, however many samples their rollouts fork into); an explicit `max_steps > 0` becomes the
     stop condition instead.

@@ -107,3 +107,23 @@ def test_lora_sync_bench_writes_partial_results_when_phases_run_out_of_time(tmp_
     assert side["adapter_sync"] == {"timed_out": True, "phase_s": side["adapter_sync"]["phase_s"]}
     assert side["merged_sync"]["timed_out"] and "median" not in side["merged_sync"]
     assert "bytes_merged_over_adapter" not in side
+
+
+def test_packing_bench_runs_both_workloads_and_step_variants_on_cpu(tmp_path):
+    """Both workloads in one run, the base layouts plus the fused-head and no-checkpointing variants
+    on tree and padfree, each variant's log-probs equal to the base path's."""
+    out = tmp_path / "packing.json"
+    _run("packing.py", "--device", "cpu", "--models", "tiny", "--workloads", "default", "shared-prompt",
+         "--variants", "head+nockpt", "head", "--warmup", "1", "--steps", "1", "--diff-samples", "4",
+         "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [(r["workload"], r["shape"]) for r in results] == [("default", "tiny"), ("shared-prompt", "tiny")]
+    default, shared = results
+    assert 1.2 < default["packing_ratio"] < 1.8 and 3.0 < shared["packing_ratio"] < 4.0
+    for r in results:
+        assert set(r["variants"]) == {"head+nockpt", "head"}
+        for entries in r["variants"].values():
+            assert entries["speedup_vs_padfree"] > 0
+            for layout in ("tree", "padfree"):
+                assert entries[layout]["logprob_max_abs_diff_vs_base"] < 1e-5
+        assert r["logprob_max_abs_diff"] < 1e-4 and r["tree"]["mfu"] > 0

@@ -218,3 +218,17 @@ def test_seed_curriculum_loop_runs_unchanged(tmp_path, server):
     trainer = CurriculumTrainer(model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(32), args=config)
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+def test_torch_compile_compiles_each_decoder_layer_not_the_whole_model(tmp_path, server):
+    """torch_compile=True: the layers are compiled in place (parameter names unchanged for the weight
+    sync), accelerate leaves the model itself alone, and training runs (aot_eager: no code generation)."""
+    trainer = AsyncGRPOTrainer(
+        model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
+        args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager"),
+    )
+    names = [n for n, _ in trainer.model.named_parameters()]
+    trainer.train()
+    assert all(layer._compiled_call_impl is not None for layer in trainer.model.model.layers)
+    assert [n for n, _ in trainer.model_wrapped.named_parameters()] == names
+    assert len(_logged(trainer)) == 2

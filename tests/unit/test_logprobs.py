@@ -351,3 +351,43 @@ def test_model_logit_scale_matches_fp64_brute_force_values_and_grads(scale, soft
     for got, expected in zip(_grads(inputs, (out.target_logprobs, out.topk_logprobs)),
                              _grads(ref_inputs, want[:2])):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "temperature,scale,softcap,bias,chunk_size",
+    [(1.0, 1.0, None, False, 4), (0.7, 1.0, None, True, 3), (1.3, 0.25, 5.0, False, 64), (0.6, 4.0, 2.0, True, 1)],
+)
+def test_fused_epilogue_matches_fp64_brute_force_values_and_grads(temperature, scale, softcap, bias, chunk_size):
+    """`fused=True` (the kernels compiled on CUDA, run eagerly here) against the per-token fp64 loop:
+    values, top-K with pad entries, entropy, and the gradients of hidden, weight and bias."""
+    inputs, _ = _make_inputs(21, dtype=torch.float64, bias=bias)
+    out = token_logprobs(**inputs, temperature=temperature, logit_scale=scale, logit_softcapping=softcap,
+                         chunk_size=chunk_size, fused=True)
+    ref_inputs = _clone_leaves(inputs)
+    want = _brute_force(ref_inputs, None, temperature, softcap, scale)
+    torch.testing.assert_close(out.target_logprobs, want[0])
+    torch.testing.assert_close(out.topk_logprobs, want[1])
+    torch.testing.assert_close(out.entropy, want[2])
+    for got, expected in zip(_grads(inputs, (out.target_logprobs, out.topk_logprobs)), _grads(ref_inputs, want[:2])):
+        torch.testing.assert_close(got, expected)
+
+
+def test_fused_epilogue_in_bf16_matches_the_plain_path():
+    """The fused path rounds the dense logit gradient to bf16 once; values and gradients stay within
+    bf16 rounding of the plain path's."""
+    inputs, _ = _make_inputs(22, dtype=torch.bfloat16, bias=True)
+    plain = token_logprobs(**inputs, temperature=0.9, chunk_size=4)
+    fused_inputs = _clone_leaves(inputs)
+    fused = token_logprobs(**fused_inputs, temperature=0.9, chunk_size=4, fused=True)
+    torch.testing.assert_close(fused.target_logprobs, plain.target_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused.topk_logprobs, plain.topk_logprobs, atol=1e-5, rtol=0)
+    for got, want in zip(_grads(fused_inputs, (fused.target_logprobs, fused.topk_logprobs)),
+                         _grads(inputs, (plain.target_logprobs, plain.topk_logprobs))):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * float(want.abs().max()), rtol=0)
+
+
+def test_fused_request_with_candidate_sets_takes_the_plain_path():
+    inputs, candidate_sets = _make_inputs(23, dtype=torch.float64, cands=True)
+    out = token_logprobs(**inputs, temperature=0.8, chunk_size=3, fused=True)
+    want = _brute_force(_clone_leaves(inputs), candidate_sets, 0.8, None)
+    torch.testing.assert_close(out.target_logprobs, want[0])

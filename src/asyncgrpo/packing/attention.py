@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TREE_ATTENTION",
     "TreeMask",
+    "active_tree_mask",
+    "attention_windows",
     "disable_tree_attention",
     "enable_tree_attention",
     "tree_attention_context",
@@ -137,6 +139,15 @@ class TreeMask:
         if key not in self._cache:
             self._cache[key] = _tree_block_mask(self, window)
         return self._cache[key]
+
+    def prebuild(self, windows: tuple[int | None, ...]) -> None:
+        """Build the masks of these windows now (the backend's kind), so that compiled layers only read
+        the cache: no graph holds mask construction, and every layer shares one mask per window."""
+        for window in windows:
+            if self.backend == "flex":
+                self.block_mask(window)
+            else:
+                self.dense(window)
 
 
 def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
@@ -264,6 +275,27 @@ def _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softca
     attend = _compiled_flex_attention() if compiled else flex_attention
     return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window), scale=scaling,
                   enable_gqa=enable_gqa)
+
+
+def active_tree_mask() -> TreeMask | None:
+    """The row of the innermost `tree_attention_context`, or None outside one."""
+    return _ACTIVE_MASK.get()
+
+
+def attention_windows(model: torch.nn.Module) -> tuple[int | None, ...]:
+    """The windows the model's attention layers may pass to tree attention: None (full attention),
+    each attention module's `sliding_window` and the config's. A window listed but unused costs one
+    mask build per row; one missing is built on first use instead."""
+    windows: set[int | None] = {None}
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "sliding_window", None), int):
+            windows.add(module.sliding_window)
+    config = _pretrained_core(model).config.get_text_config()
+    if isinstance(getattr(config, "sliding_window", None), int) and (
+            "sliding_attention" in (getattr(config, "layer_types", None) or ())
+            or getattr(config, "use_sliding_window", True)):
+        windows.add(config.sliding_window)
+    return tuple(sorted(windows, key=lambda w: -1 if w is None else w))
 
 
 @contextlib.contextmanager

@@ -13,7 +13,11 @@ sliding-window layers or with mixing layers other than attention are not modelle
 pairs are not P): `FlopModel.for_model` returns None and no MFU is logged.
 
 The peak is the device's dense tensor-core peak at the training precision, from its datasheet
-(`PEAK_TFLOPS`); fp32 training, CPUs and unknown devices have none, and no MFU is logged.
+(`PEAK_TFLOPS`); fp32 training, CPUs and unknown devices have none, and no MFU is logged. It is the
+conventional MFU denominator, and bench/packing.py divides by the same figure. It is not what a matmul
+reaches: on the H200 measured here one 8192^3 bf16 matmul runs at about 790 TFLOP/s against the
+datasheet's 989.4 (clocks under load), so a perfect step would show about 80% MFU; the benchmark
+reports that ratio too (`mfu_of_matmul`).
 """
 
 from __future__ import annotations

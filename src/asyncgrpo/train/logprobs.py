@@ -26,6 +26,11 @@ plus, in backward, one fp32 `[V, H]` buffer that accumulates the LM-head gradien
 Precision: the matmuls run in the LM-head weight's dtype (autocast is disabled inside, hidden states
 are cast to that dtype); everything after the matmul (softcap, temperature, logsumexp, softmax,
 gradients w.r.t. logits) is fp32, and the LM-head gradient is accumulated over chunks in fp32.
+
+`fused=True` (rows without candidate sets) runs the elementwise work after each chunk's matmul as
+the fusable reduction and pointwise map of `asyncgrpo.train.logprob_epilogue` (compiled on CUDA):
+the same values, without the full-size fp32 passes; the dense part of the logit gradient is rounded
+to the weight's dtype once, the target and top-K terms are added in fp32.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from asyncgrpo.train import logprob_epilogue as epilogue
 
 __all__ = ["TokenLogprobs", "token_logprobs", "token_logprobs_reference"]
 
@@ -151,6 +158,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         scale,
         softcap,
         chunk_size,
+        fused,
     ):
         n, vocab_size = h.shape[0], weight.shape[0]
         device = h.device
@@ -162,8 +170,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         target_lp = torch.empty(n, dtype=acc, device=device)
         topk_lp = torch.empty(n, k, dtype=acc, device=device)
         entropy = torch.empty(n, dtype=acc, device=device)
+        fused = fused and offsets is None
         with torch.autocast(device_type=device.type, enabled=False):
-            for start in range(0, n, chunk_size):
+            if fused:
+                epilogue.forward_chunks(h, weight, bias, target_ids, safe_topk, temperature, scale, softcap,
+                                        chunk_size, lse, target_lp, topk_lp, entropy)
+            for start in range(0, 0 if fused else n, chunk_size):  # the plain path
                 stop = min(start + chunk_size, n)
                 z = _process(_raw_logits(h[start:stop], weight, bias, scale), temperature, softcap)
                 lse_full = torch.logsumexp(z, dim=-1)
@@ -189,6 +201,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.scale = scale
         ctx.softcap = softcap
         ctx.chunk_size = chunk_size
+        ctx.fused = fused
         ctx.mark_non_differentiable(entropy)
         return target_lp, topk_lp, entropy
 
@@ -212,7 +225,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=device) if need_w else None
         grad_b = torch.zeros(vocab_size, dtype=acc, device=device) if need_b and bias is not None else None
         with torch.autocast(device_type=device.type, enabled=False):
-            for start in range(0, n, ctx.chunk_size):
+            if ctx.fused:
+                epilogue.backward_chunks(h, weight, bias, target_ids, safe_topk, lse, grad_row, grad_target,
+                                         grad_topk, temperature, scale, softcap, ctx.chunk_size, grad_h, grad_w,
+                                         grad_b)
+            for start in range(0, 0 if ctx.fused else n, ctx.chunk_size):  # the plain path
                 stop = min(start + ctx.chunk_size, n)
                 x = _raw_logits(h[start:stop], weight, bias, scale)
                 z = _process(x, temperature, softcap)
@@ -238,7 +255,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 del grad_x
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -255,6 +272,7 @@ def token_logprobs(
     candidate_ids: Tensor | None = None,
     candidate_offsets: Tensor | None = None,
     chunk_size: int = 1024,
+    fused: bool = False,
 ) -> TokenLogprobs:
     """Log-probs of the trained tokens (and the sampler's top-K tokens) under the trainer's policy.
 
@@ -273,6 +291,9 @@ def token_logprobs(
         candidate_offsets: optional `[N + 1]` int64 CSR offsets into `candidate_ids`; with None for
             both, the candidate set is the full vocabulary; a token whose range is empty has none.
         chunk_size: rows processed at once; peak memory grows with `chunk_size * V`.
+        fused: run the elementwise work after each chunk's matmul as the fused kernels of
+            `asyncgrpo.train.logprob_epilogue` (compiled on CUDA); rows with candidate sets keep the
+            plain path.
 
     Returns:
         `TokenLogprobs` with fp32 `target_logprobs [N]`, `topk_logprobs [N, K] | None`, `entropy [N]`.
@@ -314,6 +335,7 @@ def token_logprobs(
         float(logit_scale),
         logit_softcapping,
         chunk_size,
+        fused,
     )
     return TokenLogprobs(target_lp, topk_lp if topk_ids is not None else None, entropy)
 

@@ -37,6 +37,7 @@ class LossSettings:
     num_processes: int
     logit_scale: float
     logit_softcapping: float | None
+    fused_logprob_head: bool = False  # torch_compile: the head's elementwise work compiled (train/logprob_epilogue.py)
 
     @classmethod
     def from_config(
@@ -55,6 +56,7 @@ class LossSettings:
             num_processes=num_processes,
             logit_scale=logit_processing["logit_scale"],
             logit_softcapping=logit_processing["logit_softcapping"],
+            fused_logprob_head=bool(args.torch_compile),
         )
 
 
@@ -78,6 +80,7 @@ def row_loss(
         topk_ids=row.sampler_topk_ids if s.score_centering else None,
         candidate_ids=row.candidate_ids,
         candidate_offsets=row.candidate_offsets,
+        fused=s.fused_logprob_head,
     )
     result = policy_loss(
         logps.target_logprobs,

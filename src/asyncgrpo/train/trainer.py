@@ -45,6 +45,7 @@ from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
+from asyncgrpo.train.compiled_layers import compile_decoder_layers
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
 from asyncgrpo.train.flops import FlopModel, peak_flops
@@ -137,6 +138,8 @@ class AsyncGRPOTrainer(Trainer):
         )
         if peft_config is not None:
             model = wrap_peft(model, peft_config)
+        if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
+            compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -156,6 +159,10 @@ class AsyncGRPOTrainer(Trainer):
             optimizers=optimizers,
         )
         self.add_callback(_PipelineCallback(self))
+        if args.torch_compile:  # the layers are compiled already: accelerate must not compile the whole model
+            from accelerate.utils import DynamoBackend
+
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
@@ -329,10 +336,12 @@ class AsyncGRPOTrainer(Trainer):
                 model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
             )
             loss = result.loss
+        _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
         t_fwd = time.perf_counter()
         # The loss is already normalised by the trained tokens of all processes; data-parallel
         # gradient averaging divides by the world size once more, which this undoes.
         self.accelerator.backward(loss * self.accelerator.num_processes)
+        _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
         t_bwd = time.perf_counter()
         self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
@@ -440,3 +449,8 @@ class _PipelineCallback(TrainerCallback):
 
 def _identity(features: Any) -> Any:
     return features
+
+
+def _wait_for_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,99 @@
+"""The training-step variants that bench/packing.py and bench/profile_step.py compare side by side.
+
+A variant is a '+'-joined list of options; `base` (none) is the trainer's default path:
+
+    compile   each decoder layer compiled in place (asyncgrpo.train.compiled_layers), dynamic row length
+    head      the fused log-prob head (token_logprobs(fused=True): its elementwise work compiled)
+    nockpt    no activation checkpointing (the trainer's gradient_checkpointing=False): nothing recomputed
+    liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
+
+`compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds
+gradient_checkpointing=False. Each variant gets its own copy of the model (same weights), so one
+variant's patches never reach another's timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+OPTIONS = ("compile", "head", "nockpt", "liger")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    compile: bool = False
+    head: bool = False
+    nockpt: bool = False
+    liger: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> StepOptions:
+        parts = [p for p in text.split("+") if p and p != "base"]
+        unknown = sorted(set(parts) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"variant {text!r}: unknown option(s) {unknown}; combine 'base' or {OPTIONS} with '+'")
+        return cls(**{p: True for p in parts})
+
+    @property
+    def name(self) -> str:
+        return "+".join(p for p in OPTIONS if getattr(self, p)) or "base"
+
+
+def prepare_model(base_model, options: StepOptions, *, recompute_context=None):
+    """A copy of `base_model` (tree attention enabled, train mode) set up for `options`.
+    `recompute_context`: a callable returning the context manager that activation checkpointing's
+    recomputation runs under (the profiler's marker), or None."""
+    model = copy.deepcopy(base_model) if options != StepOptions() else base_model
+    model.config.use_cache = False
+    if not options.nockpt:
+        kwargs = {"use_reentrant": False}
+        if recompute_context is not None:
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+    if options.liger:
+        apply_liger(model)
+    if options.compile:
+        from asyncgrpo.train.compiled_layers import compile_decoder_layers
+
+        compile_decoder_layers(model)
+    return model
+
+
+@contextlib.contextmanager
+def liger_rotary_scope(options: StepOptions):
+    """liger-kernel swaps Qwen3's rotary function module-wide: keep the swap to this variant's runs."""
+    if not options.liger:
+        yield
+        return
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.qwen3 import modeling_qwen3
+
+    original = modeling_qwen3.apply_rotary_pos_emb
+    modeling_qwen3.apply_rotary_pos_emb = liger_rotary_pos_emb
+    try:
+        yield
+    finally:
+        modeling_qwen3.apply_rotary_pos_emb = original
+
+
+def apply_liger(model) -> None:
+    """liger-kernel's RMSNorm and SwiGLU on this model's modules (its rotary: `liger_rotary_scope`)."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        from transformers.models.qwen3 import modeling_qwen3
+    except ImportError as exc:
+        raise SystemExit(f"the 'liger' variant needs the liger-kernel package ({exc}); install it (pip install "
+                         "liger-kernel) or leave 'liger' out of --variants") from None
+    if model.config.model_type != "qwen3":
+        raise SystemExit(f"the 'liger' variant patches Qwen3 models only, not {model.config.model_type!r}")
+    rotary, norm_cls, mlp_cls = (modeling_qwen3.apply_rotary_pos_emb, modeling_qwen3.Qwen3RMSNorm,
+                                 modeling_qwen3.Qwen3MLP)
+    apply_liger_kernel_to_qwen3(rope=False, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False, model=model)
+    # the instance is patched; new Qwen3 models of other variants keep the transformers classes
+    modeling_qwen3.apply_rotary_pos_emb, modeling_qwen3.Qwen3RMSNorm, modeling_qwen3.Qwen3MLP = (
+        rotary, norm_cls, mlp_cls)

@@ -1,0 +1,71 @@
+"""`torch.compile` of each decoder layer, in place, for tree-packed rows (`torch_compile=True`).
+
+A decoder layer is where a training step's time goes: its matmuls, and around them a few dozen
+memory-bound kernels (RMSNorm in fp32, rotary, SiLU and the gating product, residual adds, casts)
+that eager PyTorch runs one by one over the whole row. Inductor fuses those into a handful of
+kernels; the matmuls stay cuBLAS calls and the tree attention becomes FlexAttention inside the graph.
+Compiling the whole model instead would trace the hooks that hand the row to the layers, the
+chunked LM head and the Trainer's wrappers, for nothing.
+
+- In place (`Module.compile`): parameter names do not change (weight sync, checkpoints), and
+  gradient checkpointing stays outside the compiled region (a recomputation reruns the compiled
+  forward). All layers share one graph: same code, parameters passed as inputs.
+- Shapes: the row length is dynamic from the first compile (`dynamic=True`), so rows of any length
+  reuse one graph. Padding rows to length buckets would cost compute for nothing: the tree mask makes
+  the graph independent of the row's layout, and only the length varies.
+- Masks: a forward pre-hook on the model builds the row's attention masks for every window the
+  layers use (`TreeMask.prebuild`) before the first layer runs, so no graph builds a mask and every
+  layer reads the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asyncgrpo.packing.attention import active_tree_mask, attention_windows
+from asyncgrpo.train.model_setup import decoder_and_head, unwrap
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compile_decoder_layers", "decoder_layers"]
+
+_PREBUILD_HOOK = "_asyncgrpo_prebuild_masks_hook"
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of the model's decoder (the classes transformers lists in
+    `_no_split_modules`), in order; the decoder's `layers` list where the model names none."""
+    base = unwrap(model)
+    body, _ = decoder_and_head(model)
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in body.modules() if type(m).__name__ in names]
+    if not layers and isinstance(getattr(body, "layers", None), torch.nn.ModuleList):
+        layers = list(body.layers)
+    if not layers:
+        raise ValueError(f"{type(base).__name__} exposes no decoder layers to compile (neither `_no_split_modules` "
+                         "nor a `layers` list); set torch_compile=False")
+    return layers
+
+
+def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "inductor", mode: str | None = None,
+                           dynamic: bool | None = True) -> int:
+    """Compile every decoder layer in place and prebuild each row's masks before the layers run;
+    returns the number of layers compiled. Call once, after `enable_tree_attention`."""
+    base = unwrap(model)
+    body, _ = decoder_and_head(model)
+    windows = attention_windows(base)
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(backend=backend or "inductor", mode=mode, dynamic=dynamic)
+    if getattr(body, _PREBUILD_HOOK, None) is None:  # the decoder runs the layers, however it is called
+        def prebuild(module, args, kwargs):
+            mask = active_tree_mask()
+            if mask is not None:
+                mask.prebuild(windows)
+
+        setattr(body, _PREBUILD_HOOK, body.register_forward_pre_hook(prebuild, with_kwargs=True))
+    logger.info("compiled %d decoder layers of %s (backend %s, mode %s, dynamic row length); masks of windows %s "
+                "are built before the layers", len(layers), type(base).__name__, backend, mode, windows)
+    return len(layers)

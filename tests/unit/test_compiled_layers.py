@@ -1,0 +1,89 @@
+"""Tests for asyncgrpo.train.compiled_layers: compiled decoder layers keep packed == unpacked, and rows of
+new lengths reuse the compiled graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.utils
+from test_tree_attention import grpo_like_samples, tiny_model, unpacked_logprobs  # tests/unit is on the path
+
+from asyncgrpo.packing import pack_row
+from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
+from asyncgrpo.train.compiled_layers import compile_decoder_layers, decoder_layers
+from asyncgrpo.train.logprobs import token_logprobs
+
+
+def _train_model(compiled_backend: str | None):
+    model = tiny_model("qwen3")  # one sliding-window and one full-attention layer
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_tree_attention(model)
+    if compiled_backend is not None:
+        assert compile_decoder_layers(model, backend=compiled_backend) == 2
+    return model
+
+
+def _logprobs_and_grad(model, row):
+    model.zero_grad()
+    with tree_attention_context(TreeMask.from_row(row)):
+        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+    lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+    lp.sum().backward()
+    return lp.detach(), model.model.embed_tokens.weight.grad.clone()
+
+
+def _check_against_eager(backend: str, num_rows: int) -> None:
+    compiled, eager = _train_model(backend), _train_model(None)
+    rng = np.random.default_rng(0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for n in range(1, num_rows + 1):  # rows of about 120, 230, 340 tokens
+        samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
+        row = pack_row(samples)
+        got_lp, got_grad = _logprobs_and_grad(compiled, row)
+        want_lp, want_grad = _logprobs_and_grad(eager, row)
+        torch.testing.assert_close(got_lp, want_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-4)
+        if n == 1:  # packed == unpacked: each sample alone through the model's own attention
+            reference = tiny_model("qwen3")
+            torch.testing.assert_close(got_lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
+    # one graph per attention window (sliding and full), whatever the row lengths
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_compiled_layers_match_eager_and_do_not_recompile_per_row_length():
+    _check_against_eager("aot_eager", num_rows=3)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_layers_match_eager():
+    _check_against_eager("inductor", num_rows=2)
+
+
+def test_decoder_layers_are_the_repeated_blocks():
+    model = tiny_model("qwen3")
+    assert decoder_layers(model) == list(model.model.layers)
+
+
+def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph():
+    """The CUDA path's masks (FlexAttention BlockMask, forward on CPU): rows of 600 to 1050 tokens run
+    through one compiled graph and keep packed == unpacked."""
+    full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
+    model, reference = tiny_model("qwen3", **full), tiny_model("qwen3", **full)
+    model.config.use_cache = False
+    enable_tree_attention(model)
+    compile_decoder_layers(model, backend="aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rng = np.random.default_rng(0)
+    for n in (5, 7, 9):
+        samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
+        row = pack_row(samples)
+        mask = TreeMask.from_row(row, backend="flex")
+        with torch.no_grad(), tree_attention_context(mask):
+            hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+            lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+        torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
