@@ -329,6 +329,7 @@ def bench_model(shape, workload, args, device):
         for name in names:
             print(f"{workload['name']} {shape} {options.name}: {name} ...", flush=True)
             entries[name], logprobs = time_layout(model, name, rows, args, device, options)
+            print(f"{workload['name']} {shape} {options.name} {name}: {json.dumps(entries[name])}", flush=True)
             if logprobs is not None and options == StepOptions():
                 base_logprobs[name] = logprobs
             elif logprobs is not None and name in base_logprobs:
