@@ -19,6 +19,7 @@ seeded: the same arguments build the same files.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from pathlib import Path
@@ -74,11 +75,13 @@ class PseudoLanguage:
             yield " ".join(words[start : start + line_words])
 
 
+@functools.lru_cache(maxsize=1)
 def language_for_vocab(vocab_size: int, seed: int = 0) -> PseudoLanguage:
     """The language the chat tokenizer of `vocab_size` tokens is trained on (enough words to fill it)."""
     return PseudoLanguage(int(vocab_size * 1.3) + 1000, seed)
 
 
+@functools.lru_cache(maxsize=1)  # two shapes of one vocabulary share it (training takes seconds)
 def chat_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE of at most `vocab_size` tokens (specials included) trained on the pseudo-language,
     with Qwen3's special tokens and its chat template (the bundled training template)."""
