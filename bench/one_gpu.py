@@ -6,8 +6,9 @@ built here) through the public API, as a user would: prompts of ~200 tokens, com
 tokens, 8 per group, and a reward that varies from sample to sample (the fraction of even token ids in
 the completion: no group is dropped for equal rewards). Per shape one server is started, and
 asynchronous (`max_staleness=4`) and strictly on-policy (`max_staleness=0`) runs alternate against it
-(async, on-policy; with --repeats 2: async, on-policy, on-policy, async). Each run stops at the first
-step end past --max-seconds (trainer start-up included); its first --warmup-steps steps are left out.
+(async, on-policy; with --repeats 2: async, on-policy, on-policy, async). Each run is measured over
+--max-seconds after its first --warmup-steps steps (start-up and compilation are left out, so both
+settings get windows of the same length) and stops at the first step end past that.
 
 Per run (`steady_summary` in bench/one_gpu_probes.py says how each number is computed):
   trained tokens/s, generated tokens/s (the server's own counter), the perf/* split of a step
@@ -22,7 +23,7 @@ Progress is printed per step; the JSON (--output; default bench/results/one_gpu_
 the command) is rewritten after every step, and a run that overstays --max-seconds + --grace-s ends the
 process with the JSON saying where it stopped, so a killed or stuck run still leaves its numbers.
 
-    python bench/one_gpu.py --shape 0.6b 1.7b --max-seconds 75     # one H200: embedded server, IPC sync
+    python bench/one_gpu.py --shape 0.6b 1.7b --max-seconds 60     # one H200: embedded server, IPC sync
     python bench/one_gpu.py --shape tiny                           # CPU smoke run, under a minute
 
 Against a running vLLM 0.33 (its ipc weight-transfer backend) on the same GPU, with the same weights:
@@ -170,10 +171,10 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         print(progress_line(label, recorder.steps[-1]), flush=True)
         bench.save()
 
-    recorder = RunRecorder(label=label, max_seconds=args.max_seconds, on_record=on_record,
-                           read_generated=lambda: generated_tokens(url))
-    watchdog = threading.Timer(args.max_seconds + args.grace_s, bench.abort,
-                               (f"{label} still running {args.max_seconds + args.grace_s:.0f} s after it started",))
+    recorder = RunRecorder(label=label, max_seconds=args.max_seconds, warmup_steps=args.warmup_steps,
+                           on_record=on_record, read_generated=lambda: generated_tokens(url))
+    limit_s = args.max_seconds + args.grace_s
+    watchdog = threading.Timer(limit_s, bench.abort, (f"{label} still running {limit_s:.0f} s after it started",))
     watchdog.daemon = True
     watchdog.start()
     config = AsyncGRPOConfig(
@@ -185,7 +186,8 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1,
         seed=args.seed,
     )
-    print(f"[{label}] starting (max_staleness={max_staleness}, at most {args.max_seconds:.0f} s)", flush=True)
+    print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
+          f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
     memory = GpuMemory()
     try:
         with memory:
@@ -265,7 +267,7 @@ def run_shape(bench: Bench, shape: str) -> None:
             order = SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]  # ABBA: drift spreads over both
             for setting in order:
                 left = args.deadline_s - (time.perf_counter() - bench.started) if args.deadline_s else None
-                if left is not None and left < args.max_seconds:
+                if left is not None and left < args.max_seconds + 60:
                     shape_result["runs"].append({"setting": setting[0], "repeat": repeat,
                                                  "status": f"skipped: {left:.0f} s left of --deadline-s"})
                     continue
@@ -309,9 +311,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None, help="The checkpoint (built there if missing); one shape only.")
     p.add_argument("--build-only", action="store_true", help="Build the checkpoint(s) and exit.")
     p.add_argument("--work-dir", default="/tmp/asyncgrpo-one-gpu", help="Checkpoints, server logs, output dirs.")
-    p.add_argument("--max-seconds", type=float, default=90.0, help="Per run, trainer start-up included.")
-    p.add_argument("--grace-s", type=float, default=180.0, help="After --max-seconds: end the process.")
-    p.add_argument("--deadline-s", type=float, default=None, help="Start no run that could end past this.")
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="Per run: seconds measured after the warm-up steps (the steady window).")
+    p.add_argument("--grace-s", type=float, default=180.0,
+                   help="Per run, for start-up, warm-up (compilation) and shutdown: a run still going "
+                   "--max-seconds + --grace-s after it started ends the process (JSON says where).")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="Seconds for the whole command: a run is not started unless --max-seconds + 60 are left.")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="Pairs of runs per shape (ABBA order).")
     p.add_argument("--max-steps", type=int, default=100_000, help="Runs stop on time before this.")

@@ -2,11 +2,11 @@
 
     GpuMemory          a thread sampling, once a second, nvidia-smi's used memory per process and the
                        device's used memory (torch.cuda.mem_get_info); peaks per pid
-    rollout_cpu_s()    CPU seconds (user + system) of this process's spawned children: the rollout
-                       process (the embedded server is started by subprocess and is not counted)
+    rollout_cpu_s()    CPU seconds (user + system) of the rollout process (the trainer's spawned child)
     generated_tokens() the server's vllm:generation_tokens_total (the embedded server and vLLM both count it)
     RunRecorder        a TrainerCallback: per logged step the time, the step's metrics and the two
-                       counters above; stops training at the first step end past `max_seconds`
+                       counters above; stops training at the first step end `max_seconds` after the
+                       warm-up steps (so both settings are measured over windows of the same length)
     steady_summary()   pure: the rates over the steps after the warm-up (see its docstring)
 
 Nothing here changes what the trainer does; the callback only reads and, past the time limit, asks
@@ -16,6 +16,7 @@ the Trainer to stop after the current step.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -54,20 +55,23 @@ def generated_tokens(base_url: str, api_key: str | None = None) -> float | None:
 
 
 def rollout_cpu_s() -> float | None:
-    """CPU seconds of the multiprocessing-spawned children of this process (the rollout process);
-    None without psutil."""
+    """CPU seconds (user + system, all threads) of the rollout process this process spawned (found by its
+    multiprocessing name); None without psutil or without a rollout process."""
     try:
         import psutil
     except ImportError:
         return None
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
+    from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
+
+    total = None
+    for child in multiprocessing.active_children():
+        if child.name != ROLLOUT_PROCESS_NAME or child.pid is None:
+            continue
         try:
-            if "spawn_main" in " ".join(child.cmdline()):
-                times = child.cpu_times()
-                total += times.user + times.system
+            times = psutil.Process(child.pid).cpu_times()
         except psutil.Error:  # it ended between the listing and the reading
             continue
+        total = (total or 0.0) + times.user + times.system
     return total
 
 
@@ -137,12 +141,14 @@ class GpuMemory:
 class RunRecorder(TrainerCallback):
     """Per logged step: seconds since the run started, the step's metrics, the server's generated
     tokens and the rollout process's CPU seconds; `on_record(recorder)` after each. Stops the run at
-    the first step end past `max_seconds` (counted from this object's creation)."""
+    the first step end more than `max_seconds` after the end of step `warmup_steps` (at least 1):
+    the steady window `steady_summary` measures, whatever the start-up and compilation took."""
 
-    def __init__(self, *, label: str, max_seconds: float, read_generated: Callable[[], float | None],
-                 on_record: Callable[[RunRecorder], None]) -> None:
+    def __init__(self, *, label: str, max_seconds: float, warmup_steps: int,
+                 read_generated: Callable[[], float | None], on_record: Callable[[RunRecorder], None]) -> None:
         self.label = label
         self.max_seconds = max_seconds
+        self.warmup_steps = max(1, warmup_steps)
         self.read_generated = read_generated
         self.on_record = on_record
         self.started = time.perf_counter()
@@ -154,12 +160,18 @@ class RunRecorder(TrainerCallback):
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
 
+    def steady_s(self) -> float:
+        """Seconds since the last warm-up step ended (0 before)."""
+        if len(self.steps) < self.warmup_steps:
+            return 0.0
+        return self.elapsed_s() - self.steps[self.warmup_steps - 1]["t_s"]
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.transport is None and self.trainer is not None and self.trainer.weight_transport is not None:
             t = self.trainer.weight_transport
             detail = getattr(getattr(t, "sender", None), "dialect", None) or getattr(t, "backend", None)
             self.transport = f"{type(t).__name__}({detail})"
-        if self.elapsed_s() > self.max_seconds:
+        if self.steady_s() > self.max_seconds:
             self.stopped_by_time = True
             control.should_training_stop = True
         return control

@@ -139,5 +139,7 @@ def build_random_qwen3(shape: str, path: Path, *, chat: bool = False, vocab_size
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # free the GPU for the server and the trainer that load it next
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(path)
