@@ -55,9 +55,16 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from one_gpu_probes import GpuMemory, RunRecorder, generated_tokens, steady_summary
+from one_gpu_probes import (
+    GpuMemory,
+    RunRecorder,
+    generated_tokens,
+    server_cache_config,
+    steady_summary,
+    wait_until_idle,
+)
 from one_gpu_report import compare_settings, progress_line, write_json
-from random_qwen3 import QWEN3_VOCAB_SIZE, PseudoLanguage, build_random_qwen3, language_for_vocab
+from random_qwen3 import QWEN3_VOCAB_SIZE, SHAPES, PseudoLanguage, build_random_qwen3, language_for_vocab
 
 # per shape: prompt tokens, completion tokens, group size, packed-row tokens, micro-batches per step,
 # the server's max_model_len and the number of prompts (never all used: the runs stop on time)
@@ -163,6 +170,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
     run: dict[str, Any] = {"setting": name, "max_staleness": max_staleness, "repeat": repeat, "status": "running"}
     bench.result["shapes"][shape]["runs"].append(run)
     label = f"{shape} {name} #{repeat}"
+    run["server_idle_wait_s"] = wait_until_idle(url)  # requests a stopped run left behind
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
@@ -231,8 +239,8 @@ def run_shape(bench: Bench, shape: str) -> None:
     bench.result["shapes"][shape] = shape_result
     prepare_checkpoint(shape, model_dir, bench.device)
     tokenizer = load_tokenizer(str(model_dir))
-    rows, mean_prompt = make_prompts(tokenizer, language_for_vocab(len(tokenizer), args.seed), preset["num_prompts"],
-                                     preset["prompt_tokens"], args.seed)
+    language = language_for_vocab(VOCAB_SIZES[shape] or SHAPES[shape]["vocab_size"])  # the tokenizer's corpus
+    rows, mean_prompt = make_prompts(tokenizer, language, preset["num_prompts"], preset["prompt_tokens"], args.seed)
     shape_result.update(vocab_size=len(tokenizer), prompt_tokens_mean=mean_prompt)
     print(f"[{shape}] {len(rows)} prompts of {mean_prompt:.0f} tokens on average", flush=True)
     bench.save()
@@ -262,6 +270,7 @@ def run_shape(bench: Bench, shape: str) -> None:
             return pid in server_tree
         shape_result["server_args"] = serve_args
     shape_result["server_start_s"] = time.perf_counter() - t0
+    shape_result["server_config"] = server_cache_config(url)
     try:
         for repeat in range(args.repeats):
             order = SETTINGS if repeat % 2 == 0 else SETTINGS[::-1]  # ABBA: drift spreads over both

@@ -4,6 +4,8 @@
                        device's used memory (torch.cuda.mem_get_info); peaks per pid
     rollout_cpu_s()    CPU seconds (user + system) of the rollout process (the trainer's spawned child)
     generated_tokens() the server's vllm:generation_tokens_total (the embedded server and vLLM both count it)
+    wait_until_idle()  until the server runs no request (between runs)
+    server_cache_config()  the server's KV cache size and scheduler settings (/server_info)
     RunRecorder        a TrainerCallback: per logged step the time, the step's metrics and the two
                        counters above; stops training at the first step end `max_seconds` after the
                        warm-up steps (so both settings are measured over windows of the same length)
@@ -15,6 +17,7 @@ the Trainer to stop after the current step.
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import os
@@ -52,6 +55,33 @@ def generated_tokens(base_url: str, api_key: str | None = None) -> float | None:
             return parse_metrics(response.read().decode()).generation_tokens
     except OSError:
         return None
+
+
+def server_cache_config(base_url: str) -> dict[str, Any] | None:
+    """The server's KV-cache and scheduler settings from /server_info (None without the route)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/server_info?config_format=json", timeout=10) as response:
+            config = json.loads(response.read().decode()).get("vllm_config") or {}
+    except (OSError, ValueError):
+        return None
+    return {"cache_config": config.get("cache_config"), "scheduler_config": config.get("scheduler_config"),
+            "device_config": config.get("device_config")}
+
+
+def wait_until_idle(base_url: str, timeout_s: float = 60.0) -> float:
+    """Seconds until the server runs and queues no request (what a stopped run left is aborted or done),
+    at most `timeout_s`; the next run then starts on an idle server."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        try:
+            with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as response:
+                m = parse_metrics(response.read().decode())
+        except OSError:
+            break
+        if not (m.num_requests_running or m.num_requests_waiting):
+            break
+        time.sleep(0.5)
+    return time.perf_counter() - t0
 
 
 def rollout_cpu_s() -> float | None:
