@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 STEP_KEYS_KEPT = (  # per-step values kept in the JSON besides every perf/* (the summary has all means)
     "batch/trained_tokens_per_step", "batch/samples_per_step", "sample/staleness_mean",
     "sample/dropped_stale_count", "reward", "reward_group_std", "frac_reward_zero_std",
-    "completions/mean_length", "rollout/backpressure_s", "rollout/concurrency",
+    "completions/mean_length", "rollout/backpressure_s", "rollout/concurrency", "rollout/concurrency_cap",
+    "rollout/vllm_kv_cache_usage_frac", "sampling/importance_sampling_ratio/mean",
 )
 TOTAL_KEYS = ("batch/trained_tokens_per_step", "batch/samples_per_step")  # mean and total over the window
 COUNT_KEYS = ("sample/dropped_stale_count",)  # logged only by the steps that count some: total only
