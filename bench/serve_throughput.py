@@ -52,35 +52,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-
-SHAPES = {
-    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "tie_word_embeddings": True},
-    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
-    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
-}
-
-
-def build_random_qwen3(shape: str, path: Path) -> None:
-    """A random-initialised Qwen3 of the given shape in bf16 with a word-level tokenizer (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    cfg = SHAPES[shape]
-    vocab = {"<eos>": 0, **{f"t{i}": i for i in range(1, cfg["vocab_size"])}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
-    torch.manual_seed(0)
-    config = Qwen3Config(**cfg, max_position_embeddings=40960, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    GenerationConfig(eos_token_id=0, pad_token_id=0).save_pretrained(path)
+from random_qwen3 import SHAPES, build_random_qwen3
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0, group_size: int = 1) -> list[list[int]]:

@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared GPUs
 
 import torch
-from serve_throughput import SHAPES, build_random_qwen3
+from random_qwen3 import SHAPES, build_random_qwen3
 
 
 def server_placement(device: str) -> tuple[str, dict[str, str]]:

@@ -112,6 +112,9 @@ def test_a_second_trainer_is_refused_at_start_while_the_first_lives(leased_serve
         assert status == 409 and first.trainer_id in body["error"]["message"]
         first.sync_weights(lambda: iter(tiny_weights), version="first")
         first.close()
+        # a trainer that closes gives the server back at once (on a GPU there is no gloo store whose end
+        # would tell the server: the next run of a script would wait out the lease)
+        assert call(leased_server.url, "GET", "/lease")[1]["holder"] is None
         second.connect()  # the first one is gone: its group went with it
     finally:
         first.close()

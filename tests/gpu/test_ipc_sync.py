@@ -2,7 +2,14 @@
 
 The server runs as `asyncgrpo serve --device cuda:0` in a subprocess; this process is the trainer on
 cuda:0. The transport is chosen as the trainer chooses it (equal GPU UUIDs -> "ipc"), the weights
-are pushed with JSON handles, and the server's /weight_checksum must equal the trainer's weights.
+are pushed with JSON handles, and after each push:
+  - the server's /weight_checksum equals the trainer's weights (every byte of every parameter),
+  - the server reports the pushed version,
+  - the server samples from the pushed weights (its log-probs equal the pushed model's, computed
+    here), which also covers the fused layers that serve views of the parameters.
+The second push goes through a small buffer, so several chunks pass through the one shared buffer
+(what a 1.7B model's 3.4 GB does with the 1 GiB default): the trainer overwrites it for chunk k+1
+only after the server answered that it copied chunk k.
 
     pytest -m gpu tests/gpu/test_ipc_sync.py
 """
@@ -15,27 +22,41 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240, method="thread")]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400, method="thread")]
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+from test_weight_sync import _processed_logprobs, _tiny_qwen3
+
+PROMPT = [1, 5, 9, 17, 33]
 
 
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
-    from test_weight_sync import _tiny_qwen3
-
     from asyncgrpo.launch import EmbeddedServer
 
     model_dir = tmp_path_factory.mktemp("tiny_qwen3_gpu")
     model = _tiny_qwen3(model_dir)
     args = ["--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"]
-    with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log") as server:
+    # a cold start compiles the Triton kernels and captures the CUDA graphs: allow minutes
+    with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log",
+                        startup_timeout_s=300) as server:
         yield model, server.url
 
 
+def _perturb_(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Move every parameter by a seeded step (in place); returns the new weights, on CPU."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
 @needs_gpu
-def test_ipc_sync_makes_the_server_weights_equal_the_trainers(gpu_server):
+def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server):
+    from asyncgrpo.generation.protocol import SamplingParams
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
     from asyncgrpo.sync.packed import TensorMeta
     from asyncgrpo.train.server_link import ServerLink
@@ -43,21 +64,31 @@ def test_ipc_sync_makes_the_server_weights_equal_the_trainers(gpu_server):
 
     model, url = gpu_server
     device = torch.device("cuda:0")
-    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=1234, logprobs=0)
     link = ServerLink(url, timeout_s=120)
     try:
         info = link.connect()
         transport = make_transport(link, device, info.device)
         assert isinstance(transport, IpcTransport) and transport.sender.dialect == "embedded"
         transport.init()
-        for version in ("ipc-1", "ipc-2"):  # the second push reuses the shared buffer
-            named = [(n, (p.detach() + 0.1 * torch.randn(p.shape, generator=g)).to(device))
-                     for n, p in model.named_parameters()]
-            timings = transport.push(iter(named), version=version, metas=[TensorMeta.of(n, t) for n, t in named])
+        original = link.run(link.client.generate(PROMPT, params))
+        for version, seed, buffer_bytes in (("ipc-1", 1, None), ("ipc-2", 2, 4096)):
+            if buffer_bytes is not None:
+                transport.sender.buffer_size_bytes = buffer_bytes  # several chunks through one buffer
+            named = _perturb_(model, seed)
+            on_gpu = [(n, t.to(device)) for n, t in named]
+            timings = transport.push(iter(on_gpu), version=version, metas=[TensorMeta.of(n, t) for n, t in on_gpu])
+
             served = link.run(link.client.weight_checksum())
-            expected = weights_checksum([(n, t.cpu()) for n, t in named])
-            assert checksum_mismatches(expected, served) == []
+            assert checksum_mismatches(weights_checksum(named), served) == []
+            assert link.run(link.client.weight_info()) == version
             assert timings["bytes"] == sum(t.numel() * t.element_size() for _, t in named)
+            assert (timings["num_chunks"] > 1) == (buffer_bytes is not None)
+
+            after = link.run(link.client.generate(PROMPT, params))
+            assert after.logprobs == pytest.approx(_processed_logprobs(model, PROMPT, after.token_ids, top_k=8),
+                                                   abs=2e-3)
+            assert after.token_ids != original.token_ids or after.logprobs != pytest.approx(original.logprobs, abs=1e-2)
         transport.close()
     finally:
         link.close()

@@ -293,6 +293,7 @@ def test_metrics_fixture_sums_engines():
         0.0,
         0.0,
     )
+    assert (m.generation_tokens, m.prompt_tokens) == (270391.0, 67656.0)  # vLLM 0.33's counters
     two = (
         "# TYPE vllm:num_requests_running gauge\n"
         'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
@@ -303,6 +304,9 @@ def test_metrics_fixture_sums_engines():
         "# TYPE vllm:num_preemptions_total counter\n"
         'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
         'vllm:num_preemptions_total{engine="1",model_name="m"} 5.0\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 100.0\n'
+        'vllm:generation_tokens_total{engine="1",model_name="m"} 20.0\n'
     )
     m = parse_metrics(two)
     assert (m.kv_cache_usage_frac, m.num_requests_running, m.num_requests_waiting, m.num_preemptions) == (
@@ -311,6 +315,7 @@ def test_metrics_fixture_sums_engines():
         None,
         7.0,
     )
+    assert (m.generation_tokens, m.prompt_tokens) == (120.0, None)
 
 
 def test_error_message_shapes(cases):

@@ -427,6 +427,18 @@ class GenerationClient:
             raise ProtocolError(f"/lease: expected {{'lease_s': float, ...}}, got {body!r}")
         return body
 
+    async def release_hold(self, timeout_s: float = 5.0) -> bool:
+        """Give the embedded server back at once if this client holds it (`GET /lease` says so): POST
+        /shutdown_weight_transfer_engine drops its weight-transfer group and its hold, so the next trainer
+        need not wait out the lease. One attempt per request, `timeout_s` each. False when there was
+        nothing to release (another holder, none, or vLLM, which has no lease)."""
+        status, text = await self._request("GET", "/lease", pass_statuses=frozenset({404}), retry_transient=False,
+                                           timeout_s=timeout_s)
+        if status == 404 or not (isinstance(body := self._json("/lease", text), dict) and body.get("is_holder")):
+            return False
+        await self._post_json("/shutdown_weight_transfer_engine", retry_transient=False, timeout_s=timeout_s)
+        return True
+
     async def renew_lease(self, timeout_s: float) -> bool:
         """Renew this client's hold on the embedded server (and its pause); one attempt, no retry."""
         body = await self._post_json("/renew_lease", retry_transient=False, timeout_s=timeout_s)

@@ -461,6 +461,9 @@ class ServerMetrics:
     # when the server runs without prefix caching metrics)
     prefix_cache_queries: float | None = None
     prefix_cache_hits: float | None = None
+    # tokens generated and prompt tokens computed since the server started (counters)
+    generation_tokens: float | None = None
+    prompt_tokens: float | None = None
 
 
 _METRIC_SUMS = {
@@ -469,6 +472,8 @@ _METRIC_SUMS = {
     "vllm:num_preemptions_total": "num_preemptions",
     "vllm:prefix_cache_queries_total": "prefix_cache_queries",
     "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
 }
 
 
@@ -489,6 +494,8 @@ def parse_metrics(text: str) -> ServerMetrics:
         num_preemptions=values.get("num_preemptions"),
         prefix_cache_queries=values.get("prefix_cache_queries"),
         prefix_cache_hits=values.get("prefix_cache_hits"),
+        generation_tokens=values.get("generation_tokens"),
+        prompt_tokens=values.get("prompt_tokens"),
     )
 
 

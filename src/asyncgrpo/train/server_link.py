@@ -12,7 +12,8 @@ One weight sync (DESIGN section 7):
 At start (`connect`): a server held by another live trainer is refused (embedded server); a server
 left paused (its trainer died mid-sync) is resumed, with a warning. Against the embedded server the
 link then renews its trainer lease every few seconds (`asyncgrpo.server.lease`), so that its pause
-and its weight-transfer group outlive it by at most the server's `--trainer-lease`.
+and its weight-transfer group outlive it by at most the server's `--trainer-lease`; `close()` gives
+the server back at once (the next trainer, e.g. the next run of a script, starts without waiting).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ServerLink:
         self._sender = None
         self.info = None
         self._renewal: asyncio.Task | None = None
+        self._leased = False  # the server has a trainer lease (the embedded server): release it at close
         self._run(self.client.start())
 
     def _run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
@@ -82,6 +84,7 @@ class ServerLink:
         lease = await self.client.lease()  # None: not the embedded server
         if lease is not None and lease.get("message"):
             raise RuntimeError(f"cannot train against {self.base_url}: {lease['message']}")
+        self._leased = lease is not None
         try:
             paused = await self.client.is_paused()
         except ServerRequestError as exc:
@@ -168,6 +171,15 @@ class ServerLink:
         if sender is not None and self._thread.is_alive():
             self._run(sender.close(), timeout_s=30)
 
+    async def _release(self) -> None:
+        """Drop this trainer's hold on the embedded server (and the server's end of its weight-transfer
+        group) so that the next trainer need not wait out the lease; a server already gone is fine."""
+        try:
+            await self.client.release_hold()
+        except (ServerConnectionError, ServerRequestError, ProtocolError, TimeoutError) as exc:
+            logger.warning("could not give the inference server at %s back (%s); the next trainer may wait up to "
+                           "its --trainer-lease", self.base_url, exc)
+
     def close(self) -> None:
         if not self._thread.is_alive():  # closed already
             return
@@ -177,6 +189,8 @@ class ServerLink:
                 self._renewal.cancel()
             if self._sender is not None:
                 await self._sender.close()
+            if self._leased:
+                await self._release()
             await self.client.close()
 
         try:

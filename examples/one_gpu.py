@@ -1,0 +1,127 @@
+r"""Asynchronous GRPO on ONE GPU: a hub model learns grade-school math (GSM8K), with its generation
+server on the same GPU.
+
+The embedded server (`asyncgrpo serve`) takes `--gpu-memory-utilization` of the GPU for its weights
+and KV cache; the trainer keeps the rest. Generation (memory-bound) and training (compute-bound) run
+at the same time, and after every optimizer step the trainer sends its weights to the server by CUDA
+IPC (the server copies them from the trainer's GPU memory; nothing leaves the GPU). The trainer
+chooses IPC by itself when the server reports the same GPU.
+
+    pip install 'asyncgrpo[math]'             # math-verify, for accuracy_reward
+    python examples/one_gpu.py                 # Qwen/Qwen3-0.6B on openai/gsm8k, 200 steps
+    python examples/one_gpu.py --model Qwen/Qwen3-1.7B --gpu-memory-utilization 0.3
+
+With vLLM 0.33 instead of the embedded server, started on the same GPU with its CUDA IPC weight
+transfer. vLLM's ipc backend receives the handles pickled, so it needs
+VLLM_ALLOW_INSECURE_SERIALIZATION=1, which lets anyone who can reach its port run code in it: keep
+it on 127.0.0.1 (vLLM's default here) on a machine you trust.
+
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen3-0.6B --port 8000 \
+        --weight-transfer-config '{"backend": "ipc"}' --enable-scale-out \
+        --logprobs-mode processed_logprobs --gpu-memory-utilization 0.35 --max-model-len 2048
+    python examples/one_gpu.py --vllm-url http://127.0.0.1:8000
+
+Sizing: the server's share holds its bf16 weights, one step's activations and the KV cache (every
+token it keeps costs 2 x layers x KV heads x head_dim x 2 bytes: 112 KiB for Qwen3-0.6B and -1.7B);
+the trainer's rest holds the float32 weights, gradients and Adam state (16 bytes per parameter: 9.6 GB
+for 0.6B, 27 GB for 1.7B), the activations of one packed row of `--token-budget` tokens and a 1 GiB
+buffer for the weight transfer. For example, 0.35 of an 80 GB GPU gives the server 28 GB (for
+Qwen3-1.7B: 3.4 GB of weights and about 200k tokens of KV cache) and leaves the trainer 52 GB.
+
+`--data-files` trains on a local JSON/JSONL file of GSM8K-shaped rows (`question`, `answer` ending in
+`#### <number>`) instead of the hub dataset; `--device cpu` runs everything on the CPU (what the test
+does with the bundled tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.launch import EmbeddedServer
+from asyncgrpo.rewards import accuracy_reward
+
+INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{number}."
+
+
+def to_prompt(row: dict[str, Any], instruction: str = INSTRUCTION) -> dict[str, Any]:
+    """A GSM8K row -> a conversational prompt (the question, then `instruction`) and the gold answer
+    (`accuracy_reward` reads `answer`): the number after GSM8K's final `####`, without thousands separators."""
+    gold = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
+    content = f"{row['question']}\n\n{instruction}" if instruction else row["question"]
+    return {"prompt": [{"role": "user", "content": content}], "answer": gold}
+
+
+def load_rows(args: argparse.Namespace):
+    from datasets import load_dataset  # only this example needs `datasets` at import time
+
+    if args.data_files:
+        dataset = load_dataset("json", data_files=args.data_files, split="train")
+    else:
+        dataset = load_dataset(args.dataset, args.dataset_config, split=args.split)
+    return dataset.map(to_prompt, fn_kwargs={"instruction": args.instruction}, remove_columns=dataset.column_names)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Train; returns the Trainer's log history."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    p.add_argument("--dataset", default="openai/gsm8k")
+    p.add_argument("--dataset-config", default="main")
+    p.add_argument("--split", default="train")
+    p.add_argument("--data-files", default=None, help="A local JSON/JSONL file of GSM8K rows instead.")
+    p.add_argument("--vllm-url", default=None, help="A running vLLM on this GPU instead of the embedded server.")
+    p.add_argument("--device", default="cuda", help="cuda (one GPU for both) or cpu.")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--learning-rate", type=float, default=1e-6)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--max-completion-length", type=int, default=1024)
+    p.add_argument("--token-budget", type=int, default=8192, help="Tokens per packed row (one forward).")
+    p.add_argument("--grad-accum", type=int, default=4, help="Packed rows per optimizer step.")
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--thinking", action="store_true", help="Let Qwen3 think first (longer completions).")
+    p.add_argument("--instruction", default=INSTRUCTION, help="Appended to every question ('' for none).")
+    p.add_argument("--output-dir", default="asyncgrpo-one-gpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    cuda = args.device != "cpu"
+
+    rows = load_rows(args)
+    server = None
+    if args.vllm_url is None:
+        serve_args = ["--max-model-len", str(args.max_model_len)]
+        if cuda:
+            serve_args += ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        # the server downloads a hub model itself (the launcher runs it offline unless told otherwise)
+        server = EmbeddedServer(args.model, device=args.device, extra_args=serve_args, startup_timeout_s=1800,
+                                log_path=os.path.join(args.output_dir, "server.log"),
+                                env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")})
+        server.start()
+    try:
+        config = AsyncGRPOConfig(
+            output_dir=args.output_dir, vllm_server_base_url=args.vllm_url or server.url, max_steps=args.max_steps,
+            learning_rate=args.learning_rate, num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length, token_budget=args.token_budget,
+            gradient_accumulation_steps=args.grad_accum, max_staleness=args.max_staleness,
+            chat_template_kwargs={"enable_thinking": args.thinking}, bf16=cuda, use_cpu=not cuda,
+            gradient_checkpointing=cuda, save_strategy="no", report_to="none", logging_steps=1, seed=args.seed,
+        )
+        trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=rows, args=config)
+        trainer.train()
+        trainer.save_model(args.output_dir)
+    finally:
+        if server is not None:
+            server.stop()
+    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    if rewards:
+        tenth = max(1, len(rewards) // 10)
+        print(f"mean reward: first {tenth} steps {sum(rewards[:tenth]) / tenth:.3f}, "
+              f"last {tenth} steps {sum(rewards[-tenth:]) / tenth:.3f}; model saved to {args.output_dir}")
+    return trainer.state.log_history
+
+if __name__ == "__main__":
+    main()

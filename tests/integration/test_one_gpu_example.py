@@ -1,0 +1,50 @@
+"""examples/one_gpu.py, the one-GPU recipe, runs as written on the bundled tiny model, a local
+GSM8K-shaped file and the CPU (the recipe's hub model, hub dataset and GPU are only its defaults)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncgrpo.tasks import arithmetic
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.delitem(sys.modules, "one_gpu", raising=False)  # bench/one_gpu.py has the same module name
+    return importlib.import_module("one_gpu")
+
+
+def test_gsm8k_rows_become_prompts_with_the_number_after_the_last_marker(one_gpu):
+    row = {"question": "Tom has 1,200 apples and gets 34 more. How many?",
+           "answer": "1,200 + 34 = <<1200+34=1234>>1234\n#### 1,234"}
+    converted = one_gpu.to_prompt(row)
+    assert converted["answer"] == "1234"
+    assert converted["prompt"] == [{"role": "user", "content": f"{row['question']}\n\n{one_gpu.INSTRUCTION}"}]
+    assert one_gpu.to_prompt(row, instruction="")["prompt"][0]["content"] == row["question"]
+
+
+@pytest.mark.slow  # 15-25 s: the embedded server's start and two training steps on CPU
+def test_the_recipe_trains_the_tiny_model_on_a_local_gsm8k_file(one_gpu, tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    with data.open("w") as f:
+        for row in arithmetic.make_dataset(64, seed=0):
+            question = row["prompt"][-1]["content"]
+            f.write(json.dumps({"question": question, "answer": f"{row['solution']}\n#### {row['answer']}"}) + "\n")
+    # the tiny model knows its arithmetic questions as they are, without the recipe's instruction
+    history = one_gpu.main(["--model", "asyncgrpo/tiny-chat", "--data-files", str(data), "--instruction", "",
+                            "--device", "cpu",
+                            "--max-steps", "2", "--num-generations", "4", "--max-completion-length", "48",
+                            "--token-budget", "512", "--grad-accum", "1", "--max-model-len", "256",
+                            "--output-dir", str(tmp_path / "out")])
+    steps = [e for e in history if "perf/step_s" in e]
+    assert len(steps) == 2
+    assert "rewards/accuracy_reward/mean" in steps[-1]
+    assert (tmp_path / "out" / "model.safetensors").exists()  # the trained model is saved

@@ -1,0 +1,82 @@
+"""The arithmetic of bench/one_gpu.py against hand-computed values: the steady-window rates of a run,
+the comparison of the settings, the reward, and the prompt length it aims for."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from one_gpu import even_token_fraction, make_prompts
+from one_gpu_probes import steady_summary
+from one_gpu_report import compare_settings
+from random_qwen3 import chat_tokenizer, language_for_vocab
+
+STEPS = [
+    {"step": 1, "t_s": 10.0, "generated_tokens": 100.0, "rollout_cpu_s": 2.0,
+     "batch/trained_tokens_per_step": 50.0, "perf/step_s": 10.0},
+    {"step": 2, "t_s": 12.0, "generated_tokens": 300.0, "rollout_cpu_s": 2.5,
+     "batch/trained_tokens_per_step": 80.0, "perf/step_s": 2.0, "sample/dropped_stale_count": 3.0},
+    {"step": 3, "t_s": 16.0, "generated_tokens": 700.0, "rollout_cpu_s": 3.0,
+     "batch/trained_tokens_per_step": 120.0, "perf/step_s": 4.0},
+]
+
+
+def test_steady_summary_rates_cover_the_steps_after_the_warm_up():
+    s = steady_summary(STEPS, warmup_steps=1)
+    assert s["steady_steps"] == 2 and s["window_s"] == 6.0  # from the end of step 1 to the end of step 3
+    assert s["trained_tokens_per_s"] == pytest.approx((80 + 120) / 6)
+    assert s["generated_tokens_per_s"] == pytest.approx((700 - 100) / 6)
+    assert s["rollout_cpu_s_per_generated_token"] == pytest.approx(1.0 / 600)
+    assert s["rollout_busy_frac"] == pytest.approx(1.0 / 6)
+    assert s["mean_perf/step_s"] == 3.0
+    assert s["total_batch/trained_tokens_per_step"] == 200.0 and s["mean_batch/trained_tokens_per_step"] == 100.0
+    # a count logged by one step only: its total, never a mean over the steps that logged it
+    assert s["total_sample/dropped_stale_count"] == 3.0 and "mean_sample/dropped_stale_count" not in s
+    assert steady_summary(STEPS, warmup_steps=0)["window_s"] == 6.0  # the first step is always left out
+
+
+def test_steady_summary_without_enough_steps_or_counters():
+    assert steady_summary(STEPS, warmup_steps=3)["steady_steps"] == 0
+    no_server_counter = [{**s, "generated_tokens": None} for s in STEPS]
+    s = steady_summary(no_server_counter, warmup_steps=1)
+    assert s["generated_tokens_per_s"] is None and s["rollout_cpu_s_per_generated_token"] is None
+    assert s["trained_tokens_per_s"] == pytest.approx(200 / 6)
+
+
+def test_compare_settings_takes_medians_and_the_async_over_on_policy_ratios():
+    def run(setting, trained, sync_s, step_s):
+        return {"setting": setting, "summary": {"steady_steps": 3, "trained_tokens_per_s": trained,
+                                                "generated_tokens_per_s": 2 * trained,
+                                                "mean_perf/weight_sync_s": sync_s, "mean_perf/step_s": step_s}}
+
+    runs = [run("async", 130.0, 0.05, 2.0), run("on_policy", 100.0, 0.08, 3.0), run("async", 150.0, 0.07, 2.0),
+            {"setting": "on_policy", "status": "failed: OOM", "summary": {"steady_steps": 0}},
+            {"setting": "async", "status": "skipped: 10 s left of --deadline-s"}]
+    c = compare_settings(runs)
+    assert c["async"]["runs"] == 2 and c["async"]["trained_tokens_per_s"] == 140.0
+    assert c["on_policy"]["runs"] == 1
+    assert c["async_over_on_policy"]["trained_tokens_per_s"] == pytest.approx(1.4)
+    assert c["async_over_on_policy"]["generated_tokens_per_s"] == pytest.approx(1.4)
+    assert c["async_over_on_policy"]["step_s"] == pytest.approx(1.5)
+    assert c["targets"]["trained_tokens_per_s_async_over_on_policy_at_least_1.3"] is True
+    assert c["targets"]["weight_sync_s"] == 0.08 and c["targets"]["weight_sync_s_at_most_0.1"] is True
+    only_async = compare_settings(runs[:1])
+    assert only_async["on_policy"] is None and only_async["async_over_on_policy"]["trained_tokens_per_s"] is None
+
+
+def test_even_token_fraction_reward():
+    assert even_token_fraction([[2, 4, 5, 7], [1], [], [0, 0]]) == [0.5, 0.0, 0.0, 1.0]
+
+
+def test_prompts_are_about_the_requested_length():
+    tokenizer = chat_tokenizer(512)
+    rows, mean = make_prompts(tokenizer, language_for_vocab(512), num_prompts=80, target_tokens=60, seed=0)
+    assert len(rows) == 80 and rows[0]["prompt"][0]["role"] == "user"
+    assert 50 <= mean <= 70
+    assert rows[0] != rows[1]
+    # the language is seeded: the same arguments give the same prompts
+    assert make_prompts(tokenizer, language_for_vocab(512), 2, 60, seed=0)[0][0] == rows[0]
