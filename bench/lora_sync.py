@@ -55,7 +55,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared GPUs
 
 import torch
-from serve_throughput import SHAPES, build_random_qwen3, device_slug, make_prompts, wait_for_health
+from random_qwen3 import SHAPES, build_random_qwen3
+from serve_throughput import device_slug, make_prompts, wait_for_health
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_STALENESS = 1  # two adapter versions stay registered, as in a run with max_staleness=1
