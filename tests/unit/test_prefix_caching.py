@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 
 MAX_LEN = 256
 BS = 16
@@ -35,13 +38,19 @@ def model():
 class Harness:
     """An engine without its thread: schedule, run, record, release finished sequences."""
 
-    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096) -> None:
-        cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, torch.device("cpu"))
+    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096,
+                 shared_prefix: bool = False) -> None:
+        cpu = torch.device("cpu")
+        cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN)
-        self.runner = ModelRunner(model, cache, torch.device("cpu"), VOCAB, self.sched.block_table)
+        # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
+        # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
+        graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB) if shared_prefix else None
+        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix)
         self.num_ids = 0
         self.num_preempted = 0
         self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
+        self.shared_entries = []  # group entries sharing blocks among the decode sequences of every step
 
     def run(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
         seqs = []
@@ -57,6 +66,12 @@ class Harness:
             self.num_preempted += len(plan.preempted)
             self.plans.append(([s.seq_id for s in plan.decode],
                                [(s.seq_id, s.prefill_start, s.prefill_end) for s in plan.prefill]))
+            if plan.decode and self.runner.shared_members:
+                rows = [s.row for s in plan.decode]
+                num = np.array([s.num_tokens for s in plan.decode])
+                found = find_shared_prefixes(self.sched.block_table[rows, : -(-num.max() // BS)], num, BS,
+                                             self.runner.shared_members, self.sched.null_block)
+                self.shared_entries.append(0 if found is None else found.num_groups)
             scheduled = plan.sampled
             self.runner.step(plan.decode, plan.prefill).record(scheduled, "v")
             for s in scheduled:
@@ -100,6 +115,24 @@ def test_groups_and_multi_turn_prompts_match_an_uncached_server(model):
     assert stats.hits - hits_before == (len(first.prompt) + len(first.output) - 1) // BS * BS
     turn3 = turn2 + _prompt(2, 20)  # an extension of an extension, two seeds
     _assert_same(on.run([(turn3, 6), (turn3, 7)]), off.run([(turn3, 6), (turn3, 7)]))
+
+
+def test_groups_reading_their_shared_prompt_once_match_an_uncached_server(model):
+    """Decode attention that reads a group's shared prompt blocks once for all its members (through the
+    first member's table) gives what plain attention gives: groups, groups behind a common system
+    prompt, a lone request, a next turn, members joining while others decode."""
+    shared = Harness(model, caching=True, shared_prefix=True, num_blocks=160, max_num_seqs=12)
+    off = Harness(model, caching=False, num_blocks=160, max_num_seqs=12)
+    system = _prompt(20, 24)
+    long_prompt = _prompt(21, (MIN_SHARED_BLOCKS + 1) * BS + 5)
+    work = [(long_prompt, seed) for seed in range(3)]
+    work += [(system + _prompt(22 + g, 50), 10 * g + seed) for g in range(2) for seed in range(4)]
+    work += [(_prompt(30, 90), 40)]
+    _assert_same(shared.run(work, max_tokens=24), off.run(work, max_tokens=24))
+    assert max(shared.shared_entries) >= 3  # the steps had groups to read once
+    first = shared.run([(long_prompt, 50)], max_tokens=3)[0]
+    turn2 = [(first.prompt + first.output + _prompt(31, 7), seed) for seed in range(3)]
+    _assert_same(shared.run(turn2 + work[:2], max_tokens=20), off.run(turn2 + work[:2], max_tokens=20))
 
 
 def test_a_prompt_of_whole_blocks_still_computes_its_last_token(model):
