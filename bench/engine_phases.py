@@ -172,7 +172,12 @@ def max_len_of(args) -> int:
 def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) -> dict:
     """One run of the workload through fresh scheduler/runner state; per-class step times."""
     max_len = max_len_of(args)
-    num_blocks = args.concurrency * max_len // BLOCK_SIZE + 64
+    # room for every sequence at full length, or with caching for each distinct prompt once
+    num_tokens = args.concurrency * max_len
+    if args.caching == "on" and args.shape == "group":
+        num_tokens = -(-args.concurrency // args.group_size) * args.prompt_len + args.concurrency * (
+            max_len - args.prompt_len + 2 * BLOCK_SIZE)
+    num_blocks = num_tokens // BLOCK_SIZE + 64
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
     scheduler = Scheduler(BlockPool(cache.num_blocks, args.caching == "on"), BLOCK_SIZE, args.concurrency,
