@@ -4,8 +4,9 @@ The server's own scheduler (prefix caching, chunked prefill), model runner and d
 one of the request shapes of bench/serve_throughput.py in this process:
 
     group      C / G prompts of `--prompt-len` tokens, each sent G times (`--group-size`), all at once
-    turns      C conversations of `--turns` turns: a turn enters `--turn-gap-steps` steps after the
-               previous one finished, with its prompt + completion + `--turn-tokens` new tokens
+    turns      C conversations of `--turns` turns: a turn enters `--turn-gap-steps` steps (plus a random
+               0 .. `--turn-gap-jitter`, as HTTP round trips spread them) after the previous one
+               finished, with its prompt + completion + `--turn-tokens` new tokens
     distinct   C different prompts (group size 1)
 
 Every step is put in one class, and each class gets its count and per-step times:
@@ -139,6 +140,7 @@ class Workload:
             logprobs=args.logprobs or None, want_mask=False,
         )
         self.pending: list[tuple[int, Sequence]] = []  # (step at which it enters, sequence)
+        self.rng = np.random.default_rng(seed)
         self.num_ids = 0
         self.done: list[Sequence] = []
 
@@ -157,7 +159,8 @@ class Workload:
         conv, turn = seq.sink
         if turn + 1 < self.turns:
             prompt = seq.prompt + seq.output + self.extras[conv][turn]
-            self.pending.append((step + 1 + self.args.turn_gap_steps, self._new(conv, turn + 1, prompt, max_len)))
+            gap = self.args.turn_gap_steps + int(self.rng.integers(0, self.args.turn_gap_jitter + 1))
+            self.pending.append((step + 1 + gap, self._new(conv, turn + 1, prompt, max_len)))
 
     def due(self, step: int) -> list[Sequence]:
         ready = [s for at, s in self.pending if at <= step]
@@ -276,7 +279,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=64)
-    p.add_argument("--turn-gap-steps", type=int, default=2, help="Steps between a turn's end and the next turn.")
+    p.add_argument("--turn-gap-steps", type=int, default=1, help="Steps between a turn's end and the next turn.")
+    p.add_argument("--turn-gap-jitter", type=int, default=8, help="Up to this many more steps, drawn per turn.")
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
