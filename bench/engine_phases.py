@@ -184,7 +184,7 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) ->
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
     scheduler = Scheduler(BlockPool(cache.num_blocks, args.caching == "on"), BLOCK_SIZE, args.concurrency,
-                          args.max_num_batched_tokens, max_len)
+                          args.max_num_batched_tokens, max_len, admission_interval=args.admission_interval)
     cuda = served.device.type == "cuda"
     graphs = DecodeGraphs(served.model, cache, served.device, args.concurrency, scheduler.max_blocks, cuda,
                           served.vocab_size) if args.graphs == "on" else None
@@ -285,6 +285,7 @@ def main() -> None:
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--caching", choices=("on", "off"), default="on")
+    p.add_argument("--admission-interval", type=int, default=1, help="As `asyncgrpo serve --admission-interval`.")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="CUDA graphs for decode-only steps.")
     p.add_argument("--shared-prefix", default="on,off",
                    help="Comma-separated: decode attention reads a group's shared prompt once (on) or per sequence (off).")

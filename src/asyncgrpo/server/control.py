@@ -109,6 +109,7 @@ class ControlRoutes:
             },
             "scheduler_config": {
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "admission_interval": a.admission_interval,
                 "policy": "fcfs",
             },
             "device_config": device_config(s.device),

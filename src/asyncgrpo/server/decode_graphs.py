@@ -2,7 +2,7 @@
 
 A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32),
 its block tables to a power-of-two number of blocks and its groups of sequences sharing their first
-blocks (`shared_prefix.py`) to a bucket of group entries (0: none); every input lives in a static
+blocks (`shared_prefix.py`) to a power-of-two number of group entries (0: none); every input lives in a static
 device buffer, so each (batch, block, group) bucket is captured once and replayed: the ~30 kernels
 per layer of the Hugging Face forward cost one launch. Padded rows read and write the cache's
 scratch block and their logits are dropped; padded group entries have no members.
@@ -105,7 +105,7 @@ class DecodeGraphs:
                 self._groups = torch.zeros(max(len(self._shared_lens) // 2, 1), width, dtype=torch.int64,
                                            device=self.device)
             assert self._groups.shape[1] == width, "group entries keep their width (members per entry)"
-            gp = min(batch_bucket(g), self._groups.shape[0])
+            gp = block_bucket(g, self._groups.shape[0])  # powers of two: few graphs as groups finish
             lens = np.zeros(bp, dtype=np.int64)
             lens[:b] = inputs.shared.lens
             groups = np.full((gp, self._groups.shape[1]), -1, dtype=np.int64)
