@@ -155,7 +155,6 @@ def _triton_kernels():
         stride_tb,
         stride_g,
         scale,
-        split_len,
         NUM_HEADS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SHARED_SLOTS: tl.constexpr,
@@ -168,7 +167,8 @@ def _triton_kernels():
         IEEE: tl.constexpr,
     ):
         # one program per (group entry, kv head, split of the shared tokens): the queries of every
-        # member's GROUP heads of this kv head are the rows of one tile, so each K/V row is read once
+        # member's GROUP heads of this kv head are the rows of one tile, so each K/V row is read once;
+        # the entry's own length sets the splits (graph replays see other lengths than the capture)
         NUM_SLOTS: tl.constexpr = NUM_SPLITS + SHARED_SLOTS
         entry = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -185,6 +185,7 @@ def _triton_kernels():
         leader = tl.load(row + 1)
         q = tl.load(q_ptr + seq[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=ok[:, None], other=0.0)
+        split_len = tl.cdiv(tl.cdiv(length, SHARED_SLOTS), TILE) * TILE
         begin = split * split_len
         end = tl.minimum(length, begin + split_len)
         m = tl.full([ROWS_PAD], float("-inf"), tl.float32)
@@ -295,14 +296,15 @@ def decode_attention_triton(
     if num_splits is None:
         num_splits, split_len = choose_splits(bd * kvh, max_context, tile, _num_sms(q.device))
     else:
-        split_len = _split_len(max_context, num_splits, tile)
+        per_split = -(-max_context // num_splits)
+        split_len = -(-per_split // tile) * tile
     shared_slots = 0
     if shared is not None:
         num_entries, width = shared.groups.shape
         if num_shared_splits is None:
-            shared_slots, shared_len = choose_splits(num_entries * kvh, max_context, tile, _num_sms(q.device))
+            shared_slots, _ = choose_splits(num_entries * kvh, max_context, tile, _num_sms(q.device))
         else:
-            shared_slots, shared_len = num_shared_splits, _split_len(max_context, num_shared_splits, tile)
+            shared_slots = num_shared_splits
     num_slots = num_splits + shared_slots
     q = q.contiguous() if q.stride(-1) != 1 else q
     out = torch.empty(bd, h, d, dtype=q.dtype, device=q.device)
@@ -321,7 +323,6 @@ def decode_attention_triton(
             block_tables.stride(0),
             shared.groups.stride(0),
             scale,
-            shared_len,
             NUM_HEADS=h, NUM_SPLITS=num_splits, SHARED_SLOTS=shared_slots, GROUP=group, MEMBERS=members,
             ROWS_PAD=max(16, 1 << (members * group - 1).bit_length()), **common,
         )
@@ -347,12 +348,6 @@ def decode_attention_triton(
             NUM_HEADS=h, NUM_SPLITS=num_slots, SPLITS_PAD=max(2, 1 << (num_slots - 1).bit_length()), HEAD_DIM=d,
         )
     return out
-
-
-def _split_len(max_context: int, num_splits: int, tile: int) -> int:
-    """Tokens per split (a whole number of tiles) for `num_splits` splits of max_context."""
-    per_split = -(-max_context // num_splits)
-    return -(-per_split // tile) * tile
 
 
 def decode_attention(
