@@ -43,7 +43,11 @@ that. A released block keeps its hash (it goes back to the pool as cached, evict
 sequence cannot read it again: a later request extending it matches with `BlockPool.match_tail`,
 which needs only the blocks inside the window of the hit's end, as the earlier ones may be gone.
 Models that mix global layers in (Gemma 2/3, Cohere2) hold every block: the global layers read
-them all, and one block table serves every layer.
+them all, and one block table serves every layer. Freeing the windowed layers' share of a block
+would need a block table per layer group (vLLM's hybrid KV-cache manager): pools sized per group,
+two block lists per sequence, slot mappings, decode tables, graph buffers and prefix-cache hits per
+group. It saves memory, not time (the attention of windowed layers reads only their window either
+way), so it is left for when long-context Gemma serving runs out of KV blocks.
 """
 
 from __future__ import annotations
