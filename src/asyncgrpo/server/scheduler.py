@@ -46,8 +46,9 @@ Models that mix global layers in (Gemma 2/3, Cohere2) hold every block: the glob
 them all, and one block table serves every layer. Freeing the windowed layers' share of a block
 would need a block table per layer group (vLLM's hybrid KV-cache manager): pools sized per group,
 two block lists per sequence, slot mappings, decode tables, graph buffers and prefix-cache hits per
-group. It saves memory, not time (the attention of windowed layers reads only their window either
-way), so it is left for when long-context Gemma serving runs out of KV blocks.
+group. It would save KV memory, not step time (which blocks are held does not change what the
+windowed layers' decode attention reads), so it is left for when long-context Gemma serving runs
+out of KV blocks.
 """
 
 from __future__ import annotations
