@@ -9,7 +9,9 @@ Two implementations of one function:
 - `decode_attention_triton` (CUDA with Triton): one program per (sequence, kv head, context split)
   walks the block table and reads only the sequence's own cached rows once, with an online softmax
   in float32; small batches split the context so that every multiprocessor has work, and a second
-  kernel merges the splits.
+  kernel merges the splits. Given groups of sequences that share their first blocks (a GRPO
+  group's cached prompt, `shared_prefix.py`), a third kernel reads those blocks once per group for
+  all its members' queries, the per-sequence programs start after them, and the merge adds both.
 
 `decode_attention` picks the Triton kernel for CUDA tensors with a power-of-two head size when it
 compiles and agrees with the gather on that device (checked once per device, e.g. older GPUs lack its
