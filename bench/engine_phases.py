@@ -319,5 +319,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()
