@@ -51,6 +51,13 @@ from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
+# as the attention layer calls them (kv_cache.decode_attention's arguments; no window or soft-cap here)
+LAYER_CALLS = {
+    "triton": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_triton(
+        q, k, v, tables, lens, scale, shared=shared),
+    "gather": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_gather(
+        q, k, v, tables, lens, scale),
+}
 
 
 def cuda_ms(fn, device, repeats: int = 20, graph: bool = False) -> float:
@@ -144,7 +151,7 @@ def own_forwards(model: torch.nn.Module):
 
 def run_engine(served, args, prompts, impl: str) -> dict:
     """Generate for all prompts with one attention implementation; per-phase host times."""
-    kv_cache.decode_attention = IMPLEMENTATIONS[impl]  # what the attention layer calls for decode
+    kv_cache.decode_attention = LAYER_CALLS[impl]  # what the attention layer calls for decode
     max_len = args.prompt_len + args.max_tokens + 16
     cache = PagedKVCache(served.num_layers, len(prompts) * max_len // BLOCK_SIZE, BLOCK_SIZE,
                          served.num_kv_heads, served.head_dim, served.dtype, served.device)

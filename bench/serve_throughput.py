@@ -65,10 +65,11 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0, group_size: int
 
 async def server_wave(
     url: str, model: str | None, prompts, max_tokens, top_k, logprobs, seed0=0, turns: int = 1,
-    turn_tokens=None,
+    turn_tokens=None, probe=None,
 ) -> dict:
     """All prompts at once; with turns > 1 each prompt starts a conversation whose next turn extends the
-    previous prompt and completion with turn_tokens[i][t] (a list per prompt and turn)."""
+    previous prompt and completion with turn_tokens[i][t] (a list per prompt and turn). `probe(url)`:
+    the server's engine counters (`engine_counters`), read around the timed part when given."""
     import aiohttp
 
     sampling = {"temperature": 1.0, "top_k": top_k, "max_tokens": max_tokens, "ignore_eos": True}
@@ -100,11 +101,20 @@ async def server_wave(
         # reversed: groups stay groups, and nothing of the timed prompts gets into a prefix cache
         warm = [p[::-1] for p in prompts]
         await asyncio.gather(*(request(p, {**sampling, "max_tokens": 4}, i) for i, p in enumerate(warm)))
+        before = probe(url) if probe else None
         start = time.perf_counter()
         counts = await asyncio.gather(*(conversation(i, p, sampling) for i, p in enumerate(prompts)))
         elapsed = time.perf_counter() - start
     tokens = sum(counts)
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    if before is not None:  # the embedded server: how its engine thread spent the timed part
+        after = probe(url)
+        steps, busy = after["num_steps"] - before["num_steps"], after["step_seconds"] - before["step_seconds"]
+        result["engine"] = {
+            "steps": steps, "prefill_steps": after["num_prefill_steps"] - before["num_prefill_steps"],
+            "step_seconds": busy, "busy_frac": busy / elapsed, "mean_step_ms": 1e3 * busy / max(steps, 1),
+        }
+    return result
 
 
 def hf_loop(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
@@ -147,6 +157,19 @@ def hf_generate(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     elapsed = time.perf_counter() - start
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def engine_counters(url: str) -> dict | None:
+    """The embedded server's engine counters (steps, steps with prefill, seconds inside steps) from
+    /server_info, or None for a server without them (vLLM)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/server_info?config_format=json") as r:
+            return json.loads(r.read()).get("embedded")
+    except urllib.error.HTTPError:  # vLLM serves /server_info only in its dev mode
+        return None
 
 
 def wait_for_health(url: str, timeout_s: float) -> None:
@@ -234,10 +257,16 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
         for c in levels:
             shape = {"turns": args.turns, "turn_tokens": extras}
             first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape))
-            r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape))
+            r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape,
+                                        probe=engine_counters))
             results[f"{k}:{c}"] = {**r, "first_wave_tokens_per_s": first["tokens_per_s"]}
+            line = ""
+            if "engine" in r:
+                e = r["engine"]
+                line = (f"; engine {e['steps']} steps ({e['prefill_steps']} with prefill), busy "
+                        f"{e['busy_frac']:.0%}, {e['mean_step_ms']:.2f} ms/step")
             print(f"  {label:<15} logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s "
-                  f"(first wave {first['tokens_per_s']:.1f})", flush=True)
+                  f"(first wave {first['tokens_per_s']:.1f}){line}", flush=True)
     return results
 
 

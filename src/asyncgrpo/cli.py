@@ -46,6 +46,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU); longer "
         "prompts are prefilled in chunks, mixed with the running decodes.",
     )
+    p.add_argument(
+        "--admission-interval",
+        type=_positive_int,
+        default=1,
+        help="While sequences decode, admit waiting requests together every this many steps (a request "
+        "waits at most N - 1 steps more), so that requests arriving one by one, e.g. the next turns of "
+        "conversations, cost one eager prefill step per N steps instead of one per step (decode-only "
+        "steps replay CUDA graphs). Default 1: admit at every step, as vLLM.",
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
     p.add_argument(
         "--enforce-eager", action="store_true", help="Never replay decode steps as CUDA graphs (CUDA only)."

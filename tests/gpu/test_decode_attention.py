@@ -14,6 +14,7 @@ from asyncgrpo.server.decode_attention import (
     triton_available,
     triton_works_on,
 )
+from asyncgrpo.server.shared_prefix import find_shared_prefixes, max_members
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,8 +66,61 @@ def test_strided_query_as_the_attention_layer_passes_it():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-
 def test_the_server_picks_the_kernel_on_this_gpu():
     """The load-time check (compiles, agrees with the gather) passes here, so decode steps use the kernel."""
     assert triton_works_on(torch.device("cuda", 0), torch.bfloat16)
     assert triton_works_on(torch.device("cuda", 0), torch.float16)
+
+
+def _group_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int = 16):
+    """GRPO-shaped decode batch: groups of sequences holding the same prompt blocks (some groups behind a
+    common system-prompt block), each with its own generated blocks, plus sequences of their own; in a
+    shuffled batch order."""
+    g = torch.Generator().manual_seed(seed)
+    rows, lens, next_block = [], [], 0
+
+    def blocks(n):
+        nonlocal next_block
+        next_block += n
+        return list(range(next_block - n, next_block))
+
+    system = blocks(1)
+    for group in range(6):
+        prompt = (system if group % 2 else []) + blocks(int(torch.randint(4, 40, (1,), generator=g)))
+        for _ in range(int(torch.randint(2, 11, (1,), generator=g))):
+            own = int(torch.randint(1, 6, (1,), generator=g))
+            rows.append(prompt + blocks(own))
+            lens.append((len(prompt) + own - 1) * block_size + int(torch.randint(1, block_size + 1, (1,), generator=g)))
+    for _ in range(3):
+        rows.append(blocks(int(torch.randint(1, 30, (1,), generator=g))))
+        lens.append(len(rows[-1]) * block_size)
+    order = torch.randperm(len(rows), generator=g).tolist()
+    rows, lens = [rows[i] for i in order], [lens[i] for i in order]
+    width = max(map(len, rows))
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    k_pool = torch.randn(next_block + 1, block_size, kv_heads, head_dim, generator=g).to("cuda", dtype)
+    v_pool = torch.randn(next_block + 1, block_size, kv_heads, head_dim, generator=g).to("cuda", dtype)
+    q = torch.randn(len(rows), heads, head_dim, generator=g).to("cuda", dtype)
+    return q, k_pool, v_pool, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (8, 1, 64), (4, 4, 32)])
+@pytest.mark.parametrize("num_splits,num_shared_splits", [(None, None), (1, 1), (3, 2), (1, 7)])
+def test_groups_reading_shared_blocks_once_match_float64_reference(dtype, tol, heads, kv_heads, head_dim, num_splits,
+                                                                   num_shared_splits):
+    """The shared pass (one program per group entry, kv head and split) + the own pass + the merge equal
+    plain attention over each sequence's own table."""
+    members = max_members(heads, kv_heads)
+    for seed in range(3):
+        q, k_pool, v_pool, tables, lens = _group_case(seed, heads, kv_heads, head_dim, dtype)
+        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, members, null_block=k_pool.shape[0] - 1)
+        assert shared is not None and shared.num_groups >= 3
+        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables.cuda(), lens.cuda(),
+                                      head_dim**-0.5)
+        out = decode_attention_triton(q, k_pool, v_pool, tables.cuda(), lens.cuda(), head_dim**-0.5,
+                                      num_splits=num_splits, shared=shared.to(torch.device("cuda")),
+                                      num_shared_splits=num_shared_splits)
+        assert torch.isfinite(out).all()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, (seed, err)

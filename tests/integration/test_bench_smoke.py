@@ -47,6 +47,21 @@ def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
          "--turn-tokens", "5", "--output", str(out))
     result = json.loads(out.read_text())
     assert result["embedded"]["0:2"]["tokens"] == 2 * 3 * 3 and "hf_generate" not in result
+    engine = result["embedded"]["0:2"]["engine"]  # how the engine thread spent the timed wave
+    assert engine["steps"] >= 3 * 3 and 3 <= engine["prefill_steps"] < engine["steps"]
+    assert 0 < engine["busy_frac"] <= 1.05 and engine["mean_step_ms"] > 0
+
+
+def test_engine_phases_on_cpu(tmp_path):
+    out = tmp_path / "phases.json"
+    _run("engine_phases.py", "--device", "cpu", "--shape", "group", "--concurrency", "6", "--prompt-len", "70",
+         "--group-size", "3", "--max-tokens", "4", "--profile", "--output", str(out))
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"shared_prefix_on", "shared_prefix_off"}
+    for run in runs.values():
+        assert run["tokens"]["generated"] == 6 * 4 and run["prefix_hit_frac"] > 0.5
+        assert run["steps"]["decode"]["steps"] == 3 and run["profiles"]["decode"]["top_level_aten_ops"] > 0
+        assert set(run["steps"]["decode"]["median_ms"]) == {"schedule", "launch", "wait", "device", "record", "wall"}
 
 
 def test_decode_step_profile_on_cpu(tmp_path):

@@ -384,11 +384,16 @@ def test_sixty_four_requests_share_one_forward_pass(main):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert not any(f.done() for f in futs)
+        before = main.call("GET", "/server_info?config_format=json")[1]["embedded"]
         main.call("POST", "/resume")
         results = [f.result() for f in futs]
     assert all(s == 200 and len(b["choices"][0]["token_ids"]) == 6 for s, b in results)
     info = main.call("GET", "/server_info?config_format=json")[1]
     assert info["embedded"]["max_num_seqs_per_step"] == 64
+    # one step prefills all 64 prompts (and samples their first tokens), five decode the rest
+    assert info["embedded"]["num_steps"] - before["num_steps"] == 6
+    assert info["embedded"]["num_prefill_steps"] - before["num_prefill_steps"] == 1
+    assert info["embedded"]["step_seconds"] > before["step_seconds"]
     assert _metric(main, "asyncgrpo:max_num_seqs_per_step") == 64
 
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 
 MAX_LEN = 256
 BS = 16
@@ -35,15 +38,22 @@ def model():
 class Harness:
     """An engine without its thread: schedule, run, record, release finished sequences."""
 
-    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096) -> None:
-        cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, torch.device("cpu"))
-        self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN)
-        self.runner = ModelRunner(model, cache, torch.device("cpu"), VOCAB, self.sched.block_table)
+    def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096,
+                 shared_prefix: bool = False, admission_interval: int = 1) -> None:
+        cpu = torch.device("cpu")
+        cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
+        self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN,
+                               admission_interval=admission_interval)
+        # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
+        # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
+        graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB) if shared_prefix else None
+        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix)
         self.num_ids = 0
         self.num_preempted = 0
         self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
+        self.shared_entries = []  # group entries sharing blocks among the decode sequences of every step
 
-    def run(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
+    def add(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
         seqs = []
         for prompt, seed in prompts_and_seeds:
             params = SeqParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0, seed=seed, max_tokens=max_tokens,
@@ -52,18 +62,32 @@ class Harness:
             seqs.append(Sequence(self.num_ids, f"r{self.num_ids}", 0, list(prompt), params, MAX_LEN))
             self.num_ids += 1
             self.sched.add(seqs[-1])
+        return seqs
+
+    def run(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
+        seqs = self.add(prompts_and_seeds, max_tokens)
         while any(not s.finished for s in seqs):
-            plan = self.sched.schedule()
-            self.num_preempted += len(plan.preempted)
-            self.plans.append(([s.seq_id for s in plan.decode],
-                               [(s.seq_id, s.prefill_start, s.prefill_end) for s in plan.prefill]))
-            scheduled = plan.sampled
-            self.runner.step(plan.decode, plan.prefill).record(scheduled, "v")
-            for s in scheduled:
-                if s.finished:
-                    self.sched.remove(s)
+            self.step()
         assert self.sched.pool.num_free == self.sched.pool.num_blocks
         return seqs
+
+    def step(self) -> None:
+        """One engine step: schedule, run, record, release finished sequences."""
+        plan = self.sched.schedule()
+        self.num_preempted += len(plan.preempted)
+        self.plans.append(([s.seq_id for s in plan.decode],
+                           [(s.seq_id, s.prefill_start, s.prefill_end) for s in plan.prefill]))
+        if plan.decode and self.runner.shared_members:
+            rows = [s.row for s in plan.decode]
+            num = np.array([s.num_tokens for s in plan.decode])
+            found = find_shared_prefixes(self.sched.block_table[rows, : -(-num.max() // BS)], num, BS,
+                                         self.runner.shared_members, self.sched.null_block)
+            self.shared_entries.append(0 if found is None else found.num_groups)
+        scheduled = plan.sampled
+        self.runner.step(plan.decode, plan.prefill).record(scheduled, "v")
+        for s in scheduled:
+            if s.finished:
+                self.sched.remove(s)
 
 
 def _assert_same(cached: list[Sequence], plain: list[Sequence]) -> None:
@@ -100,6 +124,46 @@ def test_groups_and_multi_turn_prompts_match_an_uncached_server(model):
     assert stats.hits - hits_before == (len(first.prompt) + len(first.output) - 1) // BS * BS
     turn3 = turn2 + _prompt(2, 20)  # an extension of an extension, two seeds
     _assert_same(on.run([(turn3, 6), (turn3, 7)]), off.run([(turn3, 6), (turn3, 7)]))
+
+
+def test_groups_reading_their_shared_prompt_once_match_an_uncached_server(model):
+    """Decode attention that reads a group's shared prompt blocks once for all its members (through the
+    first member's table) gives what plain attention gives: groups, groups behind a common system
+    prompt, a lone request, a next turn, members joining while others decode."""
+    shared = Harness(model, caching=True, shared_prefix=True, num_blocks=160, max_num_seqs=12)
+    off = Harness(model, caching=False, num_blocks=160, max_num_seqs=12)
+    system = _prompt(20, 24)
+    long_prompt = _prompt(21, (MIN_SHARED_BLOCKS + 1) * BS + 5)
+    work = [(long_prompt, seed) for seed in range(3)]
+    work += [(system + _prompt(22 + g, 50), 10 * g + seed) for g in range(2) for seed in range(4)]
+    work += [(_prompt(30, 90), 40)]
+    _assert_same(shared.run(work, max_tokens=24), off.run(work, max_tokens=24))
+    assert max(shared.shared_entries) >= 3  # the steps had groups to read once
+    first = shared.run([(long_prompt, 50)], max_tokens=3)[0]
+    turn2 = [(first.prompt + first.output + _prompt(31, 7), seed) for seed in range(3)]
+    _assert_same(shared.run(turn2 + work[:2], max_tokens=20), off.run(turn2 + work[:2], max_tokens=20))
+
+
+def test_admitting_every_few_steps_batches_arrivals_and_changes_no_output(model):
+    """Requests arriving one per step while others decode: with an admission interval of 4 they enter
+    in groups (a quarter of the steps carry prompt tokens), wait at most 3 steps, and every sequence
+    samples what it samples when admitted at once (seeded per position, not per batch)."""
+    work = [(_prompt(40 + i, 20 + i), i) for i in range(12)]
+    runs = {}
+    for interval in (1, 4):
+        h = Harness(model, caching=True, max_num_seqs=12, admission_interval=interval)
+        seqs, arrived = [], {}
+        while len(seqs) < len(work) or any(not s.finished for s in seqs):
+            if len(seqs) < len(work):
+                seqs += h.add([work[len(seqs)]], max_tokens=10)
+                arrived[seqs[-1].seq_id] = len(h.plans)
+            h.step()
+        first_chunk = {seq_id: i for i, (_, prefill) in reversed(list(enumerate(h.plans))) for seq_id, _, _ in prefill}
+        runs[interval] = seqs, h.plans, max(first_chunk[i] - arrived[i] for i in arrived)
+    _assert_same(runs[4][0], runs[1][0])
+    steps_with_prompts = {n: sum(1 for _, prefill in plans if prefill) for n, (_, plans, _) in runs.items()}
+    assert steps_with_prompts[1] == 12 and steps_with_prompts[4] <= 12 // 4 + 1
+    assert runs[1][2] == 0 and runs[4][2] == 3  # steps a request waited for its first chunk
 
 
 def test_a_prompt_of_whole_blocks_still_computes_its_last_token(model):

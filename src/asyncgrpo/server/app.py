@@ -135,6 +135,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         self.scheduler = Scheduler(
             BlockPool(self.cache.num_blocks, caching), BLOCK_SIZE, args.max_num_seqs, args.max_num_batched_tokens,
             served.max_model_len, window=kv_window(served.model, served.attention_layers),
+            admission_interval=args.admission_interval,
         )
         self.lora = ServedLora(served.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.adapters = AdapterRegistry(args.max_loras) if args.enable_lora else None

@@ -109,6 +109,7 @@ class ControlRoutes:
             },
             "scheduler_config": {
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "admission_interval": a.admission_interval,
                 "policy": "fcfs",
             },
             "device_config": device_config(s.device),
@@ -118,6 +119,7 @@ class ControlRoutes:
         st = self.engine.stats
         embedded = {
             "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
+            "num_prefill_steps": st.num_prefill_steps, "step_seconds": st.step_s,
             "num_preemptions": st.num_preemptions,
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],

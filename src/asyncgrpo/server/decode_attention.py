@@ -9,7 +9,9 @@ Two implementations of one function:
 - `decode_attention_triton` (CUDA with Triton): one program per (sequence, kv head, context split)
   walks the block table and reads only the sequence's own cached rows once, with an online softmax
   in float32; small batches split the context so that every multiprocessor has work, and a second
-  kernel merges the splits.
+  kernel merges the splits. Given groups of sequences that share their first blocks (a GRPO
+  group's cached prompt, `shared_prefix.py`), a third kernel reads those blocks once per group for
+  all its members' queries, the per-sequence programs start after them, and the merge adds both.
 
 `decode_attention` picks the Triton kernel for CUDA tensors with a power-of-two head size when it
 compiles and agrees with the gather on that device (checked once per device, e.g. older GPUs lack its
@@ -24,6 +26,7 @@ import logging
 import torch
 
 from asyncgrpo.server.attention_math import attend, in_window
+from asyncgrpo.server.shared_prefix import SharedPrefixTensors, decode_attention_shared_gather
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ def _triton_kernels():
 
     @triton.jit
     def paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_ptr, stats_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, out_ptr, part_ptr, stats_ptr,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_tb,
@@ -77,6 +80,7 @@ def _triton_kernels():
         split_len,
         NUM_HEADS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        SHARED_SLOTS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -84,11 +88,16 @@ def _triton_kernels():
         TILE: tl.constexpr,
         IEEE: tl.constexpr,
     ):
+        # a sequence's partial results: its NUM_SPLITS own splits, then SHARED_SLOTS of the shared pass
+        NUM_SLOTS: tl.constexpr = NUM_SPLITS + SHARED_SLOTS
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         context = tl.load(lens_ptr + seq)
-        begin = split * split_len
+        shared = 0
+        if SHARED_SLOTS > 0:  # tokens before `shared` are the shared pass's (shared_prefix.py)
+            shared = tl.load(shared_ptr + seq)
+        begin = shared + split * split_len
         end = tl.minimum(context, begin + split_len)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -122,14 +131,93 @@ def _triton_kernels():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         head_ok = (g < GROUP)[:, None]
-        if NUM_SPLITS == 1:
+        if NUM_SLOTS == 1:
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok)
         else:  # this split's unnormalised sum and its (max, sum of exp); an empty split leaves (-inf, 0)
-            part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+            part = (seq * NUM_HEADS + heads) * NUM_SLOTS + split
             tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok)
             tl.store(stats_ptr + part * 2, m, mask=g < GROUP)
             tl.store(stats_ptr + part * 2 + 1, l, mask=g < GROUP)
+            if SHARED_SLOTS > 0:  # noqa: SIM102 -- a compile-time switch around a run-time test
+                if (split == 0) & (shared == 0):  # in no group: its shared slots stay empty
+                    for slot in tl.static_range(NUM_SPLITS, NUM_SLOTS):
+                        empty = (seq * NUM_HEADS + heads) * NUM_SLOTS + slot
+                        tl.store(part_ptr + empty[:, None] * HEAD_DIM + d[None, :],
+                                 tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), mask=head_ok)
+                        tl.store(stats_ptr + empty * 2, tl.full([GROUP_PAD], float("-inf"), tl.float32),
+                                 mask=g < GROUP)
+                        tl.store(stats_ptr + empty * 2 + 1, tl.zeros([GROUP_PAD], tl.float32), mask=g < GROUP)
+
+    @triton.jit
+    def shared_prefix_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, groups_ptr, part_ptr, stats_ptr,
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_tb,
+        stride_g,
+        scale,
+        NUM_HEADS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SHARED_SLOTS: tl.constexpr,
+        GROUP: tl.constexpr,
+        MEMBERS: tl.constexpr,
+        ROWS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        # one program per (group entry, kv head, split of the shared tokens): the queries of every
+        # member's GROUP heads of this kv head are the rows of one tile, so each K/V row is read once;
+        # the entry's own length sets the splits (graph replays see other lengths than the capture)
+        NUM_SLOTS: tl.constexpr = NUM_SPLITS + SHARED_SLOTS
+        entry = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        row = groups_ptr + entry * stride_g
+        length = tl.load(row)  # shared tokens (0 in a padding entry, whose members are all -1)
+        r = tl.arange(0, ROWS_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, TILE)
+        member = r // GROUP
+        seq = tl.load(row + 1 + member, mask=member < MEMBERS, other=-1)
+        ok = seq >= 0
+        heads = kv_head * GROUP + r % GROUP
+        leader = tl.load(row + 1)
+        q = tl.load(q_ptr + seq[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        split_len = tl.cdiv(tl.cdiv(length, SHARED_SLOTS), TILE) * TILE
+        begin = split * split_len
+        end = tl.minimum(length, begin + split_len)
+        m = tl.full([ROWS_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS_PAD], tl.float32)
+        acc = tl.zeros([ROWS_PAD, HEAD_DIM], tl.float32)
+        for start in range(begin, end, TILE):
+            pos = start + t
+            valid = pos < end
+            block = tl.load(tables_ptr + leader * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+            rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        part = (seq * NUM_HEADS + heads) * NUM_SLOTS + NUM_SPLITS + split
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
+        tl.store(stats_ptr + part * 2, m, mask=ok)
+        tl.store(stats_ptr + part * 2 + 1, l, mask=ok)
 
     @triton.jit
     def merge_splits_kernel(
@@ -148,12 +236,12 @@ def _triton_kernels():
         ok = sp < NUM_SPLITS
         m = tl.load(stats_ptr + part * 2, mask=ok, other=float("-inf"))
         l = tl.load(stats_ptr + part * 2 + 1, mask=ok, other=0.0)
-        weight = tl.exp(m - tl.max(m, axis=0))  # split 0 is never empty, so the max is finite
+        weight = tl.exp(m - tl.max(m, axis=0))  # own split 0 is never empty, so the max is finite
         acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
         out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
-    return paged_decode_kernel, merge_splits_kernel
+    return paged_decode_kernel, merge_splits_kernel, shared_prefix_kernel
 
 
 def triton_available() -> bool:
@@ -185,17 +273,21 @@ def decode_attention_triton(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    shared: SharedPrefixTensors | None = None,
+    num_shared_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_gather`; every context length must be >= 1.
 
     Small batches split each context across several programs (flash-decoding) whose partial
     results a second kernel merges; `num_splits` overrides the choice (tests). `tile` (tokens per
     iteration), `num_warps` and `num_stages` are the launch configuration (bench/attention_configs.py
-    times the alternatives)."""
+    times the alternatives). `shared`: groups of sequences whose first blocks are the same
+    (`shared_prefix.py`); a third kernel reads those blocks once per group, in `num_shared_splits`
+    splits (default: chosen like `num_splits`), and the merge adds its partial results."""
     kernels = _triton_kernels()
     if kernels is None:
         raise RuntimeError("decode_attention_triton needs Triton (it ships with PyTorch's CUDA wheels)")
-    attend, merge = kernels
+    attend, merge, attend_shared = kernels
     bd, h, d = q.shape
     _, block_size, kvh, _ = k_pool.shape
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1, "K and V pools share one layout"
@@ -208,14 +300,37 @@ def decode_attention_triton(
     else:
         per_split = -(-max_context // num_splits)
         split_len = -(-per_split // tile) * tile
+    shared_slots = 0
+    if shared is not None:
+        num_entries, width = shared.groups.shape
+        if num_shared_splits is None:
+            shared_slots, _ = choose_splits(num_entries * kvh, max_context, tile, _num_sms(q.device))
+        else:
+            shared_slots = num_shared_splits
+    num_slots = num_splits + shared_slots
     q = q.contiguous() if q.stride(-1) != 1 else q
     out = torch.empty(bd, h, d, dtype=q.dtype, device=q.device)
     part = stats = out  # unused when the context is not split
-    if num_splits > 1:
-        part = torch.empty(bd, h, num_splits, d, dtype=torch.float32, device=q.device)
-        stats = torch.empty(bd, h, num_splits, 2, dtype=torch.float32, device=q.device)
+    if num_slots > 1:
+        part = torch.empty(bd, h, num_slots, d, dtype=torch.float32, device=q.device)
+        stats = torch.empty(bd, h, num_slots, 2, dtype=torch.float32, device=q.device)
+    common = {"HEAD_DIM": d, "BLOCK_SIZE": block_size, "TILE": tile, "IEEE": q.dtype == torch.float32,
+              "num_warps": num_warps, "num_stages": num_stages}
+    if shared_slots:
+        members = width - 1
+        attend_shared[(num_entries, kvh, shared_slots)](
+            q, k_pool, v_pool, block_tables, shared.groups, part, stats,
+            q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            block_tables.stride(0),
+            shared.groups.stride(0),
+            scale,
+            NUM_HEADS=h, NUM_SPLITS=num_splits, SHARED_SLOTS=shared_slots, GROUP=group, MEMBERS=members,
+            ROWS_PAD=max(16, 1 << (members * group - 1).bit_length()), **common,
+        )
     attend[(bd, kvh, num_splits)](
-        q, k_pool, v_pool, block_tables, context_lens, out, part, stats,
+        q, k_pool, v_pool, block_tables, context_lens, context_lens if shared is None else shared.lens,
+        out, part, stats,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         block_tables.stride(0),
@@ -224,19 +339,15 @@ def decode_attention_triton(
         split_len,
         NUM_HEADS=h,
         NUM_SPLITS=num_splits,
+        SHARED_SLOTS=shared_slots,
         GROUP=group,
         GROUP_PAD=max(16, 1 << (group - 1).bit_length()),
-        HEAD_DIM=d,
-        BLOCK_SIZE=block_size,
-        TILE=tile,
-        IEEE=q.dtype == torch.float32,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **common,
     )
-    if num_splits > 1:
+    if num_slots > 1:
         merge[(bd, h)](
             part, stats, out, out.stride(0), out.stride(1),
-            NUM_HEADS=h, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()), HEAD_DIM=d,
+            NUM_HEADS=h, NUM_SPLITS=num_slots, SPLITS_PAD=max(2, 1 << (num_slots - 1).bit_length()), HEAD_DIM=d,
         )
     return out
 
@@ -250,13 +361,18 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    shared: SharedPrefixTensors | None = None,
 ) -> torch.Tensor:
     """Decode attention with the best implementation for the device (see the module docstring); layers
-    with a sliding window or a logit soft-cap take the gather path (the Triton kernel has neither)."""
+    with a sliding window or a logit soft-cap take the gather path (the Triton kernel has neither).
+    `shared` (groups sharing their first blocks) changes how plain layers read those blocks: once per
+    group (Triton), or through the group's first table (`decode_attention_shared_gather`, elsewhere)."""
     d = q.shape[-1]
     plain = window is None and not softcap
     if plain and q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype):
-        return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale)
+        return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale, shared=shared)
+    if plain and shared is not None:
+        return decode_attention_shared_gather(q, k_pool, v_pool, block_tables, context_lens, scale, shared)
     return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale, window, softcap)
 
 
@@ -268,17 +384,19 @@ def triton_works_on(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     g = torch.Generator(device=device).manual_seed(0)
     pools = [torch.randn(9, 4, 2, 64, generator=g, device=device).to(dtype) for _ in range(2)]
-    q = torch.randn(3, 4, 64, generator=g, device=device).to(dtype)
-    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], device=device)
-    lens = torch.tensor([1, 7, 12], device=device)
+    q = torch.randn(4, 4, 64, generator=g, device=device).to(dtype)
+    # the last two sequences share their first block (read once by the shared pass)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [6, 1, 2]], device=device)
+    lens = torch.tensor([1, 7, 12, 9], device=device)
+    shared = SharedPrefixTensors(torch.tensor([0, 0, 4, 4], device=device), torch.tensor([[4, 2, 3]], device=device))
     try:
-        got = decode_attention_triton(q, *pools, tables, lens, 0.125).float()
+        got = [decode_attention_triton(q, *pools, tables, lens, 0.125, shared=s).float() for s in (None, shared)]
     except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the gather
         logger.warning("the Triton decode attention does not run on %s (%s); using the slower gather path",
                        device, exc)
         return False
     expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125)
-    if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
+    if not all(torch.allclose(x, expected, rtol=2e-2, atol=2e-2) for x in got):
         logger.warning("the Triton decode attention disagrees with the gather path on %s; using the gather path",
                        device)
         return False

@@ -1,10 +1,11 @@
 """Decode-only steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
 
-A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32)
-and its block tables to a power-of-two number of blocks; every input lives in a static device
-buffer, so each (batch bucket, block bucket) shape is captured once and replayed: the ~30 kernels
+A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32),
+its block tables to a power-of-two number of blocks and its groups of sequences sharing their first
+blocks (`shared_prefix.py`) to a power-of-two number of group entries (0: none); every input lives in a static
+device buffer, so each (batch, block, group) bucket is captured once and replayed: the ~30 kernels
 per layer of the Hugging Face forward cost one launch. Padded rows read and write the cache's
-scratch block and their logits are dropped.
+scratch block and their logits are dropped; padded group entries have no members.
 
 Sampling (~100 small kernels, which at small batches take longer to launch than to run) is a second
 graph per (batch bucket, sampling plan): the plan is the host-side shape of `sampling.sample`
@@ -27,6 +28,7 @@ import torch
 
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
+from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
 if TYPE_CHECKING:
     from asyncgrpo.server.runner import DecodeInputs
@@ -71,6 +73,10 @@ class DecodeGraphs:
         self._vec = torch.zeros(4, n, dtype=torch.int64, device=device)
         self._tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
         self._keep = torch.arange(n, device=device)
+        # groups sharing their first blocks (shared_prefix.py): tokens each sequence's group reads, and
+        # the group entries (shared tokens, members), allocated at the first step that has groups
+        self._shared_lens = torch.zeros(n, dtype=torch.int64, device=device)
+        self._groups: torch.Tensor | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._scratch_slot = cache.scratch_block * cache.block_size
@@ -92,7 +98,22 @@ class DecodeGraphs:
         table[:b, :nb] = inputs.block_tables
         self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
         self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
-        return self._replay(("forward", bp, nbp), lambda: self._forward(bp, nbp))[:b]
+        gp = 0  # group entries of the graph: a bucket of the step's, 0 without shared blocks
+        if inputs.shared is not None:
+            g, width = inputs.shared.groups.shape
+            if self._groups is None:  # at most one entry per two sequences
+                self._groups = torch.zeros(max(len(self._shared_lens) // 2, 1), width, dtype=torch.int64,
+                                           device=self.device)
+            assert self._groups.shape[1] == width, "group entries keep their width (members per entry)"
+            gp = block_bucket(g, self._groups.shape[0])  # powers of two: few graphs as groups finish
+            lens = np.zeros(bp, dtype=np.int64)
+            lens[:b] = inputs.shared.lens
+            groups = np.full((gp, self._groups.shape[1]), -1, dtype=np.int64)
+            groups[:, 0] = 0
+            groups[:g] = inputs.shared.groups
+            self._shared_lens[:bp].copy_(torch.from_numpy(lens), non_blocking=True)
+            self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
+        return self._replay(("forward", bp, nbp, gp), lambda: self._forward(bp, nbp, gp))[:b]
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
         """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
@@ -135,7 +156,7 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def _forward(self, bp: int, nbp: int) -> torch.Tensor:
+    def _forward(self, bp: int, nbp: int, gp: int) -> torch.Tensor:
         meta = AttentionMetadata(
             cache=self.cache,
             slot_mapping=self._vec[2, :bp],
@@ -145,6 +166,7 @@ class DecodeGraphs:
             prefill_lens=[],
             pad_index=None,
             unpad_index=None,
+            shared=SharedPrefixTensors(self._shared_lens[:bp], self._groups[:gp]) if gp else None,
         )
         out = self.model(
             input_ids=self._vec[0, :bp][None],

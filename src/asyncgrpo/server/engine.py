@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -46,6 +47,8 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.num_steps = 0
+        self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards; decode-only ones replay graphs)
+        self.step_s = 0.0  # engine-thread seconds inside steps (the rest of its time it waits for work)
         self.max_batch_seqs = 0
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -250,6 +253,13 @@ class Engine:
             self._on_update(self)
 
     def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._run_step()
+        finally:
+            self.stats.step_s += time.perf_counter() - start
+
+    def _run_step(self) -> None:
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         if plan.size == 0:
@@ -271,6 +281,7 @@ class Engine:
             self._deliver(events)
             return
         self.stats.num_steps += 1
+        self.stats.num_prefill_steps += bool(plan.prefill)
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
         self.stats.prompt_tokens += sum(len(s.prompt) for s in seqs if not s.output)
         self.stats.generation_tokens += len(seqs)

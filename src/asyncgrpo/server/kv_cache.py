@@ -38,6 +38,7 @@ from asyncgrpo.server.context_attention import (
     pad_indices,
 )
 from asyncgrpo.server.decode_attention import decode_attention
+from asyncgrpo.server.shared_prefix import SharedPrefixes, SharedPrefixTensors
 
 ATTENTION_NAME = "asyncgrpo_paged"
 
@@ -88,6 +89,8 @@ class AttentionMetadata:
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
     # chunks that continue after cached tokens, after the prompts from token 0 (None: there are none)
     continued: ContinuedPrefill | None = None
+    # decode sequences whose first blocks are the same, read once per group (shared_prefix.py)
+    shared: SharedPrefixTensors | None = None
 
 
 def build_metadata(
@@ -99,11 +102,13 @@ def build_metadata(
     device: torch.device,
     prefill_starts: Sequence[int] | None = None,
     prefill_tables: Sequence[Sequence[int]] | None = None,
+    decode_shared: SharedPrefixes | None = None,
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
     (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
     each prefilled sequence's first new token (tokens before it are in the cache; those starting at
-    0 come first), with prefill_tables their blocks; None: every prompt starts at 0."""
+    0 come first), with prefill_tables their blocks; None: every prompt starts at 0. decode_shared:
+    the decode sequences' shared first blocks (`shared_prefix.find_shared_prefixes`), if any."""
     block_tables = context_lens = pad_index = unpad_index = continued = None
     if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
@@ -133,6 +138,7 @@ def build_metadata(
         pad_index=pad_index,
         unpad_index=unpad_index,
         continued=continued,
+        shared=None if decode_shared is None else decode_shared.to(device),
     )
 
 
@@ -209,7 +215,7 @@ def paged_attention_forward(
     if nd:
         parts.append(decode_attention(
             q[:, :nd].transpose(0, 1), cache.k[layer], cache.v[layer], meta.block_tables, meta.context_lens, scale,
-            window, softcap,
+            window, softcap, meta.shared,
         ))
     nf = nd + sum(meta.prefill_lens)
     if meta.prefill_lens:

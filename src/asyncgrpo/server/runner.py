@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncgrpo.server.decode_attention import triton_works_on
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
@@ -35,6 +36,7 @@ from asyncgrpo.server.sampling import (
     token_hash,
 )
 from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 
 
 @dataclass
@@ -46,6 +48,7 @@ class DecodeInputs:
     slots: np.ndarray  # [Bd] flat cache row its keys/values go to
     context_lens: np.ndarray  # [Bd] cached tokens incl. the new one
     block_tables: np.ndarray  # [Bd, nb] blocks; nb covers the longest sequence
+    shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
 
 
 def decode_inputs(
@@ -141,7 +144,11 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         recurrent: RecurrentState | None = None,
         lora: ServedLora | None = None,
+        shared_prefix: bool | None = None,
     ) -> None:
+        """shared_prefix: decode attention reads the first blocks that sequences share (a GRPO group's
+        prompt) once per group (`shared_prefix.py`); None: where the Triton decode attention runs (the
+        gather path elsewhere would only read them twice), False: never."""
         assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
         assert graphs is None or lora is None, "decode graphs do not carry LoRA slots"
         self.model = model
@@ -153,6 +160,13 @@ class ModelRunner:
         self.recurrent = recurrent  # the DeltaNet layers' per-row state of a hybrid model
         self.lora = lora  # stacked LoRA adapters (--enable-lora): each token's slot is set per step
         self.params = RowParams(block_table.shape[0])
+        text = model.config.get_text_config()
+        heads, kv_heads = getattr(text, "num_attention_heads", 0), cache.num_kv_heads
+        if shared_prefix is None:
+            shared_prefix = device.type == "cuda" and triton_works_on(device, cache.k[0].dtype)
+        # members per group entry of the shared pass; 0: every sequence reads its whole context
+        self.shared_members = max_members(heads, kv_heads) if shared_prefix and heads else 0
+        self._shared: tuple[tuple, SharedPrefixes | None] = ((), None)  # the last decode set and its groups
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
     @torch.inference_mode()
@@ -161,6 +175,8 @@ class ModelRunner:
         the prefills whose chunk reaches their last token (the scheduler's `StepPlan.sampled`)."""
         if prefill:
             self.params.admit(prefill)  # again at every chunk: cheap, and rows never change mid-prompt
+            # a prefilled sequence may be a preempted one back on other blocks: find the groups again
+            self._shared = ((), None)
         done = [s for s in prefill if s.prefill_end == s.num_tokens]
         seqs = decode + done
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
@@ -171,6 +187,8 @@ class ModelRunner:
             # last_token: a prompt whose last chunk stopped one token short computes it as a decode
             last = np.fromiter((s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
+            if self.shared_members:
+                dec.shared = self._shared_prefixes(decode, dec)
         if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
             self._forward(dec, prefill, rows[: len(decode)])
             return StepOutput([], [], [], None, None, None)
@@ -219,6 +237,7 @@ class ModelRunner:
             self.device,
             starts,
             [s.blocks for s in prefill],
+            None if dec is None else dec.shared,
         )
         extra = {}
         prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
@@ -239,6 +258,17 @@ class ModelRunner:
                 **extra,
             )
         return out.logits[0]
+
+    def _shared_prefixes(self, decode: list[Sequence], dec: DecodeInputs) -> SharedPrefixes | None:
+        """The groups of the decode sequences that share their first blocks, found again only when the
+        decode set (or a released block) changed since the last step without prefills: blocks shared at
+        admission stay shared and in place while the sequences run."""
+        key = tuple((s.seq_id, s.released) for s in decode)
+        if key != self._shared[0]:
+            found = find_shared_prefixes(dec.block_tables, dec.context_lens, self.cache.block_size,
+                                         self.shared_members, self.cache.scratch_block)
+            self._shared = (key, found)
+        return self._shared[1]
 
     def _needs_processing(self, rows: np.ndarray, positions: np.ndarray) -> bool:
         """Whether `_process` changes any row's logits this step."""

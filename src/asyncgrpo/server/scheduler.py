@@ -14,7 +14,13 @@ Each step spends at most `max_num_batched_tokens` tokens:
     2. chunks    running sequences still prefilling (oldest first) compute their next chunk
     3. admit     waiting sequences enter while there are blocks, sequence slots and budget; a prompt
                  longer than what is left of the budget is prefilled in chunks over the next steps
-                 (chunked prefill: one long prompt never stalls the running decodes)
+                 (chunked prefill: one long prompt never stalls the running decodes). With
+                 `admission_interval` n > 1, a step that would otherwise decode only admits no one
+                 unless n - 1 such steps went by without admission: requests arriving one by one
+                 (the next turns of conversations, spread by their HTTP round trips) then enter
+                 together, and most steps stay decode-only (a CUDA graph replay, where a step with
+                 prompt tokens runs eagerly at several times its cost); a request waits at most
+                 n - 1 steps more
 
 A sequence's state is `num_computed`, the tokens whose KV the planned steps put in the cache; a
 prefill entry of a step computes tokens [prefill_start, prefill_end) and samples only when that
@@ -37,7 +43,12 @@ that. A released block keeps its hash (it goes back to the pool as cached, evict
 sequence cannot read it again: a later request extending it matches with `BlockPool.match_tail`,
 which needs only the blocks inside the window of the hit's end, as the earlier ones may be gone.
 Models that mix global layers in (Gemma 2/3, Cohere2) hold every block: the global layers read
-them all, and one block table serves every layer.
+them all, and one block table serves every layer. Freeing the windowed layers' share of a block
+would need a block table per layer group (vLLM's hybrid KV-cache manager): pools sized per group,
+two block lists per sequence, slot mappings, decode tables, graph buffers and prefix-cache hits per
+group. It would save KV memory, not step time (which blocks are held does not change what the
+windowed layers' decode attention reads), so it is left for when long-context Gemma serving runs
+out of KV blocks.
 """
 
 from __future__ import annotations
@@ -180,8 +191,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         window: int | None = None,
+        admission_interval: int = 1,
     ) -> None:
+        assert admission_interval >= 1, admission_interval
         self.pool = pool
+        self.admission_interval = admission_interval
+        self._steps_without_admission = 0  # decode-only steps in a row that left `waiting` alone
         self.window = window  # attention_math.kv_window of the model
         self.null_block = pool.num_blocks  # the KV cache's scratch block: released entries point there
         # the blocks a prefix hit needs cached: those the window of its next token reaches
@@ -328,8 +343,11 @@ class Scheduler:
             if s.num_computed < s.num_tokens:  # not decoding: a prompt whose chunks are not done
                 budget -= self._plan_chunk(s, budget)
                 prefill.append(s)
-        # 3. admit FCFS while slots, blocks and the token budget allow
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        # 3. admit FCFS while slots, blocks and the token budget allow (in a step that would decode
+        # only, every admission_interval steps)
+        hold = bool(decode) and not prefill and self._steps_without_admission + 1 < self.admission_interval
+        self._steps_without_admission = self._steps_without_admission + 1 if hold and self.waiting else 0
+        while not hold and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if preempted and seq in preempted:
                 break  # do not re-admit what this step just evicted
