@@ -1,7 +1,7 @@
 """On the GPU, the engine reading groups' shared prompt blocks once (the Triton shared pass, inside the
 captured decode graphs) samples what it samples when every sequence reads its own copy.
 
-    pytest -m gpu tests/gpu/test_shared_prefix.py
+    pytest -m gpu tests/gpu/test_shared_prefix_attention.py
 """
 
 from __future__ import annotations
