@@ -229,3 +229,41 @@ def test_a_check_run_isolated_inside_a_checkpointed_forward_leaves_the_checkpoin
     assert checked == [True]
     with torch.no_grad():  # the caller's grad mode does not reach the check either
         assert run_isolated(torch.is_grad_enabled) is True
+
+
+def fla_shaped_plain_kernel(calls):
+    """fla-core's `chunk_gated_delta_rule` API (B = 1, varlen `cu_seqlens`, one initial/final state per
+    sequence, scale K^-1/2 by default) computed by the token recurrence: stands in for the Triton
+    kernel on CPU so that the "fla" backend's levels, offsets and states are checked here."""
+    def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        calls.append(use_qk_l2norm_in_kernel)
+        assert q.shape[0] == 1 and cu_seqlens is not None
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        outs, finals = [], []
+        for n, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            state = None if initial_state is None else initial_state[n]
+            qs, ks = q[0, start:end], k[0, start:end]
+            if use_qk_l2norm_in_kernel:
+                qs, ks = l2(qs), l2(ks)
+            out, state = plain_delta_rule(qs * scale, ks, v[0, start:end], g[0, start:end], beta[0, start:end],
+                                          state, normalize=False)
+            outs.append(out)
+            finals.append(state)
+        return torch.cat(outs)[None], torch.stack(finals) if output_final_state else None
+    return kernel
+
+
+@pytest.mark.parametrize("key_heads", [2, 1])
+def test_the_fla_backend_runs_levels_as_varlen_calls_from_the_parents_states(monkeypatch, key_heads):
+    from asyncgrpo.packing import recurrent
+
+    calls = []
+    monkeypatch.setattr(recurrent, "_fla_kernel", lambda: (fla_shaped_plain_kernel(calls), None))
+    row = pack_row(trie_samples(np.random.default_rng(6)))
+    layout = RecurrentLayout.build(row.segment_parent, row.segment_start, row.segment_len, conv_width=4)
+    q, k, v, g, beta = random_inputs(row.num_tokens, heads=2, key_heads=key_heads, seed=7)
+    packed = tree_gated_delta_rule(q, k, v, g, beta, layout, backend="fla")
+    assert len(calls) == len(layout.levels) and not any(calls)  # q/k arrive l2-normalised
+    torch.testing.assert_close(packed, tree_gated_delta_rule(q, k, v, g, beta, layout, backend="torch"),
+                               atol=1e-11, rtol=1e-9)

@@ -343,7 +343,7 @@ def _fla_check(device_index: int) -> str | None:
     beta = torch.rand(1, 80, 2, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
     cu_seqlens = torch.tensor([0, 30, 80], device=device)
     try:
-        out, _ = kernel(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        out, _ = kernel(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens)
         out.float().sum().backward()
     except Exception as err:  # noqa: BLE001 - any failure means: use the PyTorch path, and say why
         return f"fla-core's delta rule failed a forward + backward check on this GPU: {type(err).__name__}: {err}"
@@ -364,6 +364,9 @@ def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Returns [T, H, V] in value's dtype.
     """
     if backend == "fla":
+        # l2-normalised here (float32, stored back in the input dtype, as fla's own l2norm does) rather
+        # than in fla's kernel: its l2norm kernels autotune again for every new size bucket of a level
+        query, key = (l2_normalize(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype) for x in (query, key))
         query, key = grouped_query_key(query, key, value.shape[-2])
         run_level = _fla_level
     elif backend == "torch":
@@ -396,6 +399,6 @@ def _fla_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_fi
         raise RuntimeError(f"the fla delta rule backend was chosen but fla-core cannot run: {reason}")
     index = level.token_index
     out, final = kernel(query[index][None], key[index][None], value[index][None], g[index][None], beta[index][None],
-                        initial_state=initial, output_final_state=keep_final, use_qk_l2norm_in_kernel=True,
+                        initial_state=initial, output_final_state=keep_final, use_qk_l2norm_in_kernel=False,
                         cu_seqlens=level.cu_seqlens)
     return out[0], final
