@@ -25,6 +25,7 @@ process with the JSON saying where it stopped, so a killed or stuck run still le
 
     python bench/one_gpu.py --shape 0.6b 1.7b --max-seconds 60     # one H200: embedded server, IPC sync
     python bench/one_gpu.py --shape tiny                           # CPU smoke run, under a minute
+    python bench/one_gpu.py --shape 0.6b --sharing mps             # the same with an MPS daemon (gpu_sharing.py)
 
 Against a running vLLM 0.33 (its ipc weight-transfer backend) on the same GPU, with the same weights:
 
@@ -55,6 +56,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from gpu_sharing import SHARING_MODES, gpu_sharing
 from one_gpu_probes import (
     GpuMemory,
     RunRecorder,
@@ -333,6 +335,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in PRESETS["0.6b"]:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="Default: the shape's preset.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
+    p.add_argument("--sharing", choices=SHARING_MODES, default="time-slicing",
+                   help="How the processes share the GPU: CUDA's time-slicing, or an MPS daemon for the run.")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
@@ -357,13 +361,19 @@ def main(argv: list[str] | None = None) -> None:
         for shape in args.shape:
             prepare_checkpoint(shape, Path(args.model_dir or Path(args.work_dir) / f"qwen3-{shape}-chat"), device)
         return
+    with gpu_sharing(args.sharing, Path(args.work_dir)) as sharing:  # before this process touches CUDA
+        run_bench(args, sharing)
+
+
+def run_bench(args: argparse.Namespace, sharing: dict) -> None:
     import torch
 
     slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-") \
         if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    suffix = "_vllm" if args.server == "vllm" else ""
+    suffix = ("_vllm" if args.server == "vllm" else "") + ("_mps" if args.sharing == "mps" else "")
     output = Path(args.output or Path(__file__).parent / "results" / f"one_gpu_{slug}{suffix}.json")
     bench = Bench(args, output)
+    bench.result["sharing"] = sharing
     print(f"one_gpu: {', '.join(args.shape)} on {bench.result['device']}, {args.server} server; "
           f"JSON -> {output}", flush=True)
     try:

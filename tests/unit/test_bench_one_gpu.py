@@ -80,3 +80,40 @@ def test_prompts_are_about_the_requested_length():
     assert rows[0] != rows[1]
     # the language is seeded: the same arguments give the same prompts
     assert make_prompts(tokenizer, language_for_vocab(512), 2, 60, seed=0)[0][0] == rows[0]
+
+
+def test_time_slicing_changes_nothing(tmp_path, monkeypatch):
+    from gpu_sharing import gpu_sharing
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    with gpu_sharing("time-slicing", tmp_path) as info:
+        assert info == {"mode": "time-slicing"} and "CUDA_MPS_PIPE_DIRECTORY" not in __import__("os").environ
+
+
+def test_mps_without_its_control_program_says_what_to_do(tmp_path, monkeypatch):
+    from gpu_sharing import gpu_sharing
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit, match="nvidia-cuda-mps-control .* --sharing time-slicing"), \
+            gpu_sharing("mps", tmp_path):
+        pass
+
+
+def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
+    """A stand-in control program records how it is called (the real one needs an NVIDIA driver)."""
+    import os
+
+    from gpu_sharing import gpu_sharing
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(f'#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {calls}\n')
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    with gpu_sharing("mps", tmp_path / "run") as info:
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == info["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "run/mps-pipe")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    started, stopped = calls.read_text().splitlines()
+    assert started.startswith("args=-d pipe=") and stopped.endswith("stdin=quit")

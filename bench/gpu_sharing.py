@@ -1,0 +1,57 @@
+"""How the trainer and its generation server share one GPU.
+
+"time-slicing" is CUDA's default: each process has its own context and the GPU runs one context at a
+time, switching between them, so a decode step of the server never runs during a matmul of the
+trainer. "mps" starts an NVIDIA Multi-Process Service daemon for the run: every process that
+initialises CUDA afterwards (this one, the embedded server, the rollout process) submits its work
+through one MPS server, and kernels of different processes run on the GPU at the same time.
+
+    with gpu_sharing("mps", Path("/tmp/run")) as info:   # before the first CUDA call of this process
+        ...
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SHARING_MODES = ("time-slicing", "mps")
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+@contextmanager
+def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
+    """Runs the body under `mode`; yields what the result JSON records about it. For "mps" this must be
+    entered before this process initialises CUDA (the environment decides which server a context joins)."""
+    if mode not in SHARING_MODES:
+        raise ValueError(f"GPU sharing mode must be one of {SHARING_MODES}, got {mode!r}")
+    if mode == "time-slicing":
+        yield {"mode": mode}
+        return
+    control = shutil.which(MPS_CONTROL)
+    if control is None:
+        raise SystemExit(f"--sharing mps needs {MPS_CONTROL} (from the NVIDIA driver's utilities) on PATH, and it "
+                         "is not there: install the driver utilities, or run with --sharing time-slicing")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(work_dir / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(work_dir / "mps-log")}
+    for folder in env.values():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    started = subprocess.run([control, "-d"], check=False, env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    if started.returncode != 0:
+        raise SystemExit(f"starting the MPS daemon failed ({control} -d exited {started.returncode}: "
+                         f"{(started.stderr or started.stdout).strip()}); run with --sharing time-slicing")
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # inherited by the server and the rollout process
+    try:
+        yield {"mode": mode, **env}
+    finally:
+        subprocess.run([control], check=False, input="quit\n", env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=30)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
