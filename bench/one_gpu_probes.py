@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from asyncgrpo.generation.protocol import parse_metrics
+from asyncgrpo.generation.server_info import parse_metrics
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -10,7 +10,8 @@ import socket
 import pytest
 
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError
-from asyncgrpo.generation.protocol import SamplingParams, ServerInfo
+from asyncgrpo.generation.protocol import SamplingParams
+from asyncgrpo.generation.server_info import ServerInfo
 
 
 def _dead_url() -> str:

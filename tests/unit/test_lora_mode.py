@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.generation.protocol import LoraServing, parse_server_info
+from asyncgrpo.generation.server_info import LoraServing, parse_server_info
 from asyncgrpo.train.lora_mode import choose_lora_sync
 
 peft = pytest.importorskip("peft")

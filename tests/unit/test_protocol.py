@@ -17,6 +17,8 @@ from asyncgrpo.generation.protocol import (
     error_message,
     parse_completions_response,
     parse_generate_response,
+)
+from asyncgrpo.generation.server_info import (
     parse_metrics,
     parse_models,
     parse_server_info,

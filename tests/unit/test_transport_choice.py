@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.generation.protocol import parse_server_device, parse_server_info
+from asyncgrpo.generation.server_info import parse_server_device, parse_server_info
 from asyncgrpo.train.transport_choice import choose_transport, nccl_failure_hint, same_gpu
 
 GPU_A = "5c1e0f3a-0000-4000-8000-00000000000a"

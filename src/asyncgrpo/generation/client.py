@@ -33,8 +33,6 @@ from asyncgrpo.generation.protocol import (
     GENERATE_PATH,
     ProtocolError,
     SamplingParams,
-    ServerInfo,
-    ServerMetrics,
     TurnOutput,
     build_completions_request,
     build_generate_request,
@@ -42,6 +40,10 @@ from asyncgrpo.generation.protocol import (
     expect_field,
     parse_completions_response,
     parse_generate_response,
+)
+from asyncgrpo.generation.server_info import (
+    ServerInfo,
+    ServerMetrics,
     parse_metrics,
     parse_models,
     parse_server_info,

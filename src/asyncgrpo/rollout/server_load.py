@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from asyncgrpo import metrics as M
 from asyncgrpo.generation.client import GenerationClient
-from asyncgrpo.generation.protocol import ServerInfo
+from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.rollout.concurrency import ConcurrencyCap
 
 logger = logging.getLogger(__name__)

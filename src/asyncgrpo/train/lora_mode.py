@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.generation.protocol import LoraServing
+from asyncgrpo.generation.server_info import LoraServing
 from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS, PLAIN_LORA_INITS
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
-from asyncgrpo.generation.protocol import LoraServing
+from asyncgrpo.generation.server_info import LoraServing
 from asyncgrpo.train.lora_mode import choose_lora_sync
 
 logger = logging.getLogger(__name__)

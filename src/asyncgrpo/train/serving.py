@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from asyncgrpo.generation.protocol import ServerInfo
+from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.train.model_setup import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)

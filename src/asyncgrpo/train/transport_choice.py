@@ -21,7 +21,7 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from asyncgrpo.generation.protocol import ServerDevice
+from asyncgrpo.generation.server_info import ServerDevice
 
 VLLM_IPC_RESTART = (
     "VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_SERVER_DEV_MODE=1 vllm serve MODEL "

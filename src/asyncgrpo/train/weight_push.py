@@ -35,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from asyncgrpo.generation.protocol import ServerDevice
+from asyncgrpo.generation.server_info import ServerDevice
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, plan_chunks
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.model_setup import is_sharded, server_weight_metas, weights_for_server
