@@ -11,6 +11,7 @@ import torch
 from asyncgrpo.server.decode_attention import (
     decode_attention_gather,
     decode_attention_triton,
+    shared_pass_works_on,
     triton_available,
     triton_works_on,
 )
@@ -68,8 +69,9 @@ def test_strided_query_as_the_attention_layer_passes_it():
 
 def test_the_server_picks_the_kernel_on_this_gpu():
     """The load-time check (compiles, agrees with the gather) passes here, so decode steps use the kernel."""
-    assert triton_works_on(torch.device("cuda", 0), torch.bfloat16)
-    assert triton_works_on(torch.device("cuda", 0), torch.float16)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert triton_works_on(torch.device("cuda", 0), dtype)
+        assert shared_pass_works_on(torch.device("cuda", 0), dtype)
 
 
 def _group_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int = 16):

@@ -380,6 +380,17 @@ def decode_attention(
 def triton_works_on(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the Triton kernel compiles on this device and matches the gather path on random input
     (once per device and dtype; call it outside CUDA-graph capture, the server does at load time)."""
+    return _triton_matches_gather(device, dtype, shared_pass=False)
+
+
+@functools.cache
+def shared_pass_works_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """The same check for the shared-prefix pass (`shared_prefix.py`); where it fails, decode attention
+    keeps the plain Triton kernel and reads every sequence's blocks itself."""
+    return triton_works_on(device, dtype) and _triton_matches_gather(device, dtype, shared_pass=True)
+
+
+def _triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass: bool) -> bool:
     if _triton_kernels() is None:
         return False
     g = torch.Generator(device=device).manual_seed(0)
@@ -389,15 +400,15 @@ def triton_works_on(device: torch.device, dtype: torch.dtype) -> bool:
     tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [6, 1, 2]], device=device)
     lens = torch.tensor([1, 7, 12, 9], device=device)
     shared = SharedPrefixTensors(torch.tensor([0, 0, 4, 4], device=device), torch.tensor([[4, 2, 3]], device=device))
+    what = "the shared-prefix pass of the Triton decode attention" if shared_pass else "the Triton decode attention"
+    instead = "reading every sequence's blocks itself" if shared_pass else "using the slower gather path"
     try:
-        got = [decode_attention_triton(q, *pools, tables, lens, 0.125, shared=s).float() for s in (None, shared)]
-    except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the gather
-        logger.warning("the Triton decode attention does not run on %s (%s); using the slower gather path",
-                       device, exc)
+        got = decode_attention_triton(q, *pools, tables, lens, 0.125, shared=shared if shared_pass else None).float()
+    except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the path that works
+        logger.warning("%s does not run on %s (%s); %s", what, device, exc, instead)
         return False
     expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125)
-    if not all(torch.allclose(x, expected, rtol=2e-2, atol=2e-2) for x in got):
-        logger.warning("the Triton decode attention disagrees with the gather path on %s; using the gather path",
-                       device)
+    if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
+        logger.warning("%s disagrees with the gather path on %s; %s", what, device, instead)
         return False
     return True

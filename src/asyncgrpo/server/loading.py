@@ -18,7 +18,7 @@ import torch
 
 from asyncgrpo.models import load_tokenizer, resolve_model_path
 from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
-from asyncgrpo.server.decode_attention import triton_works_on
+from asyncgrpo.server.decode_attention import shared_pass_works_on
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
@@ -165,7 +165,7 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     logger.info("loaded %s from %s", type(model).__name__, path)
     fused = prepare_model(model, device)
     if device.type == "cuda":
-        triton_works_on(device, dtype)  # checked here, before any CUDA graph is captured
+        shared_pass_works_on(device, dtype)  # both checks run here, before any CUDA graph is captured
     try:
         tokenizer = load_tokenizer(name)
     except (OSError, ValueError) as exc:

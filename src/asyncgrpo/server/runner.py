@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncgrpo.server.decode_attention import triton_works_on
+from asyncgrpo.server.decode_attention import shared_pass_works_on
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
@@ -163,7 +163,7 @@ class ModelRunner:
         text = model.config.get_text_config()
         heads, kv_heads = getattr(text, "num_attention_heads", 0), cache.num_kv_heads
         if shared_prefix is None:
-            shared_prefix = device.type == "cuda" and triton_works_on(device, cache.k[0].dtype)
+            shared_prefix = device.type == "cuda" and shared_pass_works_on(device, cache.k[0].dtype)
         # members per group entry of the shared pass; 0: every sequence reads its whole context
         self.shared_members = max_members(heads, kv_heads) if shared_prefix and heads else 0
         self._shared: tuple[tuple, SharedPrefixes | None] = ((), None)  # the last decode set and its groups
