@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
+# time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
+#
+#   bash bench/gpu_suite.sh tests packing profile hybrid one_gpu one_gpu_mps engine
+#
+#   tests        pytest -m gpu of everything that needs no running vLLM (IPC sync, kernels, compiled step)
+#   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
+#   profile      bench/profile_step.py: where a step's time goes (0.6B, shared-prompt workload)
+#   hybrid       bench/delta_rule.py and bench/packing.py on the Qwen3.5-2B shape (fla-core where it runs)
+#   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
+#   one_gpu_mps  the same under an MPS daemon
+#   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B)
+#
+# SECTION_TIMEOUT (seconds, default 540) bounds each section; a section that fails or times out does
+# not stop the next one. PYTHONPATH gets src/ in front.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_suite}
+LIMIT=${SECTION_TIMEOUT:-540}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+section() {  # name, command...
+    local name=$1; shift
+    local start=$SECONDS
+    echo "== $name: $*"
+    timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s (log $OUT/$name.log)"
+    tail -n 15 "$OUT/$name.log"
+}
+
+for name in "$@"; do
+    case $name in
+    tests)
+        section tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
+            --ignore=tests/gpu/test_vllm_push.py --ignore=tests/gpu/test_vllm_lora_sync.py ;;
+    packing)
+        section packing python bench/packing.py --device cuda --workloads default shared-prompt \
+            --variants base compile+head compile+head+nockpt --layouts padfree --warmup 2 --steps 3 \
+            --out "$OUT/packing_cuda_workloads.json" ;;
+    profile)
+        section profile python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \
+            --variants base compile+head --out-dir "$OUT" ;;
+    hybrid)
+        section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json"
+        section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 1 --steps 2 \
+            --out "$OUT/packing_hybrid_cuda.json" ;;
+    one_gpu)
+        section one_gpu python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --output "$OUT/one_gpu.json" ;;
+    one_gpu_mps)
+        section one_gpu_mps python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing mps --output "$OUT/one_gpu_mps.json" ;;
+    engine)
+        python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
+        section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
+            --shape group --concurrency 256 --prompt-len 2048 --group-size 8 --max-tokens 256 --profile \
+            --output "$OUT/engine_phases_group.json"
+        section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
+            --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
+            --shared-prefix off --profile --output "$OUT/engine_phases_turns.json" ;;
+    *)
+        echo "unknown section $name (see the top of $0)"; exit 2 ;;
+    esac
+done
