@@ -45,7 +45,7 @@ for name in "$@"; do
             --variants base compile+head --out-dir "$OUT" ;;
     hybrid)
         section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json"
-        section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 1 --steps 2 \
+        section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 2 --steps 3 \
             --out "$OUT/packing_hybrid_cuda.json" ;;
     one_gpu)
         section one_gpu python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
