@@ -41,7 +41,8 @@ from asyncgrpo.packing.deltanet import (
     deltanet_output,
     deltanet_projections,
 )
-from asyncgrpo.packing.recurrent import causal_conv1d_at, chunk_gated_delta_rule, normalized_query_key
+from asyncgrpo.packing.delta_rule import chunk_gated_delta_rule, normalized_query_key
+from asyncgrpo.packing.recurrent import causal_conv1d_at
 
 __all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]
 
