@@ -145,7 +145,7 @@ def innermost_op_at(ops_by_thread, tid, t):
     """Name of the innermost op of thread `tid` running at time t (None if none)."""
     starts, ops = ops_by_thread.get(tid, ([], []))
     for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):
-        start, end, name = ops[i]
+        _, end, name = ops[i]
         if end >= t:
             return name
     return None

@@ -327,7 +327,7 @@ def _state_pass(u, w, k_decayed_t, chunk_decay, initial, step_sizes, step_source
 
 def _chunk_outputs(q_decayed, intra, states, deltas):
     """o = (q exp(cum)) S + intra delta per chunk row: [N, H, C, V]."""
-    rows, heads, size, dim_k = q_decayed.shape
+    rows, heads, size, _ = q_decayed.shape
     dim_v = states.shape[-1]
     out = torch.baddbmm(intra.flatten(0, 1) @ deltas, q_decayed.flatten(0, 1), states.flatten(0, 1))
     return out.view(rows, heads, size, dim_v)

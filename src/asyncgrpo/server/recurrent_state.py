@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asyncgrpo.packing.delta_rule import chunk_gated_delta_rule, normalized_query_key
 from asyncgrpo.packing.deltanet import (
     delta_rule_inputs,
     deltanet_layers,
     deltanet_output,
     deltanet_projections,
 )
-from asyncgrpo.packing.delta_rule import chunk_gated_delta_rule, normalized_query_key
 from asyncgrpo.packing.recurrent import causal_conv1d_at
 
 __all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]
