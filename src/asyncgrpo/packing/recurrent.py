@@ -182,7 +182,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     channels, width = weight.shape
     if width != layout.conv_width:
         raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has {width}")
-    padded = torch.cat([x, x.new_zeros(1, channels)])[layout.conv_index]  # [T + S (W - 1), C]
+    # index_select, not x[index]: its backward adds with index_add_ instead of sorting the index
+    padded = torch.cat([x, x.new_zeros(1, channels)]).index_select(0, layout.conv_index)  # [T + S (W - 1), C]
     return causal_conv1d_at(padded, layout.conv_keep, weight, bias, activation)
 
 
@@ -193,7 +194,7 @@ def causal_conv1d_at(padded: torch.Tensor, keep: torch.Tensor, weight: torch.Ten
     outputs [T, C] in padded's dtype (computed in weight's dtype, like transformers)."""
     channels, width = weight.shape
     out = F.conv1d(padded.T[None].to(weight.dtype), weight[:, None, :], bias, padding=width - 1, groups=channels)
-    out = out[0, :, : padded.shape[0]].T[keep]
+    out = out[0, :, : padded.shape[0]].T.index_select(0, keep)
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
