@@ -159,7 +159,8 @@ def profile_summary(trace, gpu, top):
     per_op = defaultdict(lambda: [0, 0.0])
     if not gpu:
         # self time: an op's duration less the ops nested in it, per thread
-        by_thread = defaultdict(list)
+        # (and leaf ops, those with no op nested in them: what would launch kernels on a GPU)
+        by_thread, parents = defaultdict(list), 0
         for e in ops:
             by_thread[e["tid"]].append(e)
         for thread_ops in by_thread.values():
@@ -170,11 +171,12 @@ def profile_summary(trace, gpu, top):
                     stack.pop()
                 if stack:
                     per_op[stack[-1]["name"]][1] -= e["dur"] / 1e3
+                    parents += stack[-1].pop("leaf", True)
                 per_op[e["name"]][0] += 1
                 per_op[e["name"]][1] += e["dur"] / 1e3
                 stack.append(e)
         rows = sorted(per_op.items(), key=lambda kv: -kv[1][1])
-        return {"wall_ms": wall, "ops": sum(c for c, _ in per_op.values()),
+        return {"wall_ms": wall, "ops": len(ops), "leaf_ops": len(ops) - parents,
                 "by_op": [{"op": k, "calls": c, "self_ms": round(ms, 3)} for k, (c, ms) in rows[:top]]}
     by_thread = defaultdict(list)
     for e in ops:
@@ -250,7 +252,7 @@ def print_profile(label, summary):
     if "kernels" in summary:
         head += f", {summary['kernels']} kernels, device busy {summary['device_busy_ms']:.1f} ms"
     else:
-        head += f", {summary['ops']} ops"
+        head += f", {summary['ops']} ops, {summary['leaf_ops']} leaf ops"
     print(head)
     for entry in summary["by_op"]:
         print(f"    {entry[unit]:9.2f} ms {entry[count]:6d}  {entry['op']}")
