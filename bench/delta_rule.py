@@ -19,8 +19,10 @@ for each delta rule backend (`--backends`: torch, the pure-PyTorch chunked rule;
 kernel, CUDA only, where it imports). The shape is Qwen3.5-2B's (16 q/k and 16 value heads, K = V =
 128, hidden 2048). `--profile` adds one profiled forward + backward per entry: on CUDA the device time
 of every kernel, attributed to the innermost aten op that launched it (kernels per iteration, busy and
-idle time), on CPU the ops' self time. `max_rel_err_vs_torch` compares each backend's forward with the
-torch one on the same inputs.
+idle time), on CPU the ops' self time and the number of leaf ops (those that would launch kernels).
+`max_rel_err_vs_torch` compares each backend's forward with the torch one on the same inputs;
+`rule_tflops` is the trainer's FLOP model of one layer's delta rule (`asyncgrpo.train.flops`, forward +
+backward) over fwd_bwd_s (the layer part includes more than the rule).
 
     python bench/delta_rule.py                                   # CPU: 8k-token rows, rule only
     python bench/delta_rule.py --device cuda --profile           # H200: 32k-token rows, both parts
@@ -239,6 +241,15 @@ def available_backends(requested, device):
     return backends
 
 
+def rule_flops(num_tokens):
+    """FLOPs of the delta rule's forward + backward over num_tokens, the trainer's model (`asyncgrpo.train.flops`)."""
+    from asyncgrpo.train.flops import FlopModel
+
+    config = make_config(SHAPE)
+    config.layer_types = ["linear_attention"]
+    return FlopModel.for_config(config, 0).recurrent_per_token * num_tokens
+
+
 def row_stats(row, layout, chunk_size=64):
     lens = row.segment_len.numpy()
     return {"tokens": row.num_tokens, "segments": int(lens.size), "levels": len(layout.levels),
@@ -309,6 +320,7 @@ def main(argv=None):
                     entry = {"row": index, "layout": layout_name, "part": part, "backend": backend,
                              **row_stats(row, layout), "sample_tokens": sample_tokens, **time_case(case, args)}
                     entry["ms_per_1k_tokens"] = 1e3 * entry["fwd_bwd_s"] / row.num_tokens * 1e3
+                    entry["rule_tflops"] = rule_flops(row.num_tokens) / entry["fwd_bwd_s"] / 1e12
                     entry["sample_tokens_per_s"] = sample_tokens / entry["fwd_bwd_s"]
                     if gpu:
                         entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

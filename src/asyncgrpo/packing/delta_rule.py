@@ -212,9 +212,9 @@ def _tensor(array: np.ndarray, device) -> torch.Tensor:
 def _to_chunks(x: torch.Tensor, plan: ChunkPlan, heads: int, dtype: torch.dtype) -> torch.Tensor:
     """x [T, Hx, ...] (Hx dividing H) as chunk rows [N, H, C, ...] in `dtype`, zeros past segment ends."""
     index = plan.gather_index(x.shape[1], heads)
-    x = torch.cat([x.to(dtype), x.new_zeros(1, *x.shape[1:], dtype=dtype)])
+    x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     rows = x.reshape(-1, *x.shape[2:]).index_select(0, index.flatten())
-    return rows.view(*index.shape, *x.shape[2:])
+    return rows.view(*index.shape, *x.shape[2:]).to(dtype)  # gathered first: bf16 inputs move half the bytes
 
 
 def segment_tree_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
@@ -233,13 +233,13 @@ def segment_tree_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch
     q, k = (_to_chunks(x, plan, heads, dtype) for x in (query, key))
     v = _to_chunks(value, plan, heads, dtype)
     g, beta = (_to_chunks(x, plan, heads, dtype) for x in (g, beta))
-    u, w, q_decayed, intra, k_decayed_t, chunk_decay = _intra_chunk(q, k, v, g, beta)
+    u, w_neg, q_decayed, intra, k_decayed_t, chunk_decay = _intra_chunk(q, k, v, g, beta)
     if initial_state is None:
         initial = q.new_zeros(plan.step_sizes[0], heads, key.shape[-1], dim_v)
     else:
         initial = initial_state.to(dtype)
         initial = initial if plan.root_index is None else initial.index_select(0, plan.root_index)
-    states, deltas, finished = _state_pass(u, w, k_decayed_t, chunk_decay, initial, plan.step_sizes,
+    states, deltas, finished = _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, plan.step_sizes,
                                            plan.step_sources, plan.finish_counts if output_final_state else None)
     out = _chunk_outputs(q_decayed, intra, states, deltas)  # [N, H, C, V]
     out = out.reshape(-1, dim_v).index_select(0, plan.scatter_index(heads).flatten()).view(-1, heads, dim_v)
@@ -268,11 +268,12 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         x = F.pad(x.to(dtype), (0, 0) * (x.dim() - 2) + (0, pad)).unflatten(1, (num_chunks, chunk_size))
         return x.movedim(1, 0).transpose(2, 3).reshape(num_chunks * batch, heads, chunk_size, *x.shape[4:])
 
-    u, w, q_decayed, intra, k_decayed_t, chunk_decay = _intra_chunk(*(chunked(x) for x in (query, key, value, g, beta)))
+    chunks = [chunked(x) for x in (query, key, value, g, beta)]
+    u, w_neg, q_decayed, intra, k_decayed_t, chunk_decay = _intra_chunk(*chunks)
     initial = (query.new_zeros(batch, heads, dim_k, dim_v, dtype=dtype) if initial_state is None
                else initial_state.to(dtype))
     steps = (batch,) * num_chunks
-    states, deltas, final = _state_pass(u, w, k_decayed_t, chunk_decay, initial, steps, (None,) * num_chunks,
+    states, deltas, final = _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, steps, (None,) * num_chunks,
                                         (0,) * (num_chunks - 1) + (batch,))
     out = _chunk_outputs(q_decayed, intra, states, deltas).view(num_chunks, batch, heads, chunk_size, dim_v)
     out = out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, dim_v)[:, :length]
@@ -281,7 +282,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 def _intra_chunk(q, k, v, g, beta):
     """The state-independent part of every chunk. q/k [N, H, C, K], v [N, H, C, V], g/beta [N, H, C].
-    Returns u [N, H, C, V], w [N, H, C, K], q exp(cum) [N, H, C, K], the masked intra-chunk scores
+    Returns u [N, H, C, V], -w [N, H, C, K], q exp(cum) [N, H, C, K], the masked intra-chunk scores
     [N, H, C, C], (k exp(cum_C - cum))^T [N, H, K, C] and the chunk's decay exp(cum_C) [N, H]."""
     size = q.shape[-2]
     cum = g.cumsum(-1)  # log of the decay from the chunk start to each position
@@ -292,19 +293,19 @@ def _intra_chunk(q, k, v, g, beta):
     solve = unit_lower_inverse(system) * beta[..., None, :]  # (I + A)^-1 diag(beta)
     cum_exp = cum.exp()
     u = solve @ v
-    w = solve @ (k * cum_exp[..., None])
+    w_neg = solve @ (k * -cum_exp[..., None])  # -w: delta = u + (-w) S needs no scaling, nor its backward
     intra = (q @ k.transpose(-1, -2)) * pair_decay
     k_decayed_t = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
-    return u, w, q * cum_exp[..., None], intra, k_decayed_t, cum_exp[..., -1]
+    return u, w_neg, q * cum_exp[..., None], intra, k_decayed_t, cum_exp[..., -1]
 
 
-def _state_pass(u, w, k_decayed_t, chunk_decay, initial, step_sizes, step_sources, finish_counts):
+def _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, step_sizes, step_sources, finish_counts):
     """The sequential part: chunk rows of step t are the `step_sizes[t]` rows after those of earlier
     steps; each step's start states come from the previous step's end states (`ChunkPlan.step_sources`).
     Returns the start state of every row [N, H, K, V], every row's delta [N, H, C, V] and (when
     `finish_counts` is given) the end states of the rows finishing at each step, concatenated."""
     heads, dim_k, dim_v = initial.shape[1:]
-    split = [torch.split(x, list(step_sizes)) for x in (u, w, k_decayed_t, chunk_decay)]
+    split = [torch.split(x, list(step_sizes)) for x in (u, w_neg, k_decayed_t, chunk_decay)]
     state, states, deltas, finished = initial, [], [], []
     for step, (u_t, w_t, kt_t, decay_t) in enumerate(zip(*split)):
         source = step_sources[step]
@@ -314,7 +315,7 @@ def _state_pass(u, w, k_decayed_t, chunk_decay, initial, step_sizes, step_source
             state = state.index_select(0, source)
         rows = u_t.shape[0]
         flat = state.reshape(rows * heads, dim_k, dim_v)
-        delta = torch.baddbmm(u_t.flatten(0, 1), w_t.flatten(0, 1), flat, alpha=-1)  # u - w S
+        delta = torch.baddbmm(u_t.flatten(0, 1), w_t.flatten(0, 1), flat)  # u - w S
         states.append(state)
         deltas.append(delta)
         state = torch.baddbmm(flat * decay_t.reshape(-1, 1, 1), kt_t.flatten(0, 1), delta)
