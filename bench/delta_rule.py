@@ -19,13 +19,15 @@ for each delta rule backend (`--backends`: torch, the pure-PyTorch chunked rule;
 kernel, CUDA only, where it imports). The shape is Qwen3.5-2B's (16 q/k and 16 value heads, K = V =
 128, hidden 2048). `--profile` adds one profiled forward + backward per entry: on CUDA the device time
 of every kernel, attributed to the innermost aten op that launched it (kernels per iteration, busy and
-idle time), on CPU the ops' self time and the number of leaf ops (those that would launch kernels).
+idle time), on CPU the ops' self time and the number of ops that would launch kernels (not view-like, no such
+op nested in them).
 `max_rel_err_vs_torch` compares each backend's forward with the torch one on the same inputs;
 `rule_tflops` is the trainer's FLOP model of one layer's delta rule (`asyncgrpo.train.flops`, forward +
 backward) over fwd_bwd_s (the layer part includes more than the rule).
 
     python bench/delta_rule.py                                   # CPU: 8k-token rows, rule only
     python bench/delta_rule.py --device cuda --profile           # H200: 32k-token rows, both parts
+    python bench/delta_rule.py --device cuda --backends torch --tf32 --out bench/results/delta_rule_cuda_tf32.json
 
 Writes bench/results/delta_rule_<device>.json unless --out says otherwise.
 """
@@ -143,6 +145,13 @@ def time_case(case, args):
     return times
 
 
+NO_KERNEL_OPS = frozenset(f"aten::{name}" for name in (
+    "view", "as_strided", "_reshape_alias", "reshape", "resolve_conj", "resolve_neg", "empty", "empty_strided",
+    "empty_like", "detach", "_unsafe_view", "resize_", "expand", "transpose", "t", "slice", "select", "split",
+    "split_with_sizes", "unbind", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "alias", "diagonal",
+    "movedim", "lift_fresh", "narrow", "numpy_T", "view_as", "result_type", "stride"))
+
+
 def innermost_op_at(ops_by_thread, tid, t):
     """Name of the innermost op of thread `tid` running at time t (None if none)."""
     starts, ops = ops_by_thread.get(tid, ([], []))
@@ -153,33 +162,46 @@ def innermost_op_at(ops_by_thread, tid, t):
     return None
 
 
+def cpu_op_summary(ops, wall, top):
+    """Self time per op (its duration less the ops nested in it, per thread), and how many ops would
+    launch kernels on a GPU: aten ops that are not view-like and have no such op nested in them."""
+    per_op = defaultdict(lambda: [0, 0.0])
+    by_thread = defaultdict(list)
+    for e in ops:
+        by_thread[e["tid"]].append(e)
+    computing = 0
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [event, has a computing op nested]
+        for e in [*thread_ops, None]:
+            while stack and (e is None or stack[-1][0]["ts"] + stack[-1][0]["dur"] <= e["ts"]):
+                event, nested = stack.pop()
+                name = event["name"]
+                computes = nested or (name.startswith("aten::") and name not in NO_KERNEL_OPS)
+                computing += computes and not nested
+                if stack:
+                    stack[-1][1] = stack[-1][1] or computes
+            if e is None:
+                break
+            if stack:
+                per_op[stack[-1][0]["name"]][1] -= e["dur"] / 1e3
+            per_op[e["name"]][0] += 1
+            per_op[e["name"]][1] += e["dur"] / 1e3
+            stack.append([e, False])
+    rows = sorted(per_op.items(), key=lambda kv: -kv[1][1])
+    return {"wall_ms": wall, "ops": len(ops), "kernel_ops": computing,
+            "by_op": [{"op": k, "calls": c, "self_ms": round(ms, 3)} for k, (c, ms) in rows[:top]]}
+
+
 def profile_summary(trace, gpu, top):
     """Per op: calls (CPU) or kernels (CUDA) and milliseconds, busiest first; totals of the profiled run."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
-    wall = (max(e["ts"] + e["dur"] for e in ops) - min(e["ts"] for e in ops)) / 1e3 if ops else 0.0
+    timed = ops + [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    wall = (max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)) / 1e3 if timed else 0.0
     per_op = defaultdict(lambda: [0, 0.0])
     if not gpu:
-        # self time: an op's duration less the ops nested in it, per thread
-        # (and leaf ops, those with no op nested in them: what would launch kernels on a GPU)
-        by_thread, parents = defaultdict(list), 0
-        for e in ops:
-            by_thread[e["tid"]].append(e)
-        for thread_ops in by_thread.values():
-            thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
-            stack = []
-            for e in thread_ops:
-                while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                    stack.pop()
-                if stack:
-                    per_op[stack[-1]["name"]][1] -= e["dur"] / 1e3
-                    parents += stack[-1].pop("leaf", True)
-                per_op[e["name"]][0] += 1
-                per_op[e["name"]][1] += e["dur"] / 1e3
-                stack.append(e)
-        rows = sorted(per_op.items(), key=lambda kv: -kv[1][1])
-        return {"wall_ms": wall, "ops": len(ops), "leaf_ops": len(ops) - parents,
-                "by_op": [{"op": k, "calls": c, "self_ms": round(ms, 3)} for k, (c, ms) in rows[:top]]}
+        return cpu_op_summary(ops, wall, top)
     by_thread = defaultdict(list)
     for e in ops:
         by_thread[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
@@ -263,10 +285,12 @@ def print_profile(label, summary):
     if "kernels" in summary:
         head += f", {summary['kernels']} kernels, device busy {summary['device_busy_ms']:.1f} ms"
     else:
-        head += f", {summary['ops']} ops, {summary['leaf_ops']} leaf ops"
+        head += f", {summary['ops']} ops, {summary['kernel_ops']} that would launch kernels"
     print(head)
     for entry in summary["by_op"]:
         print(f"    {entry[unit]:9.2f} ms {entry[count]:6d}  {entry['op']}")
+    for entry in summary.get("by_kernel", [])[:5]:
+        print(f"    kernel {entry['device_ms']:9.2f} ms {entry['count']:6d}  {entry['kernel']}")
 
 
 def main(argv=None):
@@ -286,6 +310,9 @@ def main(argv=None):
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--min-completion", type=int, default=256)
     parser.add_argument("--max-completion", type=int, default=2048)
+    parser.add_argument("--tf32", action="store_true",
+                        help="float32 matmuls in TF32 (torch.set_float32_matmul_precision('high')): the PyTorch "
+                             "delta rule's matmuls on tensor cores, at about bf16-input precision")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="ops listed per profile")
     parser.add_argument("--seed", type=int, default=0)
@@ -297,6 +324,8 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     dtype = getattr(torch, args.dtype)
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
 
     from asyncgrpo.packing import pack_row
 

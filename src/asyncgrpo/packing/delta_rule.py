@@ -296,7 +296,7 @@ def _intra_chunk(q, k, v, g, beta):
     w_neg = solve @ (k * -cum_exp[..., None])  # -w: delta = u + (-w) S needs no scaling, nor its backward
     intra = (q @ k.transpose(-1, -2)) * pair_decay
     k_decayed_t = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
-    return u, w_neg, q * cum_exp[..., None], intra, k_decayed_t, cum_exp[..., -1]
+    return u, w_neg, q * cum_exp[..., None], intra, k_decayed_t, cum_exp[..., -1].contiguous()
 
 
 def _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, step_sizes, step_sources, finish_counts):
