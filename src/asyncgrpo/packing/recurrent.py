@@ -15,14 +15,14 @@ parent, so
   subtree or another sample. `RecurrentLayout.conv_index` builds a conv input in which every
   segment is preceded by those path tokens (zeros above a root), so one plain causal convolution
   over it is exact for every token;
-- the recurrence of a segment starts from its parent's FINAL state. Segments at the same depth of
-  the segment tree are independent given their parents, so the row runs level by level: level d
-  takes the final states of level d - 1 as initial states, one batched (or varlen) call per level.
+- the recurrence of a segment starts from its parent's FINAL state. The PyTorch backend runs the
+  whole row at once (`delta_rule.ChunkPlan`: every segment cut into chunks, a segment's first chunk
+  one step after its parent's last). fla-core's kernel takes a varlen batch with one initial state
+  per sequence, so that backend runs the row level by level: segments at the same depth of the
+  segment tree are independent given their parents, and level d takes the final states of level
+  d - 1 as initial states, one varlen call per level.
 
 Everything here is pure: index plans from the row's segment arrays (numpy), and torch functions.
-`tree_gated_delta_rule` runs the pure-PyTorch chunked algorithm (`delta_rule.py`) on the whole row
-at once, every segment cut into chunks and started from its parent's final state, or fla-core's
-Triton kernel level by level.
 """
 
 from __future__ import annotations
