@@ -27,6 +27,9 @@ backward) over fwd_bwd_s (the layer part includes more than the rule).
 
     python bench/delta_rule.py                                   # CPU: 8k-token rows, rule only
     python bench/delta_rule.py --device cuda --profile           # H200: 32k-token rows, both parts
+
+fla-core compiles and autotunes its kernels on first use on a machine (minutes at this shape with
+Triton 3.7; `warmup_s` shows it): warm it once with `--backends fla --rows 1 --parts rule --repeats 1`.
     python bench/delta_rule.py --device cuda --backends torch --tf32 --out bench/results/delta_rule_cuda_tf32.json
 
 Writes bench/results/delta_rule_<device>.json unless --out says otherwise.
@@ -129,10 +132,14 @@ class Case:
 
 
 def time_case(case, args):
-    """Median seconds of forward and of forward + backward over `repeats` runs after `warmup`."""
+    """Median seconds of forward and of forward + backward over `repeats` runs after `warmup` (whose
+    time, kernel compilation and autotuning included, is reported too)."""
+    sync(case.device)
+    start = time.perf_counter()
     for _ in range(args.warmup):
         case.run(backward=True)
-    times = {}
+    sync(case.device)
+    times = {"warmup_s": time.perf_counter() - start}
     for backward in (False, True):
         samples = []
         for _ in range(args.repeats):
