@@ -257,17 +257,21 @@ def profile_case(case, gpu, top):
 
 
 def available_backends(requested, device):
-    from asyncgrpo.packing.recurrent import _fla_kernel
+    """The requested backends that can train here, and {backend: why not} for the others."""
+    from asyncgrpo.packing.recurrent import _fla_kernel, _fla_training_problem
 
-    backends = []
+    backends, skipped = [], {}
     for name in requested:
         if name == "fla":
             kernel, reason = _fla_kernel() if device.type == "cuda" else (None, "CUDA only")
-            if kernel is None:
+            if kernel is not None:
+                reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device())
+            if reason is not None:
                 print(f"skipping backend fla: {reason}", flush=True)
+                skipped[name] = reason
                 continue
         backends.append(name)
-    return backends
+    return backends, skipped
 
 
 def rule_flops(num_tokens):
@@ -304,7 +308,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backends", nargs="+", choices=("torch", "fla"), default=["torch", "fla"],
-                        help="fla is skipped, saying why, where fla-core does not import (and on CPU)")
+                        help="fla is skipped, saying why, where fla-core does not import or fails its backward "
+                             "check on this GPU (Triton 3.4 to 3.7.0 on Hopper), and on CPU")
     parser.add_argument("--layouts", nargs="+", choices=("tree", "padfree"), default=["tree", "padfree"])
     parser.add_argument("--parts", nargs="+", choices=("rule", "layer"), default=None)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
@@ -339,7 +344,7 @@ def main(argv=None):
     samples = make_samples(np.random.default_rng(args.seed), args.groups, args.num_generations, args.prompt_len,
                            args.min_completion, args.max_completion, 1000)
     rows = make_rows(samples, args.token_budget)[: args.rows]
-    backends = available_backends(args.backends, device)
+    backends, skipped = available_backends(args.backends, device)
     layer = make_layer(dtype, device) if "layer" in args.parts else None
     results = []
     for index, row_samples in enumerate(rows):
@@ -381,7 +386,8 @@ def main(argv=None):
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    meta = {"device": name, "versions": versions, "threads": torch.get_num_threads(), "args": vars(args)}
+    meta = {"device": name, "versions": versions, "threads": torch.get_num_threads(), "skipped_backends": skipped,
+            "args": vars(args)}
     out = Path(args.out or Path(__file__).parent / "results" / f"delta_rule_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
