@@ -164,6 +164,8 @@ def test_a_padded_batch_of_one_token_chunks_is_the_token_recurrence():
     torch.testing.assert_close(final[0], want_final, atol=1e-12, rtol=1e-10)
 
 
-def test_segments_need_a_token_each():
+def test_a_plan_refuses_empty_segments_and_children_before_their_parents():
     with pytest.raises(ValueError, match="empty segment"):
         ChunkPlan.build([-1, 0], [0, 3], [3, 0], 4)
+    with pytest.raises(ValueError, match="after its parent"):
+        ChunkPlan.build([1, -1], [0, 3], [3, 2], 4)

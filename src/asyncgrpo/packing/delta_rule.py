@@ -133,12 +133,14 @@ class ChunkPlan:
     @classmethod
     def build(cls, segment_parent, segment_start, segment_len, chunk_size: int = CHUNK_SIZE,
               device: torch.device | str | None = None) -> ChunkPlan:
-        """From a row's segment arrays (numpy or tensors; segments in depth-first order, each
-        after its parent, every segment at least one token long)."""
+        """From a row's segment arrays (numpy or tensors; each segment after its parent, as in the
+        depth-first order of `tree.py`, and at least one token long)."""
         parent, start, length = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
                                  for x in (segment_parent, segment_start, segment_len))
         if length.size == 0 or length.min() < 1:
             raise ValueError("a chunk plan needs at least one segment and no empty segment")
+        if np.any(parent >= np.arange(length.size)):
+            raise ValueError("each segment must come after its parent (the depth-first order of packing/tree.py)")
         num_segments, num_tokens = length.size, int(length.sum())
         chunks = -(-length // chunk_size)
         begin = np.zeros(num_segments, dtype=np.int64)
