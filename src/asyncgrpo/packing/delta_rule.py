@@ -109,9 +109,10 @@ class ChunkPlan:
         segment's end).
     token_slot: [T] row * C + offset of each packed token.
     step_sizes: chunk rows of each step (consecutive).
-    step_sources: per step after the first, how its start states come from the previous step's end
-        states: None (the same rows), an int n (the first n rows), or an index tensor [n] (a segment
-        continues its own row or starts from its parent's).
+    step_sources: per step, how its start states come from the previous step's end states: None
+        (the same rows; always at step 0, which starts from the roots' initial states), an int n
+        (the first n rows), or an index tensor [n] (a segment continues its own row or starts from
+        its parent's).
     root_index: [R] which initial state (roots in segment order) each row of step 0 takes, or None
         when they are in segment order.
     finish_counts: per step, how many of its last rows finish their segment there.
