@@ -108,6 +108,28 @@ def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype,
                     f"({_fla_training_problem(torch.cuda.current_device())})")
 
 
+def test_torch_delta_rule_on_cuda_equals_float64_on_the_cpu():
+    """The PyTorch backend's CUDA kernels (batched matmuls of the blocked inverse with hundreds of
+    thousands of tiny blocks, index_select gathers and their index_add_ backward) against the same
+    row in float64 on the CPU, forward and gradients, at Qwen3.5-2B's head shape. fla-core not needed."""
+    row = pack_row(tree_samples(np.random.default_rng(3), groups=6)).to("cuda")
+    layout = RecurrentLayout.build(row.segment_parent, row.segment_start, row.segment_len, 4, "cuda")
+    assert layout.chunks.num_chunks * 16 * 32 > 65535  # the first doubling step's batch of 1 x 1 blocks
+    inputs = delta_rule_inputs(row.num_tokens, 16, 16, 128, torch.float32, seed=4)
+    weight = torch.randn(row.num_tokens, 16, 128, device="cuda")
+    out = tree_gated_delta_rule(*inputs, layout, backend="torch")
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+
+    cpu = row.to("cpu")
+    cpu_layout = RecurrentLayout.build(cpu.segment_parent, cpu.segment_start, cpu.segment_len, 4)
+    cpu_inputs = [x.detach().cpu().double().requires_grad_() for x in inputs]
+    want = tree_gated_delta_rule(*cpu_inputs, cpu_layout, backend="torch")
+    want_grads = torch.autograd.grad((want * weight.cpu().double()).sum(), cpu_inputs)
+    assert relative_error(out.cpu(), want) < 1e-4
+    for name, got, expected in zip(("q", "k", "v", "g", "beta"), grads, want_grads):
+        assert relative_error(got.cpu(), expected) < 1e-4, name
+
+
 def test_auto_backend_trains_with_fla_only_where_its_backward_runs():
     """Where fla-core refuses the backward pass (Triton 3.4 to 3.7.0 on Hopper), "auto" takes the
     PyTorch delta rule instead of failing in the first training step."""

@@ -92,6 +92,22 @@ def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
     assert result["packing_ratio"] > 1 and result["logprob_max_abs_diff"] < 1e-4
 
 
+def test_delta_rule_bench_times_both_parts_and_layouts_on_cpu(tmp_path):
+    """bench/delta_rule.py on small rows at the 2B head shape: the delta rule alone and a whole
+    Qwen3.5 DeltaNet layer, tree and padding-free, with a profile."""
+    out = tmp_path / "delta_rule.json"
+    _run("delta_rule.py", "--device", "cpu", "--parts", "rule", "layer", "--groups", "2", "--num-generations", "3",
+         "--prompt-len", "40", "--min-completion", "8", "--max-completion", "90", "--token-budget", "300",
+         "--rows", "1", "--warmup", "0", "--repeats", "1", "--profile", "--top", "3", "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert {(r["layout"], r["part"]) for r in results} == {(a, b) for a in ("tree", "padfree") for b in ("rule", "layer")}
+    by_layout = {r["layout"]: r for r in results if r["part"] == "rule"}
+    assert by_layout["tree"]["tokens"] < by_layout["padfree"]["tokens"] == by_layout["tree"]["sample_tokens"]
+    for r in results:
+        assert r["backend"] == "torch" and r["fwd_bwd_s"] > 0 and r["profile"]["kernel_ops"] > 0
+        assert len(r["profile"]["by_op"]) == 3
+
+
 def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
     """bench/lora_sync.py --shape tiny: both syncs ran through the trainer's paths, and the adapter
     generation really went through the adapter (its tokens differ from the base model's)."""

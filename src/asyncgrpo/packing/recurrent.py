@@ -15,14 +15,14 @@ parent, so
   subtree or another sample. `RecurrentLayout.conv_index` builds a conv input in which every
   segment is preceded by those path tokens (zeros above a root), so one plain causal convolution
   over it is exact for every token;
-- the recurrence of a segment starts from its parent's FINAL state. Segments at the same depth of
-  the segment tree are independent given their parents, so the row runs level by level: level d
-  takes the final states of level d - 1 as initial states, one batched (or varlen) call per level.
+- the recurrence of a segment starts from its parent's FINAL state. The PyTorch backend runs the
+  whole row at once (`delta_rule.ChunkPlan`: every segment cut into chunks, a segment's first chunk
+  one step after its parent's last). fla-core's kernel takes a varlen batch with one initial state
+  per sequence, so that backend runs the row level by level: segments at the same depth of the
+  segment tree are independent given their parents, and level d takes the final states of level
+  d - 1 as initial states, one varlen call per level.
 
 Everything here is pure: index plans from the row's segment arrays (numpy), and torch functions.
-`chunk_gated_delta_rule` is the pure-PyTorch chunked algorithm (the one transformers uses, with a
-batch of initial states); `tree_gated_delta_rule` runs it, or fla-core's Triton kernel, level by
-level.
 """
 
 from __future__ import annotations
@@ -37,12 +37,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.packing.delta_rule import (
+    CHUNK_SIZE,
+    ChunkPlan,
+    chunk_gated_delta_rule,
+    grouped_query_key,
+    l2_normalize,
+    normalized_query_key,
+    segment_tree_delta_rule,
+)
 from asyncgrpo.packing.tree import concat_ranges
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DELTA_RULE_BACKENDS",
+    "ChunkPlan",
     "RecurrentLayout",
     "SegmentLevel",
     "causal_conv1d_at",
@@ -54,25 +64,19 @@ __all__ = [
 ]
 
 DELTA_RULE_BACKENDS = ("auto", "torch", "fla")
-CHUNK_SIZE = 64  # the chunk length of transformers' and fla's chunked delta rule
 
 
 @dataclass(frozen=True, eq=False)
 class SegmentLevel:
-    """The segments of one depth of the segment tree (row order), as index tensors.
+    """The segments of one depth of the segment tree (row order), as index tensors (fla's varlen calls).
 
     token_index: [N] packed index of the level's tokens, segment after segment.
     cu_seqlens: [n + 1] int64 offsets of the n segments inside `token_index`.
-    padded_index: [n, L] packed index of each segment's tokens, padded with T (a zero row) to the
-        level's longest segment L.
-    padded_valid: [n, L] bool, False on the padding.
     parent_slot: [n] position of each segment's parent in the previous level (None at level 0).
     """
 
     token_index: torch.Tensor
     cu_seqlens: torch.Tensor
-    padded_index: torch.Tensor
-    padded_valid: torch.Tensor
     parent_slot: torch.Tensor | None
 
 
@@ -84,9 +88,10 @@ class RecurrentLayout:
         the W - 1 tokens before its first token on its trie path (oldest first; T, a zero row,
         where the path is shorter), then its own tokens.
     conv_keep: [T] where each packed token sits in the conv input.
-    levels: the segment tree's depths, root segments first.
+    levels: the segment tree's depths, root segments first (the fla backend's calls).
     level_order_inverse: [T] position of each packed token in the concatenation of the levels'
         `token_index` (it undoes the level order).
+    chunks: the chunks of every segment and the order the PyTorch delta rule walks them.
     """
 
     num_tokens: int
@@ -95,6 +100,7 @@ class RecurrentLayout:
     conv_keep: torch.Tensor
     levels: tuple[SegmentLevel, ...]
     level_order_inverse: torch.Tensor
+    chunks: ChunkPlan
 
     @classmethod
     def build(cls, segment_parent, segment_start, segment_len, conv_width: int,
@@ -132,23 +138,19 @@ class RecurrentLayout:
             token_index = concat_ranges(start[segments], lens)
             cu = np.zeros(segments.size + 1, dtype=np.int64)
             np.cumsum(lens, out=cu[1:])
-            steps = np.arange(int(lens.max()))
-            valid = steps[None, :] < lens[:, None]
-            padded = np.where(valid, start[segments, None] + steps[None, :], num_tokens)
             parent_slot = slot[parent[segments]] if depth else None
             order.append(token_index)
             levels.append(SegmentLevel(
                 token_index=_tensor(token_index, device),
                 cu_seqlens=_tensor(cu, device),
-                padded_index=_tensor(padded, device),
-                padded_valid=torch.from_numpy(valid).to(device),
                 parent_slot=None if parent_slot is None else _tensor(parent_slot, device),
             ))
         inverse = np.empty(num_tokens, dtype=np.int64)
         inverse[np.concatenate(order)] = np.arange(num_tokens)
         return cls(num_tokens=num_tokens, conv_width=conv_width, conv_index=_tensor(conv_index, device),
                    conv_keep=_tensor(conv_keep, device), levels=tuple(levels),
-                   level_order_inverse=_tensor(inverse, device))
+                   level_order_inverse=_tensor(inverse, device),
+                   chunks=ChunkPlan.build(parent, start, length, CHUNK_SIZE, device))
 
 
 def _numpy(values) -> np.ndarray:
@@ -180,7 +182,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     channels, width = weight.shape
     if width != layout.conv_width:
         raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has {width}")
-    padded = torch.cat([x, x.new_zeros(1, channels)])[layout.conv_index]  # [T + S (W - 1), C]
+    # index_select, not x[index]: its backward adds with index_add_ instead of sorting the index
+    padded = torch.cat([x, x.new_zeros(1, channels)]).index_select(0, layout.conv_index)  # [T + S (W - 1), C]
     return causal_conv1d_at(padded, layout.conv_keep, weight, bias, activation)
 
 
@@ -191,80 +194,12 @@ def causal_conv1d_at(padded: torch.Tensor, keep: torch.Tensor, weight: torch.Ten
     outputs [T, C] in padded's dtype (computed in weight's dtype, like transformers)."""
     channels, width = weight.shape
     out = F.conv1d(padded.T[None].to(weight.dtype), weight[:, None, :], bias, padding=width - 1, groups=channels)
-    out = out[0, :, : padded.shape[0]].T[keep]
+    out = out[0, :, : padded.shape[0]].T.index_select(0, keep)
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
         raise ValueError(f"unsupported convolution activation {activation!r} (Gated DeltaNet layers use 'silu')")
     return out.to(padded.dtype)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (transformers' and fla's l2norm)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def grouped_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """query/key [..., Hk, K] repeated to the H value heads (each q/k head serves H / Hk consecutive ones)."""
-    if key.shape[-2] != heads:
-        query, key = (x.repeat_interleave(heads // x.shape[-2], dim=-2) for x in (query, key))
-    return query, key
-
-
-def normalized_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The raw query/key [..., Hk, K] as `chunk_gated_delta_rule` takes them: repeated to the H value
-    heads, l2-normalised, query scaled by K^-1/2, in float32 (float64 stays float64)."""
-    query, key = grouped_query_key(query, key, heads)
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    return l2_normalize(query.to(dtype)) * query.shape[-1] ** -0.5, l2_normalize(key.to(dtype))
-
-
-def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, initial_state: torch.Tensor | None = None,
-                           chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule in chunks (the recurrence of the module docstring), batched.
-
-    query/key [B, L, H, K] (already l2-normalised; query already scaled), value [B, L, H, V], g (log
-    decay, <= 0) and beta [B, L, H], initial_state [B, H, K, V] or None (zeros). Returns the output
-    [B, L, H, V] and the final state [B, H, K, V], both in float32 (float64 for float64 inputs).
-    Positions padded with k = v = beta = g = 0 leave the state unchanged, so a batch of sequences
-    padded at the end has exact final states.
-    """
-    dtype = torch.promote_types(query.dtype, torch.float32)
-    batch, length, heads, _ = key.shape
-    pad = (-length) % chunk_size
-    q, k, v = (F.pad(x.transpose(1, 2).to(dtype), (0, 0, 0, pad)) for x in (query, key, value))
-    b, decay = (F.pad(x.transpose(1, 2).to(dtype), (0, pad)) for x in (beta, g))
-    num_chunks = (length + pad) // chunk_size
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(batch, heads, num_chunks, chunk_size, *x.shape[3:])
-
-    k_beta, v_beta = chunked(k * b[..., None]), chunked(v * b[..., None])
-    q, k = chunked(q), chunked(k)
-    cum = chunked(decay).cumsum(-1)  # log of the decay from the chunk start to each position
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    # WY form: (I + strictly_lower(beta k k^T * decay)) [u | w] = [beta v | beta k exp(cum)]
-    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
-    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    state_keys = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pair_decay
-    q_decayed = q * cum.exp()[..., None]
-    k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    state = (torch.zeros(batch, heads, key.shape[-1], value.shape[-1], dtype=dtype, device=q.device)
-             if initial_state is None else initial_state.to(dtype))
-    # Unbind once: indexing chunk i inside the loop would make autograd scatter every chunk's
-    # gradient into a zero tensor of the full size, quadratic in the number of chunks.
-    per_chunk = zip(*(x.unbind(2) for x in (new_values, state_keys, q_decayed, intra, k_decayed, chunk_decay)))
-    outputs = []
-    for new_value, state_key, q_i, intra_i, k_i, decay_i in per_chunk:
-        delta = new_value - state_key @ state
-        outputs.append(q_i @ state + intra_i @ delta)
-        state = state * decay_i + k_i.transpose(-1, -2) @ delta
-    out = torch.stack(outputs, dim=2).reshape(batch, heads, -1, value.shape[-1])[:, :, :length]
-    return out.transpose(1, 2), state
 
 
 def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
@@ -363,33 +298,24 @@ def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Hk (grouped value heads), g and beta [T, H]. backend "torch" or "fla" (a resolved backend).
     Returns [T, H, V] in value's dtype.
     """
-    if backend == "fla":
-        # l2-normalised here (float32, stored back in the input dtype, as fla's own l2norm does) rather
-        # than in fla's kernel: its l2norm kernels autotune again for every new size bucket of a level
-        query, key = (l2_normalize(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype) for x in (query, key))
-        query, key = grouped_query_key(query, key, value.shape[-2])
-        run_level = _fla_level
-    elif backend == "torch":
-        query, key = normalized_query_key(query, key, value.shape[-2])
-        run_level = _torch_level
-    else:
+    if backend == "torch":
+        # grouped q/k heads stay grouped: the chunk gather reads each value head's q/k head
+        query, key = normalized_query_key(query, key, query.shape[-2])
+        out, _ = segment_tree_delta_rule(query, key, value, g, beta, layout.chunks)
+        return out.to(value.dtype)
+    if backend != "fla":
         raise ValueError(f"tree_gated_delta_rule backend must be 'torch' or 'fla', got {backend!r}")
+    # l2-normalised here (float32, stored back in the input dtype, as fla's own l2norm does) rather
+    # than in fla's kernel: its l2norm kernels autotune again for every new size bucket of a level
+    query, key = (l2_normalize(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype) for x in (query, key))
+    query, key = grouped_query_key(query, key, value.shape[-2])
     outputs, final_states = [], None
     last = len(layout.levels) - 1
     for depth, level in enumerate(layout.levels):
-        initial = None if level.parent_slot is None else final_states[level.parent_slot]
-        out, final_states = run_level(query, key, value, g, beta, level, initial, depth < last)
+        initial = None if level.parent_slot is None else final_states.index_select(0, level.parent_slot)
+        out, final_states = _fla_level(query, key, value, g, beta, level, initial, depth < last)
         outputs.append(out)
-    return torch.cat(outputs)[layout.level_order_inverse].to(value.dtype)
-
-
-def _torch_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_final):
-    """One level as a padded batch [n, L]: the padding (zeros) leaves every final state exact."""
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[level.padded_index]
-
-    out, final = chunk_gated_delta_rule(gather(query), gather(key), gather(value), gather(g), gather(beta), initial)
-    return out[level.padded_valid], final
+    return torch.cat(outputs).index_select(0, layout.level_order_inverse).to(value.dtype)
 
 
 def _fla_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_final):
@@ -397,8 +323,7 @@ def _fla_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_fi
     kernel, reason = _fla_kernel()
     if kernel is None:
         raise RuntimeError(f"the fla delta rule backend was chosen but fla-core cannot run: {reason}")
-    index = level.token_index
-    out, final = kernel(query[index][None], key[index][None], value[index][None], g[index][None], beta[index][None],
-                        initial_state=initial, output_final_state=keep_final, use_qk_l2norm_in_kernel=False,
-                        cu_seqlens=level.cu_seqlens)
+    query, key, value, g, beta = (x.index_select(0, level.token_index)[None] for x in (query, key, value, g, beta))
+    out, final = kernel(query, key, value, g, beta, initial_state=initial, output_final_state=keep_final,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=level.cu_seqlens)
     return out[0], final

@@ -23,8 +23,9 @@ math of `packing/recurrent.py`:
                   chunk is preceded by its sequence's window and every first chunk by W - 1 zeros;
                   the last W - 1 entries of each sequence's part become its new window
     delta rule    decode tokens: one step from the stored state (a chunk of one token); prompt chunks:
-                  the chunked rule from the stored state (continued) or zeros (first chunk), padded
-                  to the longest (zero padding leaves the final state exact); final states are stored
+                  the chunked rule from the stored state (continued) or zeros (first chunk), each
+                  prompt its own root segment of one `ChunkPlan` (no padding to the longest prompt);
+                  final states are stored
 """
 
 from __future__ import annotations
@@ -35,13 +36,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asyncgrpo.packing.delta_rule import (
+    ChunkPlan,
+    chunk_gated_delta_rule,
+    normalized_query_key,
+    segment_tree_delta_rule,
+)
 from asyncgrpo.packing.deltanet import (
     delta_rule_inputs,
     deltanet_layers,
     deltanet_output,
     deltanet_projections,
 )
-from asyncgrpo.packing.recurrent import causal_conv1d_at, chunk_gated_delta_rule, normalized_query_key
+from asyncgrpo.packing.recurrent import causal_conv1d_at
 
 __all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]
 
@@ -115,7 +122,7 @@ class RecurrentStep:
     prefill_lens: list[int]
     carried: np.ndarray  # [B] bool: the sequence continues from its slot (decode, continued chunk)
     _conv_plans: dict[int, _ConvPlan] = field(default_factory=dict)
-    _prefill_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    _prefill_plan: ChunkPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -155,17 +162,13 @@ class RecurrentStep:
         """[Bp] bool: the prompt chunk continues its sequence's state (else: a first chunk, from zeros)."""
         return torch.from_numpy(np.ascontiguousarray(self.carried[self.num_decode:])).to(self.rows.device)
 
-    def prefill_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([Bp, L] step index of each prompt's tokens padded with T (a zero row), [Bp, L] valid)."""
-        if self._prefill_index is None:
+    def prefill_plan(self) -> ChunkPlan:
+        """The prompt chunks (the step's tokens after the decode ones) as root segments of a chunk plan."""
+        if self._prefill_plan is None:
             lens = np.array(self.prefill_lens, dtype=np.int64)
-            starts = self.num_decode + np.concatenate([[0], np.cumsum(lens)[:-1]])
-            steps = np.arange(int(lens.max()))
-            valid = steps[None, :] < lens[:, None]
-            padded = np.where(valid, starts[:, None] + steps[None, :], self.num_tokens)
-            device = self.rows.device
-            self._prefill_index = (_to_device(padded, device), torch.from_numpy(valid).to(device))
-        return self._prefill_index
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+            self._prefill_plan = ChunkPlan.build(np.full(lens.size, -1), starts, lens, device=self.rows.device)
+        return self._prefill_plan
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -201,17 +204,12 @@ def served_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor,
         states[rows] = final.to(states.dtype)
         parts.append(out[:, 0])
     if step.prefill_lens:
-        padded, valid = step.prefill_index()
-
-        def gather(x: torch.Tensor) -> torch.Tensor:
-            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[padded]
-
         prefill_rows = step.rows[nd:]
         initial = torch.where(step.continued_chunks()[:, None, None, None], states[prefill_rows], 0.0)
-        out, final = chunk_gated_delta_rule(gather(query), gather(key), gather(value), gather(g), gather(beta),
-                                            initial)
+        out, final = segment_tree_delta_rule(query[nd:], key[nd:], value[nd:], g[nd:], beta[nd:],
+                                             step.prefill_plan(), initial, output_final_state=True)
         states[prefill_rows] = final.to(states.dtype)
-        parts.append(out[valid])
+        parts.append(out)
     core = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(value.dtype)
     return deltanet_output(layer, core, z)[None]
 
