@@ -224,6 +224,7 @@ def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
         if reason is not None:
             _log_fallback_once(reason)
             return "torch"
+    _log_fla_first_use_once()
     return "fla"
 
 
@@ -283,6 +284,13 @@ def _fla_check(device_index: int) -> str | None:
     except Exception as err:  # noqa: BLE001 - any failure means: use the PyTorch path, and say why
         return f"fla-core's delta rule failed a forward + backward check on this GPU: {type(err).__name__}: {err}"
     return None
+
+
+@functools.cache
+def _log_fla_first_use_once() -> None:
+    logger.info("Gated DeltaNet layers run fla-core's Triton kernels; the first steps compile and autotune them "
+                "(minutes on a fresh machine, e.g. about 5 at the Qwen3.5-2B shape on an H200; Triton keeps the "
+                "compiled kernels on disk for later runs)")
 
 
 @functools.cache
