@@ -14,7 +14,13 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     context_attention.py  chunks that continue after cached tokens attend over the paged cache
     attention_math.py     masked attention with sliding windows and logit soft-capping
     recurrent_state.py    per-sequence state of a hybrid's Gated DeltaNet layers and their step forward
+    decode_attention.py   paged decode attention: a Triton kernel on CUDA (split context, merged partial
+                          softmaxes), a gather path elsewhere; load-time checks pick the path
+    shared_prefix.py      decode sequences whose first blocks are the same (a GRPO group's prompt),
+                          read once per group by decode attention
     decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
+    fused_layers.py / fused_norm.py  Llama-family attention/MLP blocks and RMSNorm as fused kernels,
+                          each used only after a load-time accuracy check
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
     weights.py            weight-transfer state machine and in-place loading by checkpoint name
     metrics.py            Prometheus series with vLLM's names
