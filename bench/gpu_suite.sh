@@ -4,10 +4,10 @@
 #
 #   bash bench/gpu_suite.sh tests packing profile hybrid one_gpu one_gpu_mps engine
 #
-#   tests        pytest -m gpu of everything that needs no running vLLM (IPC sync, kernels, compiled step)
+#   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
 #   profile      bench/profile_step.py: where a step's time goes (0.6B, shared-prompt workload)
-#   hybrid       bench/delta_rule.py and bench/packing.py on the Qwen3.5-2B shape (fla-core where it runs)
+#   hybrid       the fla-core kernel tests, bench/delta_rule.py and bench/packing.py on the Qwen3.5-2B shape
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_mps  the same under an MPS daemon
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B)
@@ -35,7 +35,8 @@ for name in "$@"; do
     case $name in
     tests)
         section tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
-            --ignore=tests/gpu/test_vllm_push.py --ignore=tests/gpu/test_vllm_lora_sync.py ;;
+            --ignore=tests/gpu/test_vllm_push.py --ignore=tests/gpu/test_vllm_lora_sync.py \
+            --ignore=tests/gpu/test_deltanet_kernels.py ;;
     packing)
         section packing python bench/packing.py --device cuda --workloads default shared-prompt \
             --variants base compile+head compile+head+nockpt --layouts padfree --warmup 2 --steps 3 \
@@ -44,6 +45,7 @@ for name in "$@"; do
         section profile python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \
             --variants base compile+head --out-dir "$OUT" ;;
     hybrid)
+        section deltanet_tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_deltanet_kernels.py
         section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json"
         section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 2 --steps 3 \
             --out "$OUT/packing_hybrid_cuda.json" ;;
