@@ -15,6 +15,7 @@ plus one layer's decode attention at the final context length for both implement
 Hugging Face forwards instead of the fused ones (`server/fused_layers.py`).
 
     python bench/decode_step.py --random-qwen3 0.6b --device cuda [--batch 256] [--logprobs 8] [--unfused]
+        [--window 256 --softcap 50]   (one layer's attention also with a sliding window / soft-cap)
 
 Writes bench/results/decode_step_<device>.json.
 """
@@ -51,12 +52,13 @@ from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
-# as the attention layer calls them (kv_cache.decode_attention's arguments; no window or soft-cap here)
+# as the attention layer calls them (kv_cache.decode_attention's arguments); a windowed layer reads its
+# own blocks, as decode_attention routes it
 LAYER_CALLS = {
     "triton": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_triton(
-        q, k, v, tables, lens, scale, shared=shared),
+        q, k, v, tables, lens, scale, shared=None if window is not None else shared, window=window, softcap=softcap),
     "gather": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_gather(
-        q, k, v, tables, lens, scale),
+        q, k, v, tables, lens, scale, window, softcap),
 }
 
 
@@ -219,14 +221,16 @@ def attention_case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     return (q, k_pool, v_pool, tables, lens, head_dim**-0.5), kv_bytes
 
 
-def attention_ms(served, batch: int, context: int) -> dict:
-    """One layer's decode attention over `context` cached tokens per sequence, both implementations."""
-    heads = served.model.config.num_attention_heads
+def attention_ms(served, batch: int, context: int, window: int | None = None, softcap: float | None = None) -> dict:
+    """One layer's decode attention over `context` cached tokens per sequence, both implementations,
+    with a sliding window and a logit soft-cap when given (the K/V rate counts the keys the window holds)."""
+    heads = served.model.config.get_text_config().num_attention_heads
     args, kv_bytes = attention_case(heads, served.num_kv_heads, served.head_dim, served.dtype, served.device, batch,
                                     context)
+    kv_bytes = kv_bytes * min(window or context, context) // context
     out = {}
     for name, fn in IMPLEMENTATIONS.items():
-        ms = cuda_ms(lambda fn=fn: fn(*args), served.device, graph=True)
+        ms = cuda_ms(lambda fn=fn: fn(*args, window=window, softcap=softcap), served.device, graph=True)
         out[name] = {"ms": ms, "kv_gb_per_s": kv_bytes / ms / 1e6}
     return out
 
@@ -245,6 +249,9 @@ def main() -> None:
     p.add_argument("--implementations", default="triton,gather")
     p.add_argument("--unfused", action="store_true", help="also time the first implementation with the "
                    "model's own attention and MLP forwards")
+    p.add_argument("--window", type=int, default=None, help="time one layer's decode attention with this sliding "
+                   "window too (Gemma 2: 4096, Gemma 3: 512 or 1024)")
+    p.add_argument("--softcap", type=float, default=None, help="... and this logit soft-cap (Gemma 2: 50)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     model, tmp = prepare_model(args)
@@ -285,6 +292,13 @@ def main() -> None:
         print(f"one layer's decode attention, B={args.batch}, context {context}: "
               + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
               + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
+        if args.window is not None or args.softcap is not None:
+            a = attention_ms(served, args.batch, context, args.window, args.softcap)
+            results["attention_one_layer_windowed"] = {"batch": args.batch, "context": context,
+                                                       "window": args.window, "softcap": args.softcap, **a}
+            print(f"... with window {args.window} and soft-cap {args.softcap}: "
+                  + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
+                  + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
     print(f"wrote {write_results(results, 'decode_step', args.device, args.output)}")
     if tmp is not None:
         tmp.cleanup()

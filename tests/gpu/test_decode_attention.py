@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from asyncgrpo.server.decode_attention import (
+    decode_attention,
     decode_attention_gather,
     decode_attention_triton,
     shared_pass_works_on,
@@ -68,10 +69,50 @@ def test_strided_query_as_the_attention_layer_passes_it():
 
 
 def test_the_server_picks_the_kernel_on_this_gpu():
-    """The load-time check (compiles, agrees with the gather) passes here, so decode steps use the kernel."""
+    """The load-time check (compiles, agrees with the gather) passes here for every variant (sliding
+    window, soft-cap), so decode steps of every layer use the kernel."""
     for dtype in (torch.bfloat16, torch.float16):
-        assert triton_works_on(torch.device("cuda", 0), dtype)
-        assert shared_pass_works_on(torch.device("cuda", 0), dtype)
+        for windowed in (False, True):
+            for capped in (False, True):
+                assert triton_works_on(torch.device("cuda", 0), dtype, windowed, capped)
+        for capped in (False, True):
+            assert shared_pass_works_on(torch.device("cuda", 0), dtype, capped)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (8, 4, 256), (4, 4, 32)])
+@pytest.mark.parametrize("window", [None, 1, 3, 16, 100, 4096])
+@pytest.mark.parametrize("softcap", [None, 30.0, 50.0])
+def test_windows_and_softcaps_match_float64_reference(dtype, tol, heads, kv_heads, head_dim, window, softcap):
+    """Gemma 2 (head_dim 256, window 4096, soft-cap 50), Gemma 3 and Mistral shapes; windows shorter
+    than, and longer than, the contexts; the automatic splits and forced ones."""
+    for seed, (batch, max_len) in enumerate([(1, 1), (5, 70), (64, 300), (256, 384)]):
+        q, k_pool, v_pool, tables, lens = _case(seed, batch, heads, kv_heads, head_dim, 16, max_len, dtype)
+        q = q * 8  # scores of tens: the soft-cap bites
+        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, head_dim**-0.5,
+                                      window, softcap)
+        for num_splits in (None, 1, 5):
+            out = decode_attention_triton(q, k_pool, v_pool, tables, lens, head_dim**-0.5, num_splits=num_splits,
+                                          window=window, softcap=softcap)
+            assert torch.isfinite(out).all()
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < tol, (seed, num_splits, err)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, 50.0), (64, None), (64, 50.0)])
+def test_the_dispatch_routes_windowed_and_capped_layers_with_groups(window, softcap):
+    """decode_attention as a layer calls it during a GRPO decode step (groups sharing prompt blocks):
+    soft-capped layers use the shared pass, windowed ones read their own blocks; both equal the gather."""
+    q, k_pool, v_pool, tables, lens = _group_case(0, 16, 8, 128, torch.bfloat16)
+    q = q * 8
+    shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, max_members(16, 8), null_block=k_pool.shape[0] - 1)
+    tables, lens = tables.cuda(), lens.cuda()
+    ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 128**-0.5, window,
+                                  softcap)
+    out = decode_attention(q, k_pool, v_pool, tables, lens, 128**-0.5, window, softcap,
+                           shared.to(torch.device("cuda")))
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err
 
 
 def _group_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int = 16):

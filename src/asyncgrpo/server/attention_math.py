@@ -3,7 +3,8 @@
     attend   softmax(mask(cap(q k^T * scale))) v, where cap(s) = softcap * tanh(s / softcap)
              (Gemma 2); SDPA when there is no soft-cap, an explicit product otherwise
     sliding  the window rule of transformers: a query at position p sees keys at p - window < j <= p
-    windows  each attention module's window, and the one that bounds what any layer reads (`kv_window`)
+    windows  each attention module's window, and the one that bounds what any layer reads (`kv_window`);
+             the (window, soft-cap) combinations a model's layers use (`attention_variants`)
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def module_window(module: torch.nn.Module) -> int | None:
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     return getattr(module.config, "sliding_window", None)
+
+
+def attention_variants(model: torch.nn.Module) -> set[tuple[bool, bool]]:
+    """(has a sliding window, has a logit soft-cap) of each of the model's attention modules (those with
+    a `layer_idx` and an `o_proj`): the decode attention variants its layers run."""
+    return {(module_window(m) is not None, bool(getattr(m, "attn_logit_softcapping", None)))
+            for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
 
 
 def kv_window(model: torch.nn.Module, attention_layers: Sequence[int]) -> int | None:

@@ -13,9 +13,13 @@ Two implementations of one function:
   group's cached prompt, `shared_prefix.py`), a third kernel reads those blocks once per group for
   all its members' queries, the per-sequence programs start after them, and the merge adds both.
 
-`decode_attention` picks the Triton kernel for CUDA tensors with a power-of-two head size when it
-compiles and agrees with the gather on that device (checked once per device, e.g. older GPUs lack its
-bfloat16 dot), else the gather.
+Both take a layer's sliding window (the Triton kernel starts at the first key the window reaches, so
+it reads only those blocks) and logit soft-cap (Gemma 2); the kernel compiles one variant per
+combination, and a variant left unused costs nothing.
+
+`decode_attention` picks the Triton kernel for CUDA tensors with a power-of-two head size when that
+variant compiles and agrees with the gather on that device (checked once per device, e.g. older GPUs
+lack its bfloat16 dot), else the gather.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ def decode_attention_gather(
 
 @functools.cache
 def _triton_kernels():
-    """(attention kernel, merge kernel), compiled on first use, or None when Triton is not importable."""
+    """(attention kernel, merge kernel, shared-prefix kernel), compiled on first use, or None when Triton
+    is not importable."""
+    global triton, tl  # module globals: Triton's interpreter (the CPU tests) patches the kernels' `tl` there
     try:
         import triton
         import triton.language as tl
@@ -78,11 +84,15 @@ def _triton_kernels():
         stride_ob, stride_oh,
         scale,
         split_len,
+        window,
+        softcap,
         NUM_HEADS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SHARED_SLOTS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
@@ -97,7 +107,10 @@ def _triton_kernels():
         shared = 0
         if SHARED_SLOTS > 0:  # tokens before `shared` are the shared pass's (shared_prefix.py)
             shared = tl.load(shared_ptr + seq)
-        begin = shared + split * split_len
+        first = shared  # the first key this pass reads; the splits divide [first, context)
+        if WINDOWED:  # keys p - window < j <= p for the query at p = context - 1: blocks before are not read
+            first = context - tl.minimum(context - shared, window)  # max(shared, context - window)
+        begin = first + split * split_len
         end = tl.minimum(context, begin + split_len)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -120,7 +133,11 @@ def _triton_kernels():
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if SOFTCAP:  # softcap * tanh(s / softcap), with tanh from exp(-2|x|) in (0, 1]: never overflows
+                e = tl.exp(-2.0 * tl.abs(s) / softcap)  # (libdevice's tanh does not run in the interpreter)
+                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+            s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -157,6 +174,7 @@ def _triton_kernels():
         stride_tb,
         stride_g,
         scale,
+        softcap,
         NUM_HEADS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SHARED_SLOTS: tl.constexpr,
@@ -167,6 +185,7 @@ def _triton_kernels():
         BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
         IEEE: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         # one program per (group entry, kv head, split of the shared tokens): the queries of every
         # member's GROUP heads of this kv head are the rows of one tile, so each K/V row is read once;
@@ -204,7 +223,11 @@ def _triton_kernels():
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
+            s = s * scale
+            if SOFTCAP:  # softcap * tanh(s / softcap), with tanh from exp(-2|x|) in (0, 1]: never overflows
+                e = tl.exp(-2.0 * tl.abs(s) / softcap)  # (libdevice's tanh does not run in the interpreter)
+                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+            s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -250,6 +273,8 @@ def triton_available() -> bool:
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # CPU tensors: Triton's interpreter (tests), one program at a time
+        return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -275,6 +300,8 @@ def decode_attention_triton(
     num_stages: int = 2,
     shared: SharedPrefixTensors | None = None,
     num_shared_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_gather`; every context length must be >= 1.
 
@@ -283,7 +310,9 @@ def decode_attention_triton(
     iteration), `num_warps` and `num_stages` are the launch configuration (bench/attention_configs.py
     times the alternatives). `shared`: groups of sequences whose first blocks are the same
     (`shared_prefix.py`); a third kernel reads those blocks once per group, in `num_shared_splits`
-    splits (default: chosen like `num_splits`), and the merge adds its partial results."""
+    splits (default: chosen like `num_splits`), and the merge adds its partial results. With a
+    `window`, each sequence reads only the blocks its window reaches (the splits divide the window,
+    not the table); a window excludes `shared` (members of a group see different windows)."""
     kernels = _triton_kernels()
     if kernels is None:
         raise RuntimeError("decode_attention_triton needs Triton (it ships with PyTorch's CUDA wheels)")
@@ -294,11 +323,13 @@ def decode_attention_triton(
     assert d >= 16 and d & (d - 1) == 0, f"head_dim must be a power of two >= 16, got {d}"
     group = h // kvh
     tile = max(tile, 16)
+    assert window is None or (window >= 1 and shared is None), "a window of >= 1 token, without the shared pass"
     max_context = block_tables.shape[1] * block_size
+    span = max_context if window is None else min(window, max_context)  # keys one sequence reads at most
     if num_splits is None:
-        num_splits, split_len = choose_splits(bd * kvh, max_context, tile, _num_sms(q.device))
+        num_splits, split_len = choose_splits(bd * kvh, span, tile, _num_sms(q.device))
     else:
-        per_split = -(-max_context // num_splits)
+        per_split = -(-span // num_splits)
         split_len = -(-per_split // tile) * tile
     shared_slots = 0
     if shared is not None:
@@ -315,7 +346,8 @@ def decode_attention_triton(
         part = torch.empty(bd, h, num_slots, d, dtype=torch.float32, device=q.device)
         stats = torch.empty(bd, h, num_slots, 2, dtype=torch.float32, device=q.device)
     common = {"HEAD_DIM": d, "BLOCK_SIZE": block_size, "TILE": tile, "IEEE": q.dtype == torch.float32,
-              "num_warps": num_warps, "num_stages": num_stages}
+              "SOFTCAP": bool(softcap), "num_warps": num_warps, "num_stages": num_stages}
+    softcap = float(softcap or 1.0)  # unused without SOFTCAP
     if shared_slots:
         members = width - 1
         attend_shared[(num_entries, kvh, shared_slots)](
@@ -325,6 +357,7 @@ def decode_attention_triton(
             block_tables.stride(0),
             shared.groups.stride(0),
             scale,
+            softcap,
             NUM_HEADS=h, NUM_SPLITS=num_splits, SHARED_SLOTS=shared_slots, GROUP=group, MEMBERS=members,
             ROWS_PAD=max(16, 1 << (members * group - 1).bit_length()), **common,
         )
@@ -337,11 +370,14 @@ def decode_attention_triton(
         out.stride(0), out.stride(1),
         scale,
         split_len,
+        window or 0,
+        softcap,
         NUM_HEADS=h,
         NUM_SPLITS=num_splits,
         SHARED_SLOTS=shared_slots,
         GROUP=group,
         GROUP_PAD=max(16, 1 << (group - 1).bit_length()),
+        WINDOWED=window is not None,
         **common,
     )
     if num_slots > 1:
@@ -363,51 +399,75 @@ def decode_attention(
     softcap: float | None = None,
     shared: SharedPrefixTensors | None = None,
 ) -> torch.Tensor:
-    """Decode attention with the best implementation for the device (see the module docstring); layers
-    with a sliding window or a logit soft-cap take the gather path (the Triton kernel has neither).
-    `shared` (groups sharing their first blocks) changes how plain layers read those blocks: once per
-    group (Triton), or through the group's first table (`decode_attention_shared_gather`, elsewhere)."""
+    """Decode attention with the best implementation for the device (see the module docstring), per
+    variant (sliding window or not, soft-cap or not) of the Triton kernel that passed its check.
+    `shared` (groups sharing their first blocks) changes how layers without a window read those blocks:
+    once per group (Triton), or through the group's first table (`decode_attention_shared_gather`, plain
+    layers elsewhere). Windowed layers read each sequence's own blocks: the window bounds what they read,
+    and the members of a group, at different lengths, see different windows."""
     d = q.shape[-1]
-    plain = window is None and not softcap
-    if plain and q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype):
-        return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale, shared=shared)
-    if plain and shared is not None:
+    windowed, capped = window is not None, bool(softcap)
+    if q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype, windowed, capped):
+        if windowed or (shared is not None and not shared_pass_works_on(q.device, q.dtype, capped)):
+            shared = None
+        return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale, shared=shared,
+                                       window=window, softcap=softcap)
+    if not windowed and not capped and shared is not None:
         return decode_attention_shared_gather(q, k_pool, v_pool, block_tables, context_lens, scale, shared)
     return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale, window, softcap)
 
 
 @functools.cache
-def triton_works_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernel compiles on this device and matches the gather path on random input
-    (once per device and dtype; call it outside CUDA-graph capture, the server does at load time)."""
-    return _triton_matches_gather(device, dtype, shared_pass=False)
+def triton_works_on(device: torch.device, dtype: torch.dtype, windowed: bool = False, capped: bool = False) -> bool:
+    """Whether the Triton kernel's variant (with a sliding window, with a soft-cap) compiles on this
+    device and matches the gather path on random input (once per device, dtype and variant; call it
+    outside CUDA-graph capture: the server checks its model's variants at load time)."""
+    return _triton_matches_gather(device, dtype, shared_pass=False, windowed=windowed, capped=capped)
 
 
 @functools.cache
-def shared_pass_works_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """The same check for the shared-prefix pass (`shared_prefix.py`); where it fails, decode attention
-    keeps the plain Triton kernel and reads every sequence's blocks itself."""
-    return triton_works_on(device, dtype) and _triton_matches_gather(device, dtype, shared_pass=True)
+def shared_pass_works_on(device: torch.device, dtype: torch.dtype, capped: bool = False) -> bool:
+    """The same check for the shared-prefix pass (`shared_prefix.py`, layers without a window); where it
+    fails, decode attention keeps the plain Triton kernel and reads every sequence's blocks itself."""
+    return triton_works_on(device, dtype, False, capped) and _triton_matches_gather(
+        device, dtype, shared_pass=True, windowed=False, capped=capped)
 
 
-def _triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass: bool) -> bool:
+def check_decode_variants(device: torch.device, dtype: torch.dtype, variants: set[tuple[bool, bool]]) -> None:
+    """Run the checks of the (windowed, capped) variants a model's layers use, and of the shared pass of
+    those without a window, now (at load time, before any CUDA graph is captured)."""
+    shared_pass_works_on(device, dtype)  # the runner decides on the shared pass from the plain variant
+    for windowed, capped in sorted(variants):
+        if windowed:
+            triton_works_on(device, dtype, windowed, capped)
+        else:
+            shared_pass_works_on(device, dtype, capped)
+
+
+def _triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass: bool, windowed: bool,
+                           capped: bool) -> bool:
     if _triton_kernels() is None:
         return False
     g = torch.Generator(device=device).manual_seed(0)
     pools = [torch.randn(9, 4, 2, 64, generator=g, device=device).to(dtype) for _ in range(2)]
-    q = torch.randn(4, 4, 64, generator=g, device=device).to(dtype)
+    q = (torch.randn(4, 4, 64, generator=g, device=device) * (4 if capped else 1)).to(dtype)  # the cap bites
     # the last two sequences share their first block (read once by the shared pass)
     tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [6, 1, 2]], device=device)
     lens = torch.tensor([1, 7, 12, 9], device=device)
     shared = SharedPrefixTensors(torch.tensor([0, 0, 4, 4], device=device), torch.tensor([[4, 2, 3]], device=device))
-    what = "the shared-prefix pass of the Triton decode attention" if shared_pass else "the Triton decode attention"
-    instead = "reading every sequence's blocks itself" if shared_pass else "using the slower gather path"
+    options = {"window": 5 if windowed else None, "softcap": 2.0 if capped else None}
+    variant = " with a sliding window" * windowed + " with a logit soft-cap" * capped
+    what = (f"the shared-prefix pass of the Triton decode attention{variant}" if shared_pass
+            else f"the Triton decode attention{variant}")
+    instead = ("reading every sequence's blocks itself" if shared_pass
+               else "such layers use the slower gather path")
     try:
-        got = decode_attention_triton(q, *pools, tables, lens, 0.125, shared=shared if shared_pass else None).float()
+        got = decode_attention_triton(q, *pools, tables, lens, 0.125, shared=shared if shared_pass else None,
+                                      **options).float()
     except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the path that works
         logger.warning("%s does not run on %s (%s); %s", what, device, exc, instead)
         return False
-    expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125)
+    expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125, **options)
     if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
         logger.warning("%s disagrees with the gather path on %s; %s", what, device, instead)
         return False

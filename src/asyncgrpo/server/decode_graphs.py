@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from asyncgrpo.server.attention_math import attention_variants
+from asyncgrpo.server.decode_attention import check_decode_variants
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 from asyncgrpo.server.shared_prefix import SharedPrefixTensors
@@ -68,6 +70,8 @@ class DecodeGraphs:
         self.device = device
         self.max_blocks = max_blocks
         self.use_graphs = use_graphs
+        if device.type == "cuda":  # the decode attention variants the layers use, checked before any capture
+            check_decode_variants(device, cache.k[0].dtype, attention_variants(model))
         n = batch_bucket(max_num_seqs)
         # rows: input ids, positions, cache slots, context lengths
         self._vec = torch.zeros(4, n, dtype=torch.int64, device=device)

@@ -1,0 +1,142 @@
+"""The Triton decode attention kernels run on the CPU by Triton's interpreter, against the gather path
+in float64: sliding windows, logit soft-caps, splits, GQA and the shared-prefix pass. Skipped where
+Triton is not importable (PyTorch's CPU wheels lack it); to run them there:
+
+    pip install --target /tmp/triton-site triton==3.6.0 'numpy<2.4'
+    PYTHONPATH=/tmp/triton-site:src pytest -q tests/unit/test_decode_attention_interpreted.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo.server import decode_attention as da
+from asyncgrpo.server.shared_prefix import find_shared_prefixes
+
+# Triton reads TRITON_INTERPRET when it is imported: set here on a machine without CUDA (where no compiled
+# kernel can run anyway); with CUDA only when asked for (TRITON_INTERPRET=1), the GPU tests compile theirs
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+if not triton.knobs.runtime.interpret:
+    pytest.skip("runs under Triton's interpreter: set TRITON_INTERPRET=1", allow_module_level=True)
+try:  # Triton 3.6's interpreter turns one-element arrays into loop bounds with int(), which numpy 2.4 refuses
+    int(np.zeros(1))
+except TypeError:
+    pytest.skip("Triton's interpreter needs numpy < 2.4 (pip install --target DIR 'numpy<2.4', put DIR first "
+                "on PYTHONPATH)", allow_module_level=True)
+
+BLOCK = 16
+
+
+def _case(seed: int, lens: list[int], heads: int, kv_heads: int, head_dim: int = 16):
+    """Each sequence owns distinct, shuffled blocks (entries past its length point at unrelated ones);
+    queries scaled so that the scores reach tens, where soft-caps of 30 and 50 change them."""
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-max(lens) // BLOCK)
+    num_blocks = len(lens) * nb + 2
+    k_pool, v_pool = (torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=g) for _ in range(2))
+    tables = torch.randperm(num_blocks - 1, generator=g)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 8
+    return q, k_pool, v_pool, tables, torch.tensor(lens)
+
+
+def _behind_windows_poisoned(k_pool, v_pool, tables, lens, window):
+    """The pools with a NaN block and the tables pointing every block wholly behind its sequence's window
+    there (as the server's released blocks point at its null block): reading one spoils the output."""
+    k_pool, v_pool = k_pool.clone(), v_pool.clone()
+    k_pool[-1], v_pool[-1] = float("nan"), float("nan")
+    first_block = ((lens - window).clamp(min=0) // BLOCK)[:, None]
+    behind = torch.arange(tables.shape[1])[None, :] < first_block
+    return k_pool, v_pool, torch.where(behind, k_pool.shape[0] - 1, tables)
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+LENS = [1, 2, 3, 15, 16, 17, 64, 100, 257, 300]
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 16, 100, 1000])
+@pytest.mark.parametrize("softcap", [None, 30.0, 50.0])
+def test_windows_and_softcaps_match_the_gather(window, softcap):
+    q, k_pool, v_pool, tables, lens = _case(0, LENS, heads=4, kv_heads=2)
+    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25, window,
+                                     softcap)
+    if window is not None:
+        k_pool, v_pool, tables = _behind_windows_poisoned(k_pool, v_pool, tables, lens, window)
+    for tile, num_splits in [(16, 1), (16, 3), (32, 7)]:
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=tile, num_splits=num_splits,
+                                         window=window, softcap=softcap)
+        assert _relative_error(out, ref) < 1e-5, (tile, num_splits)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 1), (2, 2)])
+def test_window_and_softcap_with_other_head_groups(heads, kv_heads):
+    q, k_pool, v_pool, tables, lens = _case(1, [5, 40, 131, 200], heads, kv_heads, head_dim=32)
+    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.2, 37, 30.0)
+    out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.2, tile=16, num_splits=2, window=37,
+                                     softcap=30.0)
+    assert _relative_error(out, ref) < 1e-5
+
+
+def test_softcap_in_the_shared_prefix_pass():
+    """Groups of sequences whose tables start with the same 5 blocks: the shared pass (with the cap) reads
+    them once per group, and the merge equals plain attention over each sequence's own table."""
+    g = torch.Generator().manual_seed(2)
+    rows, lens, next_block = [], [], 0
+    for members in (2, 3, 4):
+        prompt = list(range(next_block, next_block + 5))
+        next_block += 5
+        for _ in range(members):
+            own = int(torch.randint(1, 4, (1,), generator=g))
+            rows.append(prompt + list(range(next_block, next_block + own)))
+            next_block += own
+            lens.append((len(rows[-1]) - 1) * BLOCK + int(torch.randint(1, BLOCK + 1, (1,), generator=g)))
+    rows.append(list(range(next_block, next_block + 2)))  # one of its own
+    next_block += 2
+    lens.append(2 * BLOCK)
+    width = max(map(len, rows))
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    lens = torch.tensor(lens)
+    k_pool, v_pool = (torch.randn(next_block + 1, BLOCK, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(len(rows), 4, 16, generator=g) * 8
+    shared = find_shared_prefixes(tables.numpy(), lens.numpy(), BLOCK, 4, null_block=next_block)
+    assert shared is not None and shared.num_groups == 3 and np.all(shared.lens[:-1] > 0)
+    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25,
+                                      softcap=30.0)
+    for num_splits, num_shared_splits in [(1, 1), (2, 3)]:
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=16, num_splits=num_splits,
+                                         shared=shared.to(torch.device("cpu")), num_shared_splits=num_shared_splits,
+                                         softcap=30.0)
+        assert _relative_error(out, ref) < 1e-5, (num_splits, num_shared_splits)
+
+
+@pytest.mark.parametrize("windowed,capped", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_load_time_check_passes_each_variant(windowed, capped):
+    cpu = torch.device("cpu")
+    assert da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=windowed, capped=capped)
+    if not windowed:
+        assert da._triton_matches_gather(cpu, torch.float32, shared_pass=True, windowed=False, capped=capped)
+
+
+def test_the_load_time_check_catches_a_wrong_variant(monkeypatch, caplog):
+    """A variant whose kernel disagrees with the gather fails its check (and says what is used instead)."""
+    right = da.decode_attention_triton
+
+    def uncapped(*args, **kwargs):
+        kwargs["softcap"] = None
+        return right(*args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_attention_triton", uncapped)
+    cpu = torch.device("cpu")
+    assert not da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=False, capped=True)
+    assert "soft-cap disagrees with the gather path" in caplog.text
+    assert da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=True, capped=False)
