@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile hybrid one_gpu one_gpu_mps engine
+#   bash bench/gpu_suite.sh tests packing profile hybrid one_gpu one_gpu_mps engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
@@ -11,6 +11,8 @@
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_mps  the same under an MPS daemon
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B)
+#   decode       bench/decode_step.py: one decode step and one layer's attention, plain and with a window
+#                and soft-cap, Triton kernel against the gather path (0.6B, B = 256)
 #
 # SECTION_TIMEOUT (seconds, default 540) bounds each section; a section that fails or times out does
 # not stop the next one. PYTHONPATH gets src/ in front.
@@ -63,6 +65,9 @@ for name in "$@"; do
         section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
             --shared-prefix off --profile --output "$OUT/engine_phases_turns.json" ;;
+    decode)
+        section decode python bench/decode_step.py --random-qwen3 0.6b --device cuda --batch 256 --prompt-len 128 \
+            --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 ;;
     *)
         echo "unknown section $name (see the top of $0)"; exit 2 ;;
     esac
