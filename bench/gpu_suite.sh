@@ -67,7 +67,7 @@ for name in "$@"; do
             --shared-prefix off --profile --output "$OUT/engine_phases_turns.json" ;;
     decode)
         section decode python bench/decode_step.py --random-qwen3 0.6b --device cuda --batch 256 --prompt-len 128 \
-            --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 ;;
+            --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 --output "$OUT/decode_step.json" ;;
     *)
         echo "unknown section $name (see the top of $0)"; exit 2 ;;
     esac
