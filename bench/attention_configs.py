@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_step import attention_case, cuda_ms
 from serve_throughput import device_slug, write_results
 
-from asyncgrpo.server.decode_attention import decode_attention_triton
+from asyncgrpo.server.decode_kernels import decode_attention_triton
 
 
 def main() -> None:

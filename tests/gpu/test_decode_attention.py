@@ -11,11 +11,10 @@ import torch
 from asyncgrpo.server.decode_attention import (
     decode_attention,
     decode_attention_gather,
-    decode_attention_triton,
     shared_pass_works_on,
-    triton_available,
     triton_works_on,
 )
+from asyncgrpo.server.decode_kernels import decode_attention_triton, triton_available
 from asyncgrpo.server.shared_prefix import find_shared_prefixes, max_members
 
 pytestmark = [

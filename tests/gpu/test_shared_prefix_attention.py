@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_attention import triton_available
 from asyncgrpo.server.decode_graphs import DecodeGraphs
+from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_attention import choose_splits
 from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
+from asyncgrpo.server.decode_kernels import choose_splits
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool

@@ -16,6 +16,7 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     recurrent_state.py    per-sequence state of a hybrid's Gated DeltaNet layers and their step forward
     decode_attention.py   paged decode attention: a Triton kernel on CUDA (split context, merged partial
                           softmaxes), a gather path elsewhere; load-time checks pick the path
+    decode_kernels.py     its Triton kernels (per-sequence, shared-prefix, merge) and their launch
     shared_prefix.py      decode sequences whose first blocks are the same (a GRPO group's prompt),
                           read once per group by decode attention
     decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
