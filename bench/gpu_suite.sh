@@ -33,6 +33,11 @@ section() {  # name, command...
     tail -n 15 "$OUT/$name.log"
 }
 
+SECTIONS=" tests packing profile hybrid one_gpu one_gpu_mps engine decode "
+for name in "$@"; do  # every name is checked before any section runs
+    [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
+done
+
 for name in "$@"; do
     case $name in
     tests)
