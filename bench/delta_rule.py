@@ -43,6 +43,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -386,7 +387,7 @@ def main(argv=None):
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    meta = {"device": name, "versions": versions, "threads": torch.get_num_threads(), "skipped_backends": skipped,
+    meta = {"command": "python " + shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "device": name, "versions": versions, "threads": torch.get_num_threads(), "skipped_backends": skipped,
             "args": vars(args)}
     out = Path(args.out or Path(__file__).parent / "results" / f"delta_rule_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

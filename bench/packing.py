@@ -57,14 +57,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+from random_qwen3 import QWEN3_VOCAB_SIZE
+from random_qwen3 import SHAPES as QWEN3_SHAPES
 
-SHAPES = {  # Qwen3 configs of the released checkpoints (tied embeddings)
-    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
-    "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-                       "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
-    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
+SHAPES = {  # Qwen3 configs of the released checkpoints, with their full vocabulary (tied embeddings)
+    **{f"qwen3-{size}": {**QWEN3_SHAPES[size], "vocab_size": QWEN3_VOCAB_SIZE} for size in ("0.6b", "1.7b")},
+    "tiny": QWEN3_SHAPES["tiny"],
 }
 HYBRID_SHAPES = {  # Qwen3.5 text models: three Gated DeltaNet layers per full-attention layer
     "qwen3.5-2b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
