@@ -98,7 +98,7 @@ def decode_attention(
 def triton_works_on(device: torch.device, dtype: torch.dtype, windowed: bool = False, capped: bool = False) -> bool:
     """Whether the Triton kernel's variant (with a sliding window, with a soft-cap) compiles on this
     device and matches the gather path on random input (once per device, dtype and variant; call it
-    outside CUDA-graph capture: the server checks its model's variants at load time)."""
+    outside CUDA-graph capture: `DecodeGraphs` checks its model's variants before it captures any)."""
     return _triton_matches_gather(device, dtype, shared_pass=False, windowed=windowed, capped=capped)
 
 
@@ -112,7 +112,7 @@ def shared_pass_works_on(device: torch.device, dtype: torch.dtype, capped: bool 
 
 def check_decode_variants(device: torch.device, dtype: torch.dtype, variants: set[tuple[bool, bool]]) -> None:
     """Run the checks of the (windowed, capped) variants a model's layers use, and of the shared pass of
-    those without a window, now (at load time, before any CUDA graph is captured)."""
+    those without a window, now (before any CUDA graph is captured; without graphs they run at first use)."""
     shared_pass_works_on(device, dtype)  # the runner decides on the shared pass from the plain variant
     for windowed, capped in sorted(variants):
         if windowed:

@@ -18,8 +18,6 @@ import torch
 
 from asyncgrpo.models import load_tokenizer, resolve_model_path
 from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
-from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.decode_attention import check_decode_variants
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
@@ -165,9 +163,6 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     model = load_policy(name, dtype=dtype, init_kwargs=None, trust_remote_code=False).to(device).eval()
     logger.info("loaded %s from %s", type(model).__name__, path)
     fused = prepare_model(model, device)
-    if device.type == "cuda":
-        # the decode attention checks run here, before any CUDA graph is captured
-        check_decode_variants(device, dtype, attention_variants(model))
     try:
         tokenizer = load_tokenizer(name)
     except (OSError, ValueError) as exc:
