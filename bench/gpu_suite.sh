@@ -2,12 +2,14 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile hybrid one_gpu one_gpu_mps engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_mps engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
 #   profile      bench/profile_step.py: where a step's time goes (0.6B, shared-prompt workload)
-#   hybrid       the fla-core kernel tests, bench/delta_rule.py and bench/packing.py on the Qwen3.5-2B shape
+#   deltanet     the fla-core kernel tests and bench/delta_rule.py (one layer, Qwen3.5-2B shape); fla-core
+#                compiles and autotunes on first use, so run it before hybrid on a fresh machine
+#   hybrid       bench/packing.py on the Qwen3.5-2B shape, fla-core's kernel against the PyTorch delta rule
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_mps  the same under an MPS daemon
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B)
@@ -33,7 +35,7 @@ section() {  # name, command...
     tail -n 15 "$OUT/$name.log"
 }
 
-SECTIONS=" tests packing profile hybrid one_gpu one_gpu_mps engine decode "
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_mps engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -51,9 +53,10 @@ for name in "$@"; do
     profile)
         section profile python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \
             --variants base compile+head --out-dir "$OUT" ;;
-    hybrid)
+    deltanet)
         section deltanet_tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_deltanet_kernels.py
-        section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json"
+        section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json" ;;
+    hybrid)
         section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 2 --steps 3 \
             --out "$OUT/packing_hybrid_cuda.json" ;;
     one_gpu)
