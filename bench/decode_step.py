@@ -259,8 +259,8 @@ def main() -> None:
     served = load_served_model(model, device, "auto", None)
     prompts = make_prompts(args.batch, args.prompt_len, served.vocab_size)
     impls = args.implementations.split(",")
-    if "triton" in impls and not (device.type == "cuda" and attention.triton_available()):
-        print("Triton kernel needs CUDA and Triton: timing the gather path only")
+    if "triton" in impls and not (device.type == "cuda" and attention.triton_works_on(device, served.dtype)):
+        print("the Triton kernel needs CUDA, Triton and a passing check on this device: timing the gather path only")
         impls = [i for i in impls if i != "triton"]
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
                                                     "device_name": device_slug(args.device)}}

@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import importlib.metadata
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -58,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from packing import HYBRID_SHAPES, make_config, make_rows, make_samples
+from provenance import command_line, package_versions
 
 SHAPE = "qwen3.5-2b"
 DEFAULTS = {  # per device type: what runs unless the command line says otherwise
@@ -111,10 +110,13 @@ class Case:
                                       shape["linear_key_head_dim"], dim, dtype, device, args.seed)
             self.weight = torch.randn(row.num_tokens, heads, dim, device=device)
         else:
+            # seeded like rule_inputs: every backend gets the same hidden states, or max_rel_err_vs_torch
+            # compares unrelated outputs (about sqrt(2))
+            gen = torch.Generator(device=device).manual_seed(args.seed)
             self.layer = layer
-            self.inputs = [torch.randn(1, row.num_tokens, shape["hidden_size"], device=device, dtype=dtype,
-                                       requires_grad=True)]
-            self.weight = torch.randn(1, row.num_tokens, shape["hidden_size"], device=device)
+            self.inputs = [torch.randn(1, row.num_tokens, shape["hidden_size"], device=device, generator=gen)
+                           .to(dtype).requires_grad_()]
+            self.weight = torch.randn(1, row.num_tokens, shape["hidden_size"], device=device, generator=gen)
 
     def forward(self):
         from asyncgrpo.packing.deltanet import tree_deltanet_forward
@@ -381,14 +383,8 @@ def main(argv=None):
                     results.append(entry)
                     del case
     name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
-    versions = {}
-    for package in ("torch", "triton", "fla-core", "transformers"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    meta = {"command": "python " + shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "device": name, "versions": versions, "threads": torch.get_num_threads(), "skipped_backends": skipped,
-            "args": vars(args)}
+    meta = {"command": command_line(), "device": name, "versions": package_versions(),
+            "threads": torch.get_num_threads(), "skipped_backends": skipped, "args": vars(args)}
     out = Path(args.out or Path(__file__).parent / "results" / f"delta_rule_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")

@@ -42,7 +42,6 @@ import contextlib
 import json
 import os
 import platform
-import shlex
 import signal
 import statistics
 import sys
@@ -55,6 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared GPUs
 
 import torch
+from provenance import command_line
 from random_qwen3 import SHAPES, build_random_qwen3
 from serve_throughput import device_slug, make_prompts, wait_for_health
 
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         build_random_qwen3(args.shape, path)
     out = Path(args.output or Path(__file__).parent / "results" / f"lora_sync_{device_slug(args.device)}.json")
     report = Report(out, {
-        "command": shlex.join(["python", "bench/lora_sync.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(argv),
         "meta": {"shape": args.shape, "shape_config": SHAPES[args.shape], "lora_rank": args.rank,
                  "lora_targets": TARGETS, "max_staleness": MAX_STALENESS, "device": device_slug(args.device),
                  "torch": torch.__version__, "platform": platform.platform(),

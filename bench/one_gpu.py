@@ -46,8 +46,6 @@ import logging
 import os
 import platform
 import random
-import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +64,7 @@ from one_gpu_probes import (
     wait_until_idle,
 )
 from one_gpu_report import compare_settings, progress_line, write_json
+from provenance import command_line
 from random_qwen3 import QWEN3_VOCAB_SIZE, SHAPES, PseudoLanguage, build_random_qwen3, language_for_vocab
 
 # per shape: prompt tokens, completion tokens, group size, packed-row tokens, micro-batches per step,
@@ -133,7 +132,7 @@ class Bench:
         self.lock = threading.Lock()
         self.result: dict[str, Any] = {
             "benchmark": "one_gpu",
-            "command": "python " + shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "command": command_line(),
             "status": "running",
             "host": platform.node(),
             "device": torch.cuda.get_device_name() if self.device == "cuda" else "cpu",

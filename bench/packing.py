@@ -57,6 +57,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+from provenance import command_line, package_versions
 from random_qwen3 import QWEN3_VOCAB_SIZE
 from random_qwen3 import SHAPES as QWEN3_SHAPES
 
@@ -425,7 +426,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
     out = Path(args.out or Path(__file__).parent / "results" / f"packing_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": name, "torch": torch.__version__,
+    meta = {"command": command_line(argv), "device": name, "versions": package_versions(),
             "args": {k: v for k, v in vars(args).items() if k != "n_body"}}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {out}")

@@ -66,6 +66,7 @@ from packing import (
     make_samples,
     workload_sizes,
 )
+from provenance import command_line, package_versions
 from step_options import StepOptions, liger_rotary_scope, prepare_model
 
 MARK = "asyncgrpo::"  # prefix of this script's record_function ranges
@@ -314,7 +315,7 @@ def main(argv=None):
             result = {"workload": args.workload, "shape": shape,
                       "device": torch.cuda.get_device_name(device) if gpu else "cpu", **result,
                       "seconds": time.perf_counter() - start,
-                      "command": "python bench/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+                      "command": command_line(argv), "versions": package_versions()}
             path = out / f"profile_{args.workload}_{shape}_{options.name}_{'cuda' if gpu else 'cpu'}.json"
             path.write_text(json.dumps(result, indent=2) + "\n")
             if args.trace:
