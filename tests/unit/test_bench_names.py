@@ -42,7 +42,7 @@ def test_benchmark_names_exist_in_the_package(script):
     tree = ast.parse((BENCH / script).read_text())
     modules, missing = package_names(tree)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
-            if not hasattr(modules[node.value.id], node.attr):
-                missing.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and not hasattr(modules[node.value.id], node.attr)):
+            missing.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
     assert not missing, f"bench/{script} names what asyncgrpo does not have: {missing}"
