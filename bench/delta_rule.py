@@ -259,16 +259,21 @@ def profile_case(case, gpu, top):
     return profile_summary(trace, gpu, top)
 
 
-def available_backends(requested, device):
+def available_backends(requested, device, dtype):
     """The requested backends that can train here, and {backend: why not} for the others."""
-    from asyncgrpo.packing.recurrent import _fla_kernel, _fla_training_problem
+    from asyncgrpo.packing.recurrent import DeltaRuleShape, _fla_kernel, _fla_training_problem
+
+    shape = HYBRID_SHAPES[SHAPE]
+    kernel_shape = DeltaRuleShape(shape["linear_num_value_heads"], shape["linear_key_head_dim"],
+                                  shape["linear_value_head_dim"], dtype)
 
     backends, skipped = [], {}
     for name in requested:
         if name == "fla":
             kernel, reason = _fla_kernel() if device.type == "cuda" else (None, "CUDA only")
             if kernel is not None:
-                reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device())
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                reason = _fla_training_problem(index, kernel_shape)
             if reason is not None:
                 print(f"skipping backend fla: {reason}", flush=True)
                 skipped[name] = reason
@@ -347,7 +352,7 @@ def main(argv=None):
     samples = make_samples(np.random.default_rng(args.seed), args.groups, args.num_generations, args.prompt_len,
                            args.min_completion, args.max_completion, 1000)
     rows = make_rows(samples, args.token_budget)[: args.rows]
-    backends, skipped = available_backends(args.backends, device)
+    backends, skipped = available_backends(args.backends, device, dtype)
     layer = make_layer(dtype, device) if "layer" in args.parts else None
     results = []
     for index, row_samples in enumerate(rows):

@@ -43,7 +43,7 @@ done
 for name in "$@"; do
     case $name in
     tests)
-        section tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu \
+        section tests python -m pytest -q -m gpu -p no:cacheprovider --durations=30 tests/gpu \
             --ignore=tests/gpu/test_vllm_push.py --ignore=tests/gpu/test_vllm_lora_sync.py \
             --ignore=tests/gpu/test_deltanet_kernels.py ;;
     packing)
@@ -54,7 +54,7 @@ for name in "$@"; do
         section profile python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \
             --variants base compile+head --out-dir "$OUT" ;;
     deltanet)
-        section deltanet_tests python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_deltanet_kernels.py
+        section deltanet_tests python -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/gpu/test_deltanet_kernels.py
         section delta_rule python bench/delta_rule.py --device cuda --out "$OUT/delta_rule_cuda.json" ;;
     hybrid)
         section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 2 --steps 3 \

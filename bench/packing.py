@@ -286,17 +286,19 @@ def bench_model(shape, workload, args, device):
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.packing.attention import enable_tree_attention
-    from asyncgrpo.packing.recurrent import resolve_delta_rule_backend
+    from asyncgrpo.packing.recurrent import DeltaRuleShape, resolve_delta_rule_backend
 
     config = make_config(shape)
     hybrid = "linear_attention" in config.layer_types
     layouts = ("tree", "tree_torch", "padfree", "padded") if hybrid else ("tree", "padfree", "padded")
-    if hybrid and device.type == "cuda" and resolve_delta_rule_backend("auto", device) == "torch":
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernel_shape = hybrid and DeltaRuleShape(config.linear_num_value_heads, config.linear_key_head_dim,
+                                             config.linear_value_head_dim, dtype)
+    if hybrid and device.type == "cuda" and resolve_delta_rule_backend("auto", device, kernel_shape) == "torch":
         layouts = ("tree", "padfree", "padded")  # "tree" already runs the PyTorch delta rule
     if args.layouts:
         layouts = tuple(name for name in layouts if name in args.layouts or name == "tree")
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with device:  # random initialisation on the GPU: seconds instead of a CPU pass over every weight
         base_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     base_model.to(device)
@@ -318,7 +320,7 @@ def bench_model(shape, workload, args, device):
               "rows": needed, "samples_per_row": float(np.mean([len(r) for r in rows])), "layouts": list(layouts),
               "variants": {}}
     if hybrid:
-        result["tree_delta_rule"] = resolve_delta_rule_backend("auto", device)
+        result["tree_delta_rule"] = resolve_delta_rule_backend("auto", device, kernel_shape)
     base_logprobs = {}
     for variant in args.variants:
         options = StepOptions.parse(variant)

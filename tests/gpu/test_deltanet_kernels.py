@@ -78,7 +78,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 # multiplies in TF32, its bf16 path keeps intermediates in bf16. fla-core tunes its kernels once per
 # (value heads, head size, dtype), about a minute each on an H200, so the cases share those: Qwen3.5-2B's
 # heads (which bench/packing.py and the trainer tune too), and 2 value heads of 64 (grouped: one q/k head),
-# the shape of the one-time training check and of `tiny_qwen35`.
+# the shape of `tiny_qwen35` and the training check's default.
 @pytest.mark.parametrize("dtype,tol,key_heads,heads,dim", [
     (torch.bfloat16, 3e-2, 16, 16, 128), (torch.bfloat16, 3e-2, 1, 2, 64), (torch.float32, 1e-2, 1, 2, 64)])
 def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype, tol, key_heads, heads, dim):

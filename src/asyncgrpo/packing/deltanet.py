@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.packing.recurrent import resolve_delta_rule_backend, tree_causal_conv1d, tree_gated_delta_rule
+from asyncgrpo.packing.recurrent import (
+    DeltaRuleShape,
+    resolve_delta_rule_backend,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
 
 if TYPE_CHECKING:
     from asyncgrpo.packing.attention import TreeMask
@@ -100,7 +105,8 @@ def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, t
     mixed_qkv, z, b, a = deltanet_projections(layer, hidden_states[0])
     mixed_qkv = tree_causal_conv1d(mixed_qkv, layer.conv1d.weight[:, 0], layer.conv1d.bias, layout, layer.activation)
     query, key, value, g, beta = delta_rule_inputs(layer, mixed_qkv, b, a)
-    backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device)
+    shape = DeltaRuleShape(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, hidden_states.dtype)
+    backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device, shape)
     core = tree_gated_delta_rule(query, key, value, g, beta, layout, backend=backend)
     return deltanet_output(layer, core, z)[None]
 

@@ -202,8 +202,20 @@ def causal_conv1d_at(padded: torch.Tensor, keep: torch.Tensor, weight: torch.Ten
     return out.to(padded.dtype)
 
 
-def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
-    """"auto": fla-core's Triton kernel on CUDA where it imports, else the PyTorch path."""
+@dataclass(frozen=True)
+class DeltaRuleShape:
+    """What fla-core compiles and tunes its kernels for: value heads (q/k heads reach the kernel
+    expanded to them), head sizes and dtype."""
+
+    heads: int = 2
+    key_dim: int = 64
+    value_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+
+
+def resolve_delta_rule_backend(backend: str, device: torch.device, shape: DeltaRuleShape = DeltaRuleShape()) -> str:
+    """"auto": fla-core's Triton kernel on CUDA where it imports and its training check passes at the
+    layer's `shape`, else the PyTorch path."""
     if backend not in DELTA_RULE_BACKENDS:
         raise ValueError(f"delta rule backend must be one of {DELTA_RULE_BACKENDS}, got {backend!r}")
     if backend == "torch":
@@ -220,7 +232,8 @@ def resolve_delta_rule_backend(backend: str, device: torch.device) -> str:
         _log_fallback_once(reason)
         return "torch"
     if backend == "auto":
-        reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device())
+        reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device(),
+                                       shape)
         if reason is not None:
             _log_fallback_once(reason)
             return "torch"
@@ -241,11 +254,13 @@ def _fla_kernel():
 
 
 @functools.cache
-def _fla_training_problem(device_index: int) -> str | None:
+def _fla_training_problem(device_index: int, shape: DeltaRuleShape = DeltaRuleShape()) -> str | None:
     """Why fla-core's delta rule cannot train on this GPU, or None. fla refuses some Triton / GPU pairs
     in the backward pass only (Triton 3.4 to 3.7.0 on Hopper miscompiles one of its kernels), so a
-    tiny forward + backward finds out once, before a training step would fail."""
-    return run_isolated(_fla_check, device_index)
+    short forward + backward finds out once, before a training step would fail. It runs at the layer's
+    own shape: fla-core tunes its kernels per shape (about 100 s on an H200), and those are the ones
+    training then uses."""
+    return run_isolated(_fla_check, device_index, shape)
 
 
 def run_isolated(fn, *args):
@@ -269,14 +284,18 @@ def run_isolated(fn, *args):
     return result["value"]
 
 
-def _fla_check(device_index: int) -> str | None:
+def _fla_check(device_index: int, shape: DeltaRuleShape) -> str | None:
     kernel, _ = _fla_kernel()
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, 80, 2, 64, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    g = F.logsigmoid(torch.randn(1, 80, 2, device=device, generator=gen)).requires_grad_()
-    beta = torch.rand(1, 80, 2, device=device, generator=gen, dtype=torch.bfloat16).requires_grad_()
+
+    def randn(*size):
+        return torch.randn(*size, device=device, generator=gen).to(shape.dtype).requires_grad_()
+
+    h = shape.heads
+    q, k, v = randn(1, 80, h, shape.key_dim), randn(1, 80, h, shape.key_dim), randn(1, 80, h, shape.value_dim)
+    g = F.logsigmoid(torch.randn(1, 80, h, device=device, generator=gen)).requires_grad_()
+    beta = torch.rand(1, 80, h, device=device, generator=gen).to(shape.dtype).requires_grad_()
     cu_seqlens = torch.tensor([0, 30, 80], device=device)
     try:
         out, _ = kernel(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens)
