@@ -22,12 +22,53 @@ from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 def _triton_kernels():
     """(attention kernel, merge kernel, shared-prefix kernel), compiled on first use, or None when Triton
     is not importable."""
-    global triton, tl  # module globals: Triton's interpreter (the CPU tests) patches the kernels' `tl` there
+    # module globals: Triton's interpreter (the CPU tests) patches the kernels' `tl` there, and finds the
+    # kernels' shared device function there (it rebuilds each kernel from its source, without closures)
+    global triton, tl, attend_span
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
+
+    @triton.jit
+    def attend_span(q, k_ptr, v_ptr, table_ptr, kv_offset, begin, end, stride_kb, stride_kt, scale, softcap,
+                    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                    IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+        """Online softmax of the query rows q [ROWS, HEAD_DIM] over the cached keys [begin, end) of one
+        block table row (`table_ptr`) and one kv head (`kv_offset`): (running max, sum of exp, unnormalised
+        output [ROWS, HEAD_DIM]), in float32; (-inf, 0, 0) for an empty span."""
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, TILE)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for start in range(begin, end, TILE):
+            pos = start + t
+            valid = pos < end
+            block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+            rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_offset
+            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            if SOFTCAP:  # softcap * tanh(s / softcap), with tanh from exp(-2|x|) in (0, 1]: never overflows
+                e = tl.exp(-2.0 * tl.abs(s) / softcap)  # (libdevice's tanh does not run in the interpreter)
+                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        return m, l, acc
 
     @triton.jit
     def paged_decode_kernel(
@@ -68,39 +109,13 @@ def _triton_kernels():
         end = tl.minimum(context, begin + split_len)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
-        t = tl.arange(0, TILE)
         heads = kv_head * GROUP + g
         # the GROUP query heads of this kv head, padded to the dot's minimum of 16 rows
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=(g < GROUP)[:, None], other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for start in range(begin, end, TILE):
-            pos = start + t
-            valid = pos < end
-            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-            rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            if SOFTCAP:  # softcap * tanh(s / softcap), with tanh from exp(-2|x|) in (0, 1]: never overflows
-                e = tl.exp(-2.0 * tl.abs(s) / softcap)  # (libdevice's tanh does not run in the interpreter)
-                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + seq * stride_tb, kv_head * stride_kh, begin, end,
+                                stride_kb, stride_kt, scale, softcap, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
+                                SOFTCAP)
         head_ok = (g < GROUP)[:, None]
         if NUM_SLOTS == 1:
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -152,7 +167,6 @@ def _triton_kernels():
         length = tl.load(row)  # shared tokens (0 in a padding entry, whose members are all -1)
         r = tl.arange(0, ROWS_PAD)
         d = tl.arange(0, HEAD_DIM)
-        t = tl.arange(0, TILE)
         member = r // GROUP
         seq = tl.load(row + 1 + member, mask=member < MEMBERS, other=-1)
         ok = seq >= 0
@@ -163,34 +177,9 @@ def _triton_kernels():
         split_len = tl.cdiv(tl.cdiv(length, SHARED_SLOTS), TILE) * TILE
         begin = split * split_len
         end = tl.minimum(length, begin + split_len)
-        m = tl.full([ROWS_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([ROWS_PAD], tl.float32)
-        acc = tl.zeros([ROWS_PAD, HEAD_DIM], tl.float32)
-        for start in range(begin, end, TILE):
-            pos = start + t
-            valid = pos < end
-            block = tl.load(tables_ptr + leader * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-            rows = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            if SOFTCAP:  # softcap * tanh(s / softcap), with tanh from exp(-2|x|) in (0, 1]: never overflows
-                e = tl.exp(-2.0 * tl.abs(s) / softcap)  # (libdevice's tanh does not run in the interpreter)
-                s = tl.where(s < 0, -softcap, softcap) * (1.0 - e) / (1.0 + e)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + leader * stride_tb, kv_head * stride_kh, begin, end,
+                                stride_kb, stride_kt, scale, softcap, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
+                                SOFTCAP)
         part = (seq * NUM_HEADS + heads) * NUM_SLOTS + NUM_SPLITS + split
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
         tl.store(stats_ptr + part * 2, m, mask=ok)
