@@ -70,7 +70,7 @@ def test_trainer_and_rollout_process_train_against_a_keyed_server(keyed_server, 
 
 
 def test_a_link_without_the_key_is_refused_naming_the_setting(keyed_server):
-    from asyncgrpo.generation.client import ServerRequestError
+    from asyncgrpo.generation.transport import ServerRequestError
     from asyncgrpo.train.server_link import ServerLink
 
     link = ServerLink(keyed_server.url, timeout_s=20)

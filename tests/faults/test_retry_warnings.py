@@ -9,9 +9,10 @@ import socket
 
 import pytest
 
-from asyncgrpo.generation.client import GenerationClient, ServerConnectionError
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.transport import ServerConnectionError
 
 
 def _dead_url() -> str:
@@ -34,7 +35,7 @@ def test_two_hundred_failing_requests_log_a_few_counted_lines(caplog):
         finally:
             await client.close()
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.client"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.transport"):
         errors = asyncio.run(run())
     assert all(isinstance(e, ServerConnectionError) for e in errors)  # every request still fails, after retries
     lines = [r.getMessage() for r in caplog.records]
@@ -55,6 +56,6 @@ def test_a_single_retry_is_still_logged_at_once(caplog, n):
         finally:
             await client.close()
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.client"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.transport"):
         asyncio.run(run())
     assert len(caplog.records) == 1 and "GET /metrics failed" in caplog.records[0].getMessage()

@@ -190,7 +190,8 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
 
 @needs_vllm
 def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tmp_path):
-    from asyncgrpo.generation.client import GenerationClient, ServerRequestError
+    from asyncgrpo.generation.client import GenerationClient
+    from asyncgrpo.generation.transport import ServerRequestError
     from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError
 
     info = _server_info()

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.protocol import SamplingParams, VersionSpan
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 CASES = json.loads((FIXTURES / "protocol-0.33.0.json").read_text())

@@ -46,8 +46,9 @@ import numpy as np
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import PromptItem, end_position, prompt_stream, row_reward_kwargs
-from asyncgrpo.generation.client import GenerationClient, ServerRequestError
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.transport import ServerRequestError
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
 from asyncgrpo.rollout.channel import (

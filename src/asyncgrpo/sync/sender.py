@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient, ServerRequestError
+from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.transport import ServerRequestError
 from asyncgrpo.sync import Communicator
 from asyncgrpo.sync.packed import (
     DEFAULT_BUFFER_SIZE_BYTES,

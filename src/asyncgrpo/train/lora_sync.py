@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.server_info import LoraServing
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.train.lora_mode import choose_lora_sync
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient, ServerConnectionError, ServerRequestError
+from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.protocol import TRAINER_HEADER, ProtocolError
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.sync.packed import TensorMeta
 from asyncgrpo.train.waiting import notice_while_waiting
 
