@@ -1,16 +1,14 @@
-"""`AsyncGRPOConfig`: every knob of asynchronous GRPO training, its default and its validation.
+"""`AsyncGRPOConfig`: every knob of asynchronous GRPO training and its default.
 
 One dataclass over `transformers.TrainingArguments`; a field is documented in the class docstring and
-in its `metadata["help"]` (shown by `HfArgumentParser`). `__post_init__` parses JSON-string dicts,
-resolves the defaults that differ from `TrainingArguments` and raises `ValueError` naming the field,
-its value and what to set instead. Components receive the values they use, not this object.
+in its `metadata["help"]` (shown by `HfArgumentParser`). `__post_init__` applies the rules of
+`asyncgrpo.config_rules`: it parses JSON-string dicts, resolves the defaults that differ from
+`TrainingArguments` and raises `ValueError` naming the field, its value and what to set instead.
+Components receive the values they use, not this object.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +16,10 @@ from typing import Any
 from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 
-logger = logging.getLogger(__name__)
+from asyncgrpo.config_rules import DTYPES, parse_dict, reject_unsupported, resolve_defaults, validate
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable for its --api-key
 _MASKED_KEY = "<VLLM_SERVER_API_KEY>"
-_TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 @dataclass
@@ -297,14 +293,14 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        _reject_unsupported(self)
-        _resolve_defaults(self)
+        reject_unsupported(self)
+        resolve_defaults(self)
         if self.vllm_server_api_key is None:  # the one place the environment is read
             self.vllm_server_api_key = os.environ.get(API_KEY_ENV) or None
-        self.model_init_kwargs = _parse_dict("model_init_kwargs", self.model_init_kwargs)
-        self.chat_template_kwargs = _parse_dict("chat_template_kwargs", self.chat_template_kwargs)
+        self.model_init_kwargs = parse_dict("model_init_kwargs", self.model_init_kwargs)
+        self.chat_template_kwargs = parse_dict("chat_template_kwargs", self.chat_template_kwargs)
         super().__post_init__()
-        _validate(self)
+        validate(self)
 
     @property
     def sampling_is_truncated(self) -> bool:
@@ -324,175 +320,3 @@ class AsyncGRPOConfig(TrainingArguments):
         return text.replace(f"vllm_server_api_key={key},", f"vllm_server_api_key={_MASKED_KEY},") if key else text
 
     __repr__ = __str__
-
-
-def _parse_dict(name: str, value: Any) -> dict[str, Any] | None:
-    """A dict field given as a JSON string (command line) -> dict."""
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{name}={value!r} is not valid JSON ({exc.msg}); pass a dict or a JSON object string such "
-                f"as '{{\"enable_thinking\": false}}'"
-            ) from None
-        if isinstance(parsed, dict):
-            return parsed
-    raise ValueError(f"{name} must be a dict (or a JSON object string), got {type(value).__name__} {value!r}")
-
-
-def _parallel_size(config: Any, name: str) -> int:
-    value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-    return int(value or 1)
-
-
-def _reject_unsupported(args: AsyncGRPOConfig) -> None:
-    """Settings the trainer cannot honour; checked before TrainingArguments acts on them."""
-    if args.deepspeed:
-        raise ValueError(
-            f"deepspeed={args.deepspeed!r}: DeepSpeed is not supported by AsyncGRPOTrainer; remove it and "
-            f"shard with FSDP2 instead (fsdp='full_shard', fsdp_config={{'fsdp_version': 2}})"
-        )
-    if args.parallelism_config is not None:
-        for name in ("cp_size", "sp_size"):
-            size = _parallel_size(args.parallelism_config, name)
-            if size > 1:
-                raise ValueError(
-                    f"parallelism_config.{name}={size}: context and sequence parallelism are not supported "
-                    f"(packed rows are trees); set {name}=1"
-                )
-    if args.use_liger_kernel:
-        raise ValueError(
-            "use_liger_kernel=True is not supported: the loss needs full per-token log-probabilities; "
-            "set use_liger_kernel=False"
-        )
-
-
-def _bf16_supported(args: AsyncGRPOConfig) -> bool:
-    """Whether TrainingArguments accepts bf16=True here (the same test it applies)."""
-    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
-
-    return bool(args.use_cpu or is_torch_bf16_gpu_available() or is_torch_xla_available())
-
-
-def _resolve_defaults(args: AsyncGRPOConfig) -> None:
-    if args.bf16 is None:
-        if args.fp16:
-            args.bf16 = False
-        elif _bf16_supported(args):
-            args.bf16 = True
-        else:
-            args.bf16 = False
-            logger.warning(
-                "bf16 defaults to True, but no bf16-capable accelerator was found and use_cpu=False, which "
-                "transformers refuses; using bf16=False. Set use_cpu=True for CPU training with bf16 "
-                "autocast, or bf16=False to silence this warning."
-            )
-    if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:  # newer transformers: the new name
-        if args.activation_checkpointing is None and args.gradient_checkpointing is None:
-            args.activation_checkpointing = True
-    elif args.gradient_checkpointing is None:
-        args.gradient_checkpointing = True
-    if not args.ignore_data_skip:
-        logger.warning(
-            "ignore_data_skip=False has no effect: AsyncGRPOTrainer resumes from rollout_state.json, not by "
-            "replaying batches; using ignore_data_skip=True."
-        )
-        args.ignore_data_skip = True
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _validate(args: AsyncGRPOConfig) -> None:
-    _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
-    _require(
-        args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
-        f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",
-    )
-    _require(
-        args.num_generations >= 2,
-        f"num_generations={args.num_generations}: a group needs at least 2 rollouts to compute an advantage "
-        f"(advantages are standardised within the group); set num_generations >= 2",
-    )
-    _require(args.max_completion_length >= 1, f"max_completion_length={args.max_completion_length} must be >= 1")
-    _require(
-        args.temperature > 0,
-        f"temperature={args.temperature} must be > 0: importance ratios compare the trainer's probabilities "
-        f"with the sampler's sampling distribution, which greedy decoding (temperature 0) does not have; use "
-        f"a positive temperature such as 1.0",
-    )
-    _require(0 < args.top_p <= 1, f"top_p={args.top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
-    _require(args.top_k >= 0, f"top_k={args.top_k} must be >= 0; use 0 (not -1) to disable top-k")
-    _require(
-        args.min_p is None or 0 <= args.min_p <= 1, f"min_p={args.min_p} must be in [0, 1], or None to disable it"
-    )
-    truncation = [f"top_p={args.top_p}"] if args.top_p < 1 else []
-    truncation += [f"min_p={args.min_p}"] if args.min_p else []
-    _require(
-        not truncation or args.top_k > 0,
-        f"{' and '.join(truncation)} needs top_k > 0 (got top_k={args.top_k}): the trainer renormalizes over the "
-        f"sampler's candidate set, which is only bounded with top-k; set top_k (e.g. 50) as well",
-    )
-    _require(
-        args.repetition_penalty == 1.0,
-        f"repetition_penalty={args.repetition_penalty} is not supported: the sampler's log-probs include the "
-        "penalty and the trainer's do not, which biases every importance ratio of both objectives (score "
-        "centering and the clipped surrogate); set repetition_penalty=1.0",
-    )
-    _require(
-        args.max_tool_calling_iterations is None or args.max_tool_calling_iterations >= 0,
-        f"max_tool_calling_iterations={args.max_tool_calling_iterations} must be >= 0, or None for no limit",
-    )
-    _require(
-        args.tool_call_timeout > 0,
-        f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise hang "
-        "its rollout forever); use a large value for slow tools",
-    )
-    _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
-    _require(
-        0 < args.epsilon < 1,
-        f"epsilon={args.epsilon} must be in (0, 1) so that the trust region [1 - epsilon, 1 + epsilon_high] is "
-        f"non-empty and positive",
-    )
-    _require(
-        args.epsilon_high is None or args.epsilon_high > 0,
-        f"epsilon_high={args.epsilon_high} must be > 0, or None to use epsilon={args.epsilon}",
-    )
-    c_min, c_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    _require(
-        0 <= c_min < 1 < c_max,
-        f"vllm_importance_sampling_clip_min={c_min} and vllm_importance_sampling_clip_max={c_max} must satisfy "
-        f"0 <= clip_min < 1 < clip_max: tokens whose ratio falls outside are masked, so an on-policy ratio "
-        f"of 1 must be inside (defaults: 0.5 and 5.0)",
-    )
-    _require(args.num_sampler_logprobs >= 0, f"num_sampler_logprobs={args.num_sampler_logprobs} must be >= 0")
-    if args.score_centering and args.num_sampler_logprobs == 0:
-        logger.warning(
-            "score_centering=True with num_sampler_logprobs=0: the expectation is taken over no token, so "
-            "score centering does nothing; set num_sampler_logprobs >= 1 or score_centering=False."
-        )
-    _require(
-        args.token_budget is None or args.token_budget >= 1,
-        f"token_budget={args.token_budget} must be >= 1, or None to use the server's max_model_len",
-    )
-    _require(
-        args.max_concurrent_rollouts >= 1, f"max_concurrent_rollouts={args.max_concurrent_rollouts} must be >= 1"
-    )
-    _require(
-        args.max_staleness >= 0,
-        f"max_staleness={args.max_staleness} must be >= 0 (0 trains only samples of the current weights)",
-    )
-    _require(args.weight_sync_steps >= 1, f"weight_sync_steps={args.weight_sync_steps} must be >= 1")
-    _require(
-        args.rollout_worker_timeout > 0,
-        f"rollout_worker_timeout={args.rollout_worker_timeout} must be > 0 seconds",
-    )
-    _require(
-        args.num_completions_to_print is None or args.num_completions_to_print >= 0,
-        f"num_completions_to_print={args.num_completions_to_print} must be >= 0, or None to print all",
-    )
