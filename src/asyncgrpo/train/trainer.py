@@ -24,7 +24,6 @@ alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every r
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from asyncgrpo import metrics as M
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.data.chat_templates import prepare_chat_template
 from asyncgrpo.data.prompts import end_position
 from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
@@ -45,28 +43,18 @@ from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
-from asyncgrpo.train.compiled_layers import compile_decoder_layers
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
-from asyncgrpo.train.flops import FlopModel, peak_flops
+from asyncgrpo.train.flops import peak_flops
 from asyncgrpo.train.inputs import (
     check_args,
-    check_fsdp_version,
     check_not_in_rollout_process,
     check_prompt_source,
     reward_func_list,
 )
 from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
 from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
-from asyncgrpo.train.model_setup import (
-    eos_token_ids,
-    is_sharded,
-    load_tokenizer,
-    logit_processing,
-    prepare_policy,
-    router_aux_loss_coef,
-    wrap_peft,
-)
+from asyncgrpo.train.model_setup import eos_token_ids, is_sharded
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
@@ -74,11 +62,9 @@ from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
+from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import StepTotals
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
-
-logger = logging.getLogger(__name__)
-
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -119,27 +105,12 @@ class AsyncGRPOTrainer(Trainer):
     ) -> None:
         check_not_in_rollout_process()
         args = check_args(args)
-
-        model, self.model_id = prepare_policy(model, args)
-        self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-        self._flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
-        logit_proc = logit_processing(model.config)
-
-        if processing_class is None:
-            revision = (args.model_init_kwargs or {}).get("revision")
-            processing_class = load_tokenizer(self.model_id, trust_remote_code=args.trust_remote_code, revision=revision)
-
-        # the tool loop renders the growing conversation each turn: its template must keep earlier
-        # turns unchanged (known families are switched to a bundled training template)
-        prepare_chat_template(
-            processing_class,
+        policy = prepare_policy_and_tokenizer(
+            model, args, processing_class=processing_class, peft_config=peft_config,
             tools_enabled=bool(tools) or environment_factory is not None,
-            chat_template_kwargs=args.chat_template_kwargs,
         )
-        if peft_config is not None:
-            model = wrap_peft(model, peft_config)
-        if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
-            compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        self.model_id = policy.model_id
+        self._flop_model = policy.flop_model
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -150,19 +121,16 @@ class AsyncGRPOTrainer(Trainer):
         self.prompt_dataset = train_dataset
 
         super().__init__(
-            model=model,
+            model=policy.model,
             args=args,
             data_collator=_identity,
             train_dataset=None,
-            processing_class=processing_class,
+            processing_class=policy.tokenizer,
             callbacks=callbacks,
             optimizers=optimizers,
         )
         self.add_callback(_PipelineCallback(self))
-        if args.torch_compile:  # the layers are compiled already: accelerate must not compile the whole model
-            from accelerate.utils import DynamoBackend
-
-            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+        fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
         self._window = MetricsWindow()
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
@@ -179,16 +147,10 @@ class AsyncGRPOTrainer(Trainer):
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
-        check_fsdp_version(getattr(self.accelerator.state, "fsdp_plugin", None))  # absent without FSDP
         self._loss_settings = LossSettings.from_config(
-            args, logit_processing=logit_proc, router_aux_loss_coef=self._router_aux_loss_coef,
+            args, logit_processing=policy.logit_processing, router_aux_loss_coef=policy.router_aux_loss_coef,
             num_processes=self.accelerator.num_processes,
         )
-        if args.fsdp and not self.is_fsdp_enabled:
-            logger.warning(
-                "fsdp=%r has no effect on %s: accelerate shards only on accelerators, so every process holds "
-                "the whole model (data parallel)", args.fsdp, args.device,
-            )
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
