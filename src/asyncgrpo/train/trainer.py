@@ -13,7 +13,8 @@ What waits on what: a step waits only when the queue is empty (`perf/rollout_wai
 process waits only when it is `max_staleness` steps ahead (`rollout/backpressure_s`). Every wait
 has a timeout and checks the other side's health, so a failure surfaces as an error, never a hang.
 This module wires; the math lives in `asyncgrpo.train.logprobs` and `asyncgrpo.train.loss`, the
-packing in `asyncgrpo.packing`.
+packing in `asyncgrpo.packing`, the model's preparation in `asyncgrpo.train.startup`, the logged
+metrics in `asyncgrpo.train.step_metrics`.
 
 Several processes (torchrun / accelerate launch): rank 0 owns the server link and the rollout process,
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
@@ -31,11 +32,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
-from asyncgrpo import metrics as M
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
-from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
@@ -44,7 +43,7 @@ from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
 from asyncgrpo.train.completions_table import print_completions
-from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
+from asyncgrpo.train.distributed import broadcast_from_rank0
 from asyncgrpo.train.flops import peak_flops
 from asyncgrpo.train.inputs import (
     check_args,
@@ -53,7 +52,6 @@ from asyncgrpo.train.inputs import (
     reward_func_list,
 )
 from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
-from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
 from asyncgrpo.train.model_setup import eos_token_ids, is_sharded
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
@@ -63,7 +61,7 @@ from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
-from asyncgrpo.train.step_metrics import StepTotals
+from asyncgrpo.train.step_metrics import TrainerMetrics
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
 
 
@@ -110,7 +108,6 @@ class AsyncGRPOTrainer(Trainer):
             tools_enabled=bool(tools) or environment_factory is not None,
         )
         self.model_id = policy.model_id
-        self._flop_model = policy.flop_model
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -131,7 +128,7 @@ class AsyncGRPOTrainer(Trainer):
         )
         self.add_callback(_PipelineCallback(self))
         fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
-        self._window = MetricsWindow()
+        self._metrics = TrainerMetrics(policy.flop_model)
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
         self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
@@ -139,11 +136,7 @@ class AsyncGRPOTrainer(Trainer):
         self._progress: TrainedPrompts | None = None
         self.model_version = 0
         self.last_trained_position = 0
-        self._step = StepTotals()
-        self._loss_stats: LossStats | None = None
-        self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
-        self._peak_flops: float | None = None
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
@@ -170,7 +163,7 @@ class AsyncGRPOTrainer(Trainer):
             self._token_budget = token_budget(args.token_budget, info)
             self._serving_dtype = serving_dtype(info)
             weights_dtype = next(self.model.parameters()).dtype
-            self._peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
+            self._metrics.peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
                 self.weight_transport = make_transport(self._server, args.device, info.device)
@@ -244,8 +237,8 @@ class AsyncGRPOTrainer(Trainer):
             progress=self._progress,
             check_health=self._rollout.check_health if self._rollout is not None else lambda: None,
             current_version=lambda: self.model_version,
-            record=self._window.record,
-            add_record=self._window.add,
+            record=self._metrics.window.record,
+            add_record=self._metrics.window.add,
             max_staleness=self.args.max_staleness,
             token_budget=self._token_budget,
             total_positions=total_positions,
@@ -280,7 +273,7 @@ class AsyncGRPOTrainer(Trainer):
                 batch.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._step.wait_s += self._batches.pop_wait_s()
+        self._metrics.step.wait_s += self._batches.pop_wait_s()
         if not batch:
             self.control.should_training_stop = True
         return batch, None
@@ -305,8 +298,7 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.backward(loss * self.accelerator.num_processes)
         _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
         t_bwd = time.perf_counter()
-        self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
-        self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
+        self._metrics.add_micro_batch(row, inputs, result.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._nonfinite.add_loss(loss)
         return loss.detach()
 
@@ -322,14 +314,11 @@ class AsyncGRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._rollout is not None:  # rank 0: what the rollout process reported since the last log
             for record in self._rollout.metrics():
-                self._window.add(record)
+                self._metrics.window.add(record)
             entries = self._rollout.completions()
             if entries:  # `log_completions`: the latest sampled completions, as a table
                 print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
-        logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
-        if self._loss_stats is not None:
-            logs.update(loss_metrics(all_reduce_loss_stats(self._loss_stats)))
-            self._loss_stats = None
+        logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
     def _get_output_dir(self, trial: Any) -> str:
@@ -365,22 +354,16 @@ class AsyncGRPOTrainer(Trainer):
 
     def _after_optimizer_step(self) -> None:
         args = self.args
-        step_totals, self._step = self._step.across_processes(), StepTotals()
+        step_totals = self._metrics.end_step(skipped=self._step_skipped)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
             self._rollout.publish(token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness))
         sync_s: dict[str, float] = {}
-        self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             sync_s = self._sync_weights(self.model_version + 1)
             self.model_version += 1
             if self._rollout is not None:
                 self._rollout.publish(model_version=self.model_version)
-        step_totals.record_into(
-            self._window, sync_s, flop_model=self._flop_model, peak_flops=self._peak_flops,
-            num_processes=args.world_size,
-        )
-        self._window.end_step()
-        self._num_tokens_forwarded += step_totals.forwarded_tokens
+        self._metrics.record_step(step_totals, sync_s, num_processes=args.world_size)
 
     def _sync_weights(self, model_version: int) -> dict[str, float]:
         """The server serves the weights that become `model_version` (published to the rollout process
@@ -400,10 +383,11 @@ class _PipelineCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step.optimizer_started = time.perf_counter()
+        self.trainer._metrics.step.optimizer_started = time.perf_counter()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step.optimizer_s = time.perf_counter() - self.trainer._step.optimizer_started
+        step = self.trainer._metrics.step
+        step.optimizer_s = time.perf_counter() - step.optimizer_started
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._after_optimizer_step()
