@@ -97,7 +97,7 @@ def test_training_step_loss_is_policy_loss_plus_coef_times_the_models_own_aux_lo
     torch.testing.assert_close(loss.double(), policy.loss.double() + weight * aux, rtol=1e-5, atol=1e-6)
     gate = trainer.model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0  # the router learns from the aux loss
-    logged = loss_metrics(trainer._loss_stats)
+    logged = loss_metrics(trainer._metrics.loss_stats)
     torch.testing.assert_close(torch.tensor(logged["aux_loss"], dtype=torch.float64), aux, rtol=1e-5, atol=1e-7)
 
 
@@ -107,7 +107,7 @@ def test_zero_coefficient_adds_nothing_and_logs_no_aux_loss(tmp_path):
     num_trained = sum(s.num_trained for s in samples)
     trainer = _trainer(tmp_path, model, router_aux_loss_coef=0.0)
     trainer.training_step(trainer.model, MicroBatchInput(samples, num_trained_tokens_global=num_trained))
-    assert "aux_loss" not in loss_metrics(trainer._loss_stats)
+    assert "aux_loss" not in loss_metrics(trainer._metrics.loss_stats)
     assert trainer.model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # the policy loss routes too
 
 

@@ -18,19 +18,17 @@
 | group task  | the inference server; a full score queue        | the scorer                          |
 | scorer      | the score queue                                 | group tasks                         |
 
-This module keeps the hooks, `run` and the dispatcher; the rules it dispatches by are
-`asyncgrpo.rollout.admission`, the server client, poller and KV cap `asyncgrpo.rollout.server_load`,
-the scorer `asyncgrpo.rollout.scoring`, the task bookkeeping `asyncgrpo.rollout.tasks`.
+This module keeps the hooks, `run`, the dispatcher and the group tasks. The rest of the process:
 
-When the dispatcher is blocked with no group in flight or being scored, only the trainer can unblock
-it: it puts a `RolloutIdle` on channel.samples (once per trainer view it is blocked against, and once
-at the end of the prompts) so the trainer closes its partial micro-batch at once instead of waiting.
+    admission.py        the rule a group is admitted by (pure; the trainer's side of it too)
+    admission_gate.py   the dispatcher's wait on that rule, and the `RolloutIdle` markers it sends
+    server_load.py      the server client, the /metrics poller and the KV cap
+    scoring.py          the scorer
+    tasks.py            task supervision
 
-The dispatcher wakes when a rollout or group of this process finishes and polls the values the trainer
-writes (shared memory, no notification) every POLL_S; every other wait polls with a short timeout too,
-so a stop request or a failed task is seen within a fraction of a second. Any exception in any task
-stops the loop: `run()` cancels the others, runs `close()` and re-raises (the process shell reports it
-to the trainer).
+Every wait polls with a short timeout, so a stop request or a failed task is seen within a fraction of
+a second. Any exception in any task stops the loop: `run()` cancels the others, runs `close()` and
+re-raises (the process shell reports it to the trainer).
 """
 
 from __future__ import annotations
@@ -51,14 +49,8 @@ from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.generation.transport import ServerRequestError
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
-from asyncgrpo.rollout.channel import (
-    IDLE_ON_POLICY,
-    IDLE_OUT_OF_PROMPTS,
-    IDLE_STALENESS,
-    GroupFinished,
-    QueuedSample,
-    RolloutIdle,
-)
+from asyncgrpo.rollout.admission_gate import AdmissionGate
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     generation_records,
@@ -70,7 +62,7 @@ from asyncgrpo.rollout.requests import CURRENT_ROLLOUT, RequestSeeds, RequestSet
 from asyncgrpo.rollout.rewards import reward_func_names
 from asyncgrpo.rollout.scoring import PendingGroup, Scorer
 from asyncgrpo.rollout.server_load import ServerLoad
-from asyncgrpo.rollout.tasks import POLL_S, TaskSupervisor
+from asyncgrpo.rollout.tasks import TaskSupervisor
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -138,8 +130,7 @@ class AsyncRolloutLoop:
         self._scorer: Scorer | None = None
         self._supervisor: TaskSupervisor | None = None
         self._admission = Admission(int(config.max_staleness))
-        self._idle_sent: RolloutIdle | None = None  # the RolloutIdle sent since the last group started
-        self._progressed: asyncio.Event | None = None  # set when a rollout or group finishes (dispatcher wakes)
+        self._gate: AdmissionGate | None = None  # where the dispatcher waits for admission
         # epoch-based runs (max_steps <= 0) end after num_train_epochs passes over the dataset
         self._last_position = end_position(config.max_steps, config.num_train_epochs, dataset)
         self._reward_names = reward_func_names(self.reward_funcs)  # checks them before the run starts
@@ -209,7 +200,9 @@ class AsyncRolloutLoop:
         `close()` runs, so the trainer hears about it without waiting for the shutdown.
         """
         self._supervisor = TaskSupervisor()
-        self._progressed = asyncio.Event()
+        self._gate = AdmissionGate(
+            admission=self._admission, channel=self.channel, cap=self._server_load.cap, record=self._record
+        )
         self._scorer = Scorer(
             channel=self.channel,
             admission=self._admission,
@@ -218,7 +211,7 @@ class AsyncRolloutLoop:
             compute_advantages=self.compute_advantages,
             timeout_s=float(self.config.rollout_worker_timeout),
             log_completions=self.config.log_completions,
-            on_progress=self._progressed.set,
+            on_progress=self._gate.on_progress,
             maxsize=self.score_queue_maxsize,
         )
         self._executor = ThreadPoolExecutor(self.max_concurrent_rollouts, thread_name_prefix="asyncgrpo-tool")
@@ -278,50 +271,7 @@ class AsyncRolloutLoop:
         version = max(version, oldest_fresh_version(current, int(self.config.max_staleness)))
         return {"model": self.lora_name.format(version=version)}
 
-    # -- admission and dispatch -------------------------------------------------------------------
-
-    async def _admit(self, num_rollouts: int) -> None:
-        """Wait until a group may start; time spent on the staleness limit is `rollout/backpressure_s`.
-
-        Blocked with no group open, the loop has nothing more coming until the trainer moves: it says
-        so with a `RolloutIdle` carrying the trainer values it is blocked against (again whenever they
-        change and it is still blocked).
-        """
-        backpressure_s = 0.0
-        while True:
-            view = self.channel.trainer_view()  # one consistent read: the idle item names what it saw
-            blocker = self._admission.blocker(num_rollouts, view, self._server_load.cap())
-            if blocker is None:
-                break
-            if self._admission.groups_open == 0:
-                assert blocker in (IDLE_STALENESS, IDLE_ON_POLICY), f"blocked on {blocker!r} with no group open"
-                self._announce_idle(RolloutIdle(blocker, view))
-            start = time.perf_counter()
-            await self._wait_for_progress(POLL_S)
-            if blocker in (IDLE_STALENESS, IDLE_ON_POLICY):
-                backpressure_s += time.perf_counter() - start
-        self._idle_sent = None
-        if backpressure_s > 0:
-            self._record(M.ROLLOUT_BACKPRESSURE_S, backpressure_s)
-
-    def _announce_idle(self, item: RolloutIdle) -> None:
-        if item != self._idle_sent:
-            self._put_sample_item(item)
-            self._idle_sent = item
-
-    async def _wait_for_progress(self, timeout_s: float | None) -> None:
-        """Until a rollout or group of this process finishes, or `timeout_s` passed (None: no limit)."""
-        try:
-            await asyncio.wait_for(self._progressed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-        self._progressed.clear()
-
-    async def _end_of_prompts(self) -> None:
-        """After the last dispatch: once every open group is on the queue, tell the trainer nothing more comes."""
-        while self._admission.groups_open:
-            await self._wait_for_progress(None)
-        self._put_sample_item(RolloutIdle(IDLE_OUT_OF_PROMPTS, None))
+    # -- dispatch ---------------------------------------------------------------------------------
 
     def _prompt_stream(self) -> Iterator[PromptItem]:
         data_seed = self.config.data_seed
@@ -338,11 +288,11 @@ class AsyncRolloutLoop:
         """Admit, then take the next accepted prompt (so `filter_prompt` sees the latest scores)."""
         stream = self._prompt_stream()
         while True:
-            await self._admit(self.num_generations)
+            await self._gate.admit(self.num_generations)
             for item in stream:
                 if self._last_position is not None and item.position >= self._last_position:
                     logger.info("all %d prompts of the run were dispatched: no new rollouts will start", self._last_position)
-                    await self._end_of_prompts()
+                    await self._gate.end_of_prompts()
                     return
                 if item.accepted:
                     break
@@ -350,7 +300,7 @@ class AsyncRolloutLoop:
                 await asyncio.sleep(0)  # a long run of rejected prompts must not starve the heartbeat
             else:
                 logger.info("the prompt stream ended: no new rollouts will start")
-                await self._end_of_prompts()
+                await self._gate.end_of_prompts()
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
             started = self._admission.on_group_started(self.num_generations)
@@ -415,7 +365,7 @@ class AsyncRolloutLoop:
             return self._checked(rollout), env_reward, env_prompt
         finally:
             self._admission.on_rollout_finished()
-            self._progressed.set()
+            self._gate.on_progress()
             self._server_load.on_rollout_finished()
             self._record(M.ROLLOUT_DURATION_S, time.perf_counter() - start)
 

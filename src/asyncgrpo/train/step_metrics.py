@@ -1,9 +1,16 @@
-"""One optimizer step's totals: what each process trained, summed over all processes.
+"""What the trainer logs: each optimizer step's totals over all processes, and the loss statistics.
+
+    training_step --TrainerMetrics.add_micro_batch--> the step's StepTotals, the loss statistics merged
+    on_step_end   --end_step----> the step's totals over all processes (the token allowance reads them)
+                  --record_step-> batch/* and perf/* records in the metrics window
+    Trainer.log   --logs--------> one flat dict: the window reduced (the rollout process's and the
+                                  batcher's records included), num_tokens, the loss metrics
 
 Every rank adds its micro-batches to a `StepTotals`; at the end of the step `across_processes`
 gathers the counts of all ranks (one small object collective), so that `batch/*_per_step`,
 `num_tokens` and the token allowance describe the whole step, not rank 0's share of it. Times are
-the slowest rank's: it sets the pace of the step.
+the slowest rank's: it sets the pace of the step. The loss statistics are summed over the micro-batches
+of every step since the last log and all-reduced over the processes when they are logged.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ import torch.distributed as dist
 
 from asyncgrpo import metrics as M
 from asyncgrpo.metrics import MetricsWindow
-from asyncgrpo.train.distributed import rank_and_world_size
+from asyncgrpo.train.distributed import all_reduce_loss_stats, rank_and_world_size
 from asyncgrpo.train.flops import FlopModel
+from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
+from asyncgrpo.train.rollout_batches import MicroBatchInput
 
-__all__ = ["StepTotals"]
+__all__ = ["StepTotals", "TrainerMetrics"]
 
 
 @dataclass
@@ -124,3 +133,50 @@ class StepTotals:
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
             r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
+
+
+class TrainerMetrics:
+    """The trainer's metrics between two `Trainer.log` calls (every rank keeps one).
+
+    Args:
+        flop_model: The policy's FLOP model for perf/*_mfu (None: no MFU).
+    """
+
+    def __init__(self, flop_model: FlopModel | None) -> None:
+        self.window = MetricsWindow()  # the one sink: this module's records, the batcher's, the rollout process's
+        self.step = StepTotals()  # the optimizer step in progress, this process's share
+        self.flop_model = flop_model
+        self.peak_flops: float | None = None  # the device's, known once train() has the training dtype
+        self.loss_stats: LossStats | None = None  # summed since the last log, this process's
+        self.num_tokens_forwarded = 0
+
+    def add_micro_batch(
+        self, row, inputs: MicroBatchInput, loss_stats: LossStats, *, fwd_s: float, fwd_bwd_s: float
+    ) -> None:
+        """Account one micro-batch of this process: its `inputs` packed as `row`, and its loss statistics."""
+        self.step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
+        self.loss_stats = loss_stats if self.loss_stats is None else merge_loss_stats(self.loss_stats, loss_stats)
+
+    def end_step(self, *, skipped: bool) -> StepTotals:
+        """The step's totals over all processes (every rank must call this, in step); the next step starts.
+        `skipped`: the step had a non-finite loss or gradient and left the weights as they were."""
+        totals, self.step = self.step.across_processes(), StepTotals()
+        self.window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(skipped))
+        return totals
+
+    def record_step(self, totals: StepTotals, sync_s: dict[str, float], *, num_processes: int) -> None:
+        """The step's batch/* and perf/* records (`sync_s`: the weight sync's timings, empty without one)."""
+        totals.record_into(
+            self.window, sync_s, flop_model=self.flop_model, peak_flops=self.peak_flops, num_processes=num_processes,
+        )
+        self.window.end_step()
+        self.num_tokens_forwarded += totals.forwarded_tokens
+
+    def logs(self, logs: dict[str, float]) -> dict[str, float]:
+        """`logs` with the window reduced, num_tokens and the loss metrics since the last call (every rank
+        must call this, in step: the loss statistics are all-reduced)."""
+        logs = {**logs, **self.window.reduce(), M.NUM_TOKENS: self.num_tokens_forwarded}
+        if self.loss_stats is not None:
+            logs.update(loss_metrics(all_reduce_loss_stats(self.loss_stats)))
+            self.loss_stats = None
+        return logs

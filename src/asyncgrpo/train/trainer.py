@@ -13,7 +13,8 @@ What waits on what: a step waits only when the queue is empty (`perf/rollout_wai
 process waits only when it is `max_staleness` steps ahead (`rollout/backpressure_s`). Every wait
 has a timeout and checks the other side's health, so a failure surfaces as an error, never a hang.
 This module wires; the math lives in `asyncgrpo.train.logprobs` and `asyncgrpo.train.loss`, the
-packing in `asyncgrpo.packing`.
+packing in `asyncgrpo.packing`, the model's preparation in `asyncgrpo.train.startup`, the logged
+metrics in `asyncgrpo.train.step_metrics`.
 
 Several processes (torchrun / accelerate launch): rank 0 owns the server link and the rollout process,
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
@@ -24,7 +25,6 @@ alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every r
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +32,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
-from asyncgrpo import metrics as M
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
-from asyncgrpo.data.chat_templates import prepare_chat_template
 from asyncgrpo.data.prompts import end_position
-from asyncgrpo.metrics import MetricsWindow
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
@@ -45,28 +42,17 @@ from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import check_loop_inputs_picklable
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
-from asyncgrpo.train.compiled_layers import compile_decoder_layers
 from asyncgrpo.train.completions_table import print_completions
-from asyncgrpo.train.distributed import all_reduce_loss_stats, broadcast_from_rank0
-from asyncgrpo.train.flops import FlopModel, peak_flops
+from asyncgrpo.train.distributed import broadcast_from_rank0
+from asyncgrpo.train.flops import peak_flops
 from asyncgrpo.train.inputs import (
     check_args,
-    check_fsdp_version,
     check_not_in_rollout_process,
     check_prompt_source,
     reward_func_list,
 )
 from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
-from asyncgrpo.train.loss import LossStats, loss_metrics, merge_loss_stats
-from asyncgrpo.train.model_setup import (
-    eos_token_ids,
-    is_sharded,
-    load_tokenizer,
-    logit_processing,
-    prepare_policy,
-    router_aux_loss_coef,
-    wrap_peft,
-)
+from asyncgrpo.train.model_setup import eos_token_ids, is_sharded
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
@@ -74,11 +60,9 @@ from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
-from asyncgrpo.train.step_metrics import StepTotals
+from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
+from asyncgrpo.train.step_metrics import TrainerMetrics
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
-
-logger = logging.getLogger(__name__)
-
 
 
 class AsyncGRPOTrainer(Trainer):
@@ -119,27 +103,11 @@ class AsyncGRPOTrainer(Trainer):
     ) -> None:
         check_not_in_rollout_process()
         args = check_args(args)
-
-        model, self.model_id = prepare_policy(model, args)
-        self._router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
-        self._flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
-        logit_proc = logit_processing(model.config)
-
-        if processing_class is None:
-            revision = (args.model_init_kwargs or {}).get("revision")
-            processing_class = load_tokenizer(self.model_id, trust_remote_code=args.trust_remote_code, revision=revision)
-
-        # the tool loop renders the growing conversation each turn: its template must keep earlier
-        # turns unchanged (known families are switched to a bundled training template)
-        prepare_chat_template(
-            processing_class,
+        policy = prepare_policy_and_tokenizer(
+            model, args, processing_class=processing_class, peft_config=peft_config,
             tools_enabled=bool(tools) or environment_factory is not None,
-            chat_template_kwargs=args.chat_template_kwargs,
         )
-        if peft_config is not None:
-            model = wrap_peft(model, peft_config)
-        if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
-            compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        self.model_id = policy.model_id
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -150,20 +118,17 @@ class AsyncGRPOTrainer(Trainer):
         self.prompt_dataset = train_dataset
 
         super().__init__(
-            model=model,
+            model=policy.model,
             args=args,
             data_collator=_identity,
             train_dataset=None,
-            processing_class=processing_class,
+            processing_class=policy.tokenizer,
             callbacks=callbacks,
             optimizers=optimizers,
         )
         self.add_callback(_PipelineCallback(self))
-        if args.torch_compile:  # the layers are compiled already: accelerate must not compile the whole model
-            from accelerate.utils import DynamoBackend
-
-            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
-        self._window = MetricsWindow()
+        fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
+        self._metrics = TrainerMetrics(policy.flop_model)
         self._server: ServerLink | None = None
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
         self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
@@ -171,24 +136,14 @@ class AsyncGRPOTrainer(Trainer):
         self._progress: TrainedPrompts | None = None
         self.model_version = 0
         self.last_trained_position = 0
-        self._step = StepTotals()
-        self._loss_stats: LossStats | None = None
-        self._num_tokens_forwarded = 0
         self._serving_dtype = torch.float32
-        self._peak_flops: float | None = None
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
-        check_fsdp_version(getattr(self.accelerator.state, "fsdp_plugin", None))  # absent without FSDP
         self._loss_settings = LossSettings.from_config(
-            args, logit_processing=logit_proc, router_aux_loss_coef=self._router_aux_loss_coef,
+            args, logit_processing=policy.logit_processing, router_aux_loss_coef=policy.router_aux_loss_coef,
             num_processes=self.accelerator.num_processes,
         )
-        if args.fsdp and not self.is_fsdp_enabled:
-            logger.warning(
-                "fsdp=%r has no effect on %s: accelerate shards only on accelerators, so every process holds "
-                "the whole model (data parallel)", args.fsdp, args.device,
-            )
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
@@ -208,7 +163,7 @@ class AsyncGRPOTrainer(Trainer):
             self._token_budget = token_budget(args.token_budget, info)
             self._serving_dtype = serving_dtype(info)
             weights_dtype = next(self.model.parameters()).dtype
-            self._peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
+            self._metrics.peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
                 self.weight_transport = make_transport(self._server, args.device, info.device)
@@ -282,8 +237,8 @@ class AsyncGRPOTrainer(Trainer):
             progress=self._progress,
             check_health=self._rollout.check_health if self._rollout is not None else lambda: None,
             current_version=lambda: self.model_version,
-            record=self._window.record,
-            add_record=self._window.add,
+            record=self._metrics.window.record,
+            add_record=self._metrics.window.add,
             max_staleness=self.args.max_staleness,
             token_budget=self._token_budget,
             total_positions=total_positions,
@@ -318,7 +273,7 @@ class AsyncGRPOTrainer(Trainer):
                 batch.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._step.wait_s += self._batches.pop_wait_s()
+        self._metrics.step.wait_s += self._batches.pop_wait_s()
         if not batch:
             self.control.should_training_stop = True
         return batch, None
@@ -343,8 +298,7 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.backward(loss * self.accelerator.num_processes)
         _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
         t_bwd = time.perf_counter()
-        self._step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
-        self._loss_stats = result.stats if self._loss_stats is None else merge_loss_stats(self._loss_stats, result.stats)
+        self._metrics.add_micro_batch(row, inputs, result.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._nonfinite.add_loss(loss)
         return loss.detach()
 
@@ -360,14 +314,11 @@ class AsyncGRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._rollout is not None:  # rank 0: what the rollout process reported since the last log
             for record in self._rollout.metrics():
-                self._window.add(record)
+                self._metrics.window.add(record)
             entries = self._rollout.completions()
             if entries:  # `log_completions`: the latest sampled completions, as a table
                 print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
-        logs = {**logs, **self._window.reduce(), M.NUM_TOKENS: self._num_tokens_forwarded}
-        if self._loss_stats is not None:
-            logs.update(loss_metrics(all_reduce_loss_stats(self._loss_stats)))
-            self._loss_stats = None
+        logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
     def _get_output_dir(self, trial: Any) -> str:
@@ -403,22 +354,16 @@ class AsyncGRPOTrainer(Trainer):
 
     def _after_optimizer_step(self) -> None:
         args = self.args
-        step_totals, self._step = self._step.across_processes(), StepTotals()
+        step_totals = self._metrics.end_step(skipped=self._step_skipped)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
             self._rollout.publish(token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness))
         sync_s: dict[str, float] = {}
-        self._window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(self._step_skipped))
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             sync_s = self._sync_weights(self.model_version + 1)
             self.model_version += 1
             if self._rollout is not None:
                 self._rollout.publish(model_version=self.model_version)
-        step_totals.record_into(
-            self._window, sync_s, flop_model=self._flop_model, peak_flops=self._peak_flops,
-            num_processes=args.world_size,
-        )
-        self._window.end_step()
-        self._num_tokens_forwarded += step_totals.forwarded_tokens
+        self._metrics.record_step(step_totals, sync_s, num_processes=args.world_size)
 
     def _sync_weights(self, model_version: int) -> dict[str, float]:
         """The server serves the weights that become `model_version` (published to the rollout process
@@ -438,10 +383,11 @@ class _PipelineCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step.optimizer_started = time.perf_counter()
+        self.trainer._metrics.step.optimizer_started = time.perf_counter()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._step.optimizer_s = time.perf_counter() - self.trainer._step.optimizer_started
+        step = self.trainer._metrics.step
+        step.optimizer_s = time.perf_counter() - step.optimizer_started
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._after_optimizer_step()
