@@ -292,8 +292,8 @@ def bench_model(shape, workload, args, device):
     hybrid = "linear_attention" in config.layer_types
     layouts = ("tree", "tree_torch", "padfree", "padded") if hybrid else ("tree", "padfree", "padded")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kernel_shape = hybrid and DeltaRuleShape(config.linear_num_value_heads, config.linear_key_head_dim,
-                                             config.linear_value_head_dim, dtype)
+    kernel_shape = DeltaRuleShape(config.linear_num_value_heads, config.linear_key_head_dim,
+                                  config.linear_value_head_dim, dtype) if hybrid else None
     if hybrid and device.type == "cuda" and resolve_delta_rule_backend("auto", device, kernel_shape) == "torch":
         layouts = ("tree", "padfree", "padded")  # "tree" already runs the PyTorch delta rule
     if args.layouts:
