@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from provenance import command_line, package_versions
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
 from asyncgrpo.server import decode_attention as attention
@@ -263,7 +264,8 @@ def main() -> None:
         print("the Triton kernel needs CUDA, Triton and a passing check on this device: timing the gather path only")
         impls = [i for i in impls if i != "triton"]
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
-                                                    "device_name": device_slug(args.device)}}
+                                                    "device_name": device_slug(args.device)},
+                     "command": command_line(), "versions": package_versions()}
     results["engine"] = {}
     runs = [(impl, impl) for impl in impls]
     if args.unfused:

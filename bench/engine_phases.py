@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from provenance import command_line, package_versions
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
 from asyncgrpo.server.decode_graphs import DecodeGraphs
@@ -298,7 +299,8 @@ def main() -> None:
     device = resolve_device(args.device)
     served = load_served_model(model, device, "auto", None)
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
-                                                    "device_name": device_slug(args.device)}, "runs": {}}
+                                                    "device_name": device_slug(args.device)},
+                     "command": command_line(), "versions": package_versions(), "runs": {}}
     for mode in args.shared_prefix.split(","):
         shared = mode == "on"
         run_workload(served, args, seed=1, profile=False, shared_prefix=shared)  # graph captures, kernel builds

@@ -52,6 +52,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from provenance import command_line, package_versions
 from random_qwen3 import SHAPES, build_random_qwen3
 
 
@@ -315,6 +316,7 @@ def main() -> None:
     results["config"]["model_path"] = model_path
     results["host"] = {"platform": platform.platform(), "torch": torch.__version__,
                        "device_name": device_slug(args.device)}
+    results["command"], results["versions"] = command_line(), package_versions()
     if not args.skip_hf:
         print("transformers generate:", flush=True)
         results["hf_generate"] = run_hf(model_path, args, levels, prompts)
