@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "resolve_model_path"]
+__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "resolve_model_path", "turn_off_hub_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,34 @@ def load_causal_lm(name_or_path: str, dtype: Any = "auto", device: Any = None, *
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
+    kwargs.setdefault("use_kernels", False)  # see turn_off_hub_kernels
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if device is not None:
         model = model.to(device)
     logger.info("loaded %s from %s", type(model).__name__, path)
     return model.eval()
+
+
+def turn_off_hub_kernels(model: Any) -> None:
+    """Give every layer of `model` that transformers kernelized with a kernel from the Hub its own
+    forward back, and keep it so.
+
+    transformers >= 5.2x loads models with hub kernels on where the `kernels` package is installed,
+    and kernelizes again at every train()/eval(): the decorated layers (Gated DeltaNet, norms, MLPs)
+    get their forward replaced, and a forward the trainer or the server installed on them (tree
+    packing, the per-sequence recurrent state, fused blocks) silently with it. Hub kernels would also
+    be downloaded at run time. Call before installing such forwards; models are loaded with
+    `use_kernels=False` already, this also covers a model passed in loaded."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if not (isinstance(module, PreTrainedModel) and getattr(module, "use_kernels", False)):
+            continue
+        if not hasattr(module, "reset_kernels"):
+            logger.warning("%s was loaded with use_kernels=True, which this transformers version cannot undo: "
+                           "load it with use_kernels=False (hub kernels replace the forwards this package "
+                           "installs)", type(module).__name__)
+            continue
+        logger.info("%s: hub kernels turned off (their forwards would replace the ones this package installs at "
+                    "every train()/eval())", type(module).__name__)
+        module.reset_kernels()

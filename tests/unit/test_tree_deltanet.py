@@ -247,3 +247,22 @@ def test_a_hybrid_with_other_linear_layers_is_refused_by_name():
 def test_an_unverified_vision_language_model_is_refused_naming_its_text_model():
     with pytest.raises(ValueError, match="multimodal model that tree packing has not been verified.*'gemma3_text'"):
         check_supported(CONFIG_MAPPING["gemma3"]())
+
+
+def test_hub_kernels_never_take_the_packed_forward_back():
+    """transformers >= 5.2x turns hub kernels on where the `kernels` package is installed, and each
+    train()/eval() then re-kernelizes the layers it decorates, the Gated DeltaNet among them, putting
+    their own forward back: without a guard, training would mix the packed samples' recurrent states."""
+    model = tiny_hybrid("qwen3_5_text")
+    if not hasattr(model, "set_use_kernels"):
+        pytest.skip("this transformers has no hub kernels")
+    pytest.importorskip("kernels")
+    samples = hybrid_samples(np.random.default_rng(5))
+    reference = unpacked_logprobs(model, samples)
+    model.set_use_kernels(True)  # what from_pretrained does by default there
+    enable_tree_attention(model)
+    assert not model.use_kernels
+    model.train()  # as the Trainer does before its first step
+    torch.testing.assert_close(packed_logprobs(model, samples), reference, atol=2e-5, rtol=0)
+    model.eval()
+    torch.testing.assert_close(packed_logprobs(model, samples), reference, atol=2e-5, rtol=0)

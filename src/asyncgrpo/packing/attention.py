@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from asyncgrpo.models import turn_off_hub_kernels
 from asyncgrpo.packing.deltanet import disable_tree_deltanet, enable_tree_deltanet
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.recurrent import DELTA_RULE_BACKENDS, RecurrentLayout
@@ -331,6 +332,7 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
 
     core = _pretrained_core(model)
     check_supported(core.config)
+    turn_off_hub_kernels(model)  # they would take the tree-packed DeltaNet forward back at train()
     if TREE_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
     core.set_attn_implementation(TREE_ATTENTION)

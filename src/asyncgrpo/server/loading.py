@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.models import load_tokenizer, resolve_model_path
+from asyncgrpo.models import load_tokenizer, resolve_model_path, turn_off_hub_kernels
 from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
@@ -134,6 +134,7 @@ def _check_servable(name: str, config) -> None:
 def prepare_model(model: torch.nn.Module, device: torch.device) -> FusedLayers:
     """Make a loaded model the server's (in place): paged attention, Gated DeltaNet layers reading
     the per-sequence recurrent state, no gradients, fused attention/MLP blocks (and norms on CUDA)."""
+    turn_off_hub_kernels(model)  # before the forwards below: hub kernels would replace them
     model.set_attn_implementation(register_attention())
     model.requires_grad_(False)
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []

@@ -46,6 +46,7 @@ def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_re
     kwargs = dict(init_kwargs or {})
     kwargs.setdefault("dtype", _DTYPES.get(kwargs.pop("torch_dtype", None) or dtype, dtype))
     kwargs.setdefault("trust_remote_code", trust_remote_code)
+    kwargs.setdefault("use_kernels", False)  # hub kernels would replace the forwards we install (turn_off_hub_kernels)
     path = resolve_model_path(model_id)
     config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder")
                      if key in kwargs}
