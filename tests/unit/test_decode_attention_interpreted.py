@@ -119,6 +119,29 @@ def test_softcap_in_the_shared_prefix_pass():
         assert _relative_error(out, ref) < 1e-5, (num_splits, num_shared_splits)
 
 
+def test_chunks_after_cached_tokens_as_rows_of_the_kernels():
+    """The rows layout of `context_attention.py`: every token of a chunk after cached tokens is a query of
+    the kernels, runs of one sequence's rows reading its cached blocks once; equals the padded layout."""
+    from asyncgrpo.server.context_attention import continued_attention, continued_layout, continued_rows
+
+    g = torch.Generator().manual_seed(4)
+    starts, lens = [80, 80, 33, 96], [5, 16, 20, 1]  # group members' last blocks, a chunk from mid-block
+    widths = [-(-(s + n) // BLOCK) for s, n in zip(starts, lens)]
+    num_blocks = sum(widths) + 1
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [order[sum(widths[:b]): sum(widths[: b + 1])] for b in range(len(widths))]
+    k_pool, v_pool = (torch.randn(num_blocks + 1, BLOCK, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(4, sum(lens), 16, generator=g) * 4
+    padded = continued_layout(BLOCK, num_blocks * BLOCK, lens, starts, tables, q.device)
+    ref = continued_attention(q.double(), k_pool.double(), v_pool.double(), padded, 0.25)
+    for members in (0, 4, 16):
+        rows = continued_rows(BLOCK, num_blocks, lens, starts, tables, q.device, members)
+        assert (rows.shared is not None) == (members > 0)
+        out = da.decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, rows.block_tables, rows.context_lens,
+                                         0.25, tile=16, shared=rows.shared)
+        assert _relative_error(out, ref) < 1e-5, members
+
+
 @pytest.mark.parametrize("windowed,capped", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_load_time_check_passes_each_variant(windowed, capped):
     cpu = torch.device("cpu")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.context_attention import MAX_RUNS
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -39,7 +40,7 @@ class Harness:
     """An engine without its thread: schedule, run, record, release finished sequences."""
 
     def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096,
-                 shared_prefix: bool = False, admission_interval: int = 1) -> None:
+                 shared_prefix: bool = False, admission_interval: int = 1, continued_rows: bool = False) -> None:
         cpu = torch.device("cpu")
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN,
@@ -47,7 +48,10 @@ class Harness:
         # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
         # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
         graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB) if shared_prefix else None
-        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix)
+        # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
+        # attention, as on a GPU with the Triton kernels
+        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
+                                  continued_rows=continued_rows)
         self.num_ids = 0
         self.num_preempted = 0
         self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
@@ -102,8 +106,9 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_groups_and_multi_turn_prompts_match_an_uncached_server(model):
-    on, off = Harness(model, caching=True), Harness(model, caching=False)
+@pytest.mark.parametrize("rows", [False, True], ids=["padded", "rows"])
+def test_groups_and_multi_turn_prompts_match_an_uncached_server(model, rows):
+    on, off = Harness(model, caching=True, shared_prefix=rows, continued_rows=rows), Harness(model, caching=False)
     prompt = _prompt(0, 45)  # 2 full blocks + 13 tokens
     waves = [
         [(prompt, seed) for seed in range(4)],  # one group admitted in one step: shares as it is computed
@@ -215,12 +220,13 @@ def test_blocks_of_a_sequence_that_outlived_a_weight_change_are_never_cached(mod
     assert on.sched.pool.num_cached == 0
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["padded", "rows"])
 @pytest.mark.parametrize("budget", [7, 16, 40])
-def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget):
+def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget, rows):
     long_prompt, short = _prompt(8, 120), _prompt(9, 10)
     # a short request decodes while a long prompt, a second sample of it and an extension of it prefill
     work = [(short, 1), (long_prompt, 2), (long_prompt, 3), (short + long_prompt, 4)]
-    chunked = Harness(model, caching=True, budget=budget)
+    chunked = Harness(model, caching=True, budget=budget, shared_prefix=rows, continued_rows=rows)
     _assert_same(chunked.run(work, max_tokens=20), Harness(model, caching=False).run(work, max_tokens=20))
     chunks = [c for _, prefill in chunked.plans for c in prefill]
     assert all(end - start <= budget for _, start, end in chunks)
@@ -230,3 +236,18 @@ def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, b
     decoding = [i for i, (decode, _) in enumerate(chunked.plans) if 0 in decode]
     assert decoding == list(range(decoding[0], decoding[0] + 19))
     assert sum(1 for i in decoding if chunked.plans[i][1]) >= min(len(decoding), 120 // budget)
+
+
+def test_short_chunks_as_decode_rows_beside_a_long_padded_one_match_an_uncached_server(model):
+    """One step with both layouts of the chunks after cached tokens: a group's members computing their
+    last blocks as rows of the decode attention, and a conversation's long next turn padded."""
+    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True, num_blocks=160, max_num_seqs=12)
+    off = Harness(model, caching=False, num_blocks=160, max_num_seqs=12)
+    first = rows.run([(_prompt(40, 5 * BS + 3), 1)], max_tokens=12)[0]
+    turn2 = first.prompt + first.output + _prompt(41, 100)
+    group = _prompt(42, 6 * BS + 4)
+    work = [(group, seed) for seed in range(3)] + [(turn2, 7)]
+    _assert_same(rows.run(work, max_tokens=16), off.run(work, max_tokens=16))
+    limit = MAX_RUNS * rows.runner.row_members
+    continued = [[end - start for _, start, end in prefill if start > 0] for _, prefill in rows.plans]
+    assert any(min(c) <= limit < max(c) for c in continued if c)

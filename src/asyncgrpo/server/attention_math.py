@@ -28,9 +28,21 @@ def attend(
 ) -> torch.Tensor:
     """query [B, H, L, D], key/value [B, KVH, S, D] (H a multiple of KVH), mask bool broadcastable to
     [B, H, L, S] (True = visible; every row needs one). Returns [B, H, L, D]."""
-    h, kvh = query.shape[1], key.shape[1]
+    b, h, length, d = query.shape
+    kvh = key.shape[1]
     if not softcap:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=h != kvh)
+        while mask.dim() < 4:
+            mask = mask[None]
+        if h == kvh or mask.shape[1] != 1:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=h != kvh)
+        # one mask for all heads: the query heads of a kv head become more queries of that head (SDPA's
+        # kernels for an explicit mask take no grouped heads; it would fall back to its plain math)
+        group = h // kvh
+        if mask.shape[2] != 1:
+            mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
+        out = F.scaled_dot_product_attention(query.reshape(b, kvh, group * length, d), key, value, attn_mask=mask,
+                                             scale=scale)
+        return out.reshape(b, h, length, d)
     if h != kvh:
         key = key.repeat_interleave(h // kvh, dim=1)
         value = value.repeat_interleave(h // kvh, dim=1)

@@ -3,12 +3,26 @@
 A prefilled sequence whose first new token is not token 0 (its prefix came from the prefix cache,
 or from its own earlier chunks under chunked prefill) cannot attend over its fresh keys alone: its
 queries read the whole context back from the paged cache (the step wrote its own keys there before
-any attention runs), padded to the longest context of the step, with a causal mask offset by each
-sequence's start:
+any attention runs), query i of sequence b (position start_b + i) seeing keys 0 .. start_b + i.
+Two layouts of one computation:
 
-    query i of sequence b (position start_b + i) sees keys 0 .. start_b + i
+    padded (`continued_layout`, any device)
+        every chunk's context gathered into a [B, Smax] copy, queries padded to the longest chunk,
+        a causal mask offset by each sequence's start, SDPA. Simple, but each layer copies every
+        chunk's whole context, and the masked SDPA runs far below the GPU's attention rate.
+    rows (`continued_rows`, short chunks, where the Triton decode attention and its shared-prefix
+    pass run)
+        every chunk token is a query row of the paged decode attention (`decode_attention.py`): its
+        sequence's block table, context start_b + i + 1. Nothing is copied, and runs of consecutive
+        rows of one sequence form groups of the shared-prefix pass (`shared_prefix.py`): the cached
+        blocks before a run's first row are read once for all its rows. A chunk of r runs reads its
+        context about r times, where the padded layout reads it about three times (gather, copy,
+        attention) and then attends slowly, so chunks of at most MAX_RUNS runs take this layout: a
+        GRPO group's members, whose prompts are cached but for their last block, compute that block
+        this way; a long chunk (the rest of a prompt cut at the step's token budget, a conversation's
+        next turn) stays padded.
 
-The layout (cache rows, mask, query padding) is built once per step on the host; every layer reuses it.
+The layout is built once per step on the host; every layer reuses it.
 """
 
 from __future__ import annotations
@@ -20,6 +34,11 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attend, in_window
+from asyncgrpo.server.decode_attention import decode_attention
+from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, SharedPrefixes, SharedPrefixTensors
+
+# chunks of at most this many shared-prefix runs take the rows layout (see above)
+MAX_RUNS = 4
 
 
 @dataclass
@@ -107,3 +126,97 @@ def continued_attention(
     query = q.index_select(1, part.pad_index).view(h, b, lmax, d).transpose(0, 1)
     out = attend(query, context(k_pool), context(v_pool), mask, scaling, softcap)
     return out.transpose(1, 2).reshape(b * lmax, h, d).index_select(0, part.unpad_index)
+
+
+@dataclass
+class ContinuedRows:
+    """The continued chunks as rows of the paged decode attention (device tensors unless noted)."""
+
+    lens: list[int]  # host: new tokens of each sequence, in order
+    block_tables: torch.Tensor  # [T, nb] int64: each row's sequence's blocks (null-padded)
+    context_lens: torch.Tensor  # [T] int64: keys each row sees (its position + 1)
+    shared: SharedPrefixTensors | None  # runs of rows of one sequence that read its cached blocks once
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lens)
+
+
+def rows_sharing(
+    lens: Sequence[int], starts: Sequence[int], tables: np.ndarray, block_size: int, members: int, null_block: int
+) -> SharedPrefixes | None:
+    """The shared-prefix groups of the rows layout: each sequence's rows in runs of at most `members`;
+    a run of two or more shares the blocks wholly before its first row (not past a released block, and
+    from MIN_SHARED_BLOCKS on). tables: [B, nb] per sequence."""
+    if members < 2:
+        return None
+    released = tables == null_block
+    first_null = np.where(released.any(axis=1), released.argmax(axis=1), tables.shape[1])
+    row_lens = np.zeros(sum(lens), dtype=np.int64)
+    entries, row = [], 0
+    for b, (n, start) in enumerate(zip(lens, starts)):
+        for first in range(0, n, members):
+            run = min(members, n - first)
+            shared = min((start + first) // block_size, int(first_null[b]))
+            if run >= 2 and shared >= MIN_SHARED_BLOCKS:
+                rows = list(range(row + first, row + first + run))
+                row_lens[rows] = shared * block_size
+                entries.append([shared * block_size, *rows, *([-1] * (members - run))])
+        row += n
+    if not entries:
+        return None
+    return SharedPrefixes(lens=row_lens, groups=np.asarray(entries, dtype=np.int64))
+
+
+def continued_rows(
+    block_size: int,
+    null_block: int,
+    lens: Sequence[int],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    device: torch.device,
+    members: int,
+) -> ContinuedRows:
+    """Rows layout of sequences computing tokens [start, start + len) over their blocks `tables`; runs of
+    up to `members` rows of one sequence share its cached blocks (`rows_sharing`; < 2: none)."""
+    ends = [s + n for s, n in zip(starts, lens)]
+    width = -(-max(ends) // block_size)
+    padded = np.full((len(lens), width), null_block, dtype=np.int64)
+    for b, (end, table) in enumerate(zip(ends, tables)):
+        used = -(-end // block_size)
+        padded[b, :used] = np.asarray(table[:used], dtype=np.int64)
+    seq_of_row = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device, non_blocking=True)
+    context = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in zip(starts, ends)])
+    shared = rows_sharing(lens, starts, padded, block_size, members, null_block)
+    return ContinuedRows(
+        lens=list(lens),
+        # a row per token, expanded on the device (at long contexts the rows' tables are large)
+        block_tables=torch.from_numpy(padded).to(device, non_blocking=True).index_select(0, seq_of_row),
+        context_lens=torch.from_numpy(context).to(device, non_blocking=True),
+        shared=None if shared is None else shared.to(device),
+    )
+
+
+def num_row_chunks(lens: Sequence[int], members: int) -> int:
+    """How many of the leading chunks (lengths `lens`, the scheduler puts the shortest first) take the
+    rows layout with runs of `members` rows: those of at most MAX_RUNS runs (none without the shared pass)."""
+    if members < 2:
+        return 0
+    limit, n = MAX_RUNS * members, 0
+    while n < len(lens) and lens[n] <= limit:
+        n += 1
+    return n
+
+
+def rows_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: ContinuedRows,
+    scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [H, T, D] of the chunks in the rows layout -> [T, H, D]."""
+    return decode_attention(q.transpose(0, 1), k_pool, v_pool, rows.block_tables, rows.context_lens, scaling,
+                            window, softcap, rows.shared)

@@ -13,8 +13,8 @@ forward kwargs (`kv_meta=`), which transformers forwards to the registered atten
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
     prefill part  q of each prompt from token 0 attends causally over its own fresh keys (SDPA
                   is_causal); chunks that continue after cached tokens (a cached prefix, earlier
-                  chunks) attend over their whole context read back from the cache
-                  (`context_attention.py`)
+                  chunks) attend over their whole context in the cache, padded or as rows of the
+                  decode attention (`context_attention.py`)
 
 The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
 `fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
@@ -33,9 +33,13 @@ from transformers import AttentionInterface
 from asyncgrpo.server.attention_math import attend, in_window
 from asyncgrpo.server.context_attention import (
     ContinuedPrefill,
+    ContinuedRows,
     continued_attention,
     continued_layout,
+    continued_rows,
+    num_row_chunks,
     pad_indices,
+    rows_attention,
 )
 from asyncgrpo.server.decode_attention import decode_attention
 from asyncgrpo.server.shared_prefix import SharedPrefixes, SharedPrefixTensors
@@ -87,7 +91,9 @@ class AttentionMetadata:
     prefill_lens: list[int]  # host: new tokens of each prompt prefilled from token 0, in order
     pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
-    # chunks that continue after cached tokens, after the prompts from token 0 (None: there are none)
+    # chunks that continue after cached tokens, after the prompts from token 0: the short ones first
+    # as rows of the decode attention, then the others padded (None: there are none)
+    continued_rows: ContinuedRows | None = None
     continued: ContinuedPrefill | None = None
     # decode sequences whose first blocks are the same, read once per group (shared_prefix.py)
     shared: SharedPrefixTensors | None = None
@@ -103,13 +109,17 @@ def build_metadata(
     prefill_starts: Sequence[int] | None = None,
     prefill_tables: Sequence[Sequence[int]] | None = None,
     decode_shared: SharedPrefixes | None = None,
+    row_members: int = 0,
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
     (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
     each prefilled sequence's first new token (tokens before it are in the cache; those starting at
     0 come first), with prefill_tables their blocks; None: every prompt starts at 0. decode_shared:
-    the decode sequences' shared first blocks (`shared_prefix.find_shared_prefixes`), if any."""
-    block_tables = context_lens = pad_index = unpad_index = continued = None
+    the decode sequences' shared first blocks (`shared_prefix.find_shared_prefixes`), if any.
+    row_members: >= 2 lays the leading short continued chunks out as rows of the decode attention
+    (`context_attention.continued_rows`), in runs of up to that many rows of one sequence that read its
+    cached blocks once; the rest (all of them with < 2) are padded (`continued_layout`)."""
+    block_tables = context_lens = pad_index = unpad_index = continued = rows = None
     if len(decode_lens):
         block_tables = decode_tables.to(device, non_blocking=True)
         context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
@@ -119,10 +129,14 @@ def build_metadata(
         num_fresh = sum(1 for s in prefill_starts if s == 0)
         assert not any(prefill_starts[:num_fresh]), "prompts from token 0 must come first"
     if num_fresh < len(prefill_lens):
-        continued = continued_layout(
-            cache.block_size, cache.scratch_block * cache.block_size, prefill_lens[num_fresh:],
-            prefill_starts[num_fresh:], prefill_tables[num_fresh:], device,
-        )
+        lens, starts, tables = prefill_lens[num_fresh:], prefill_starts[num_fresh:], prefill_tables[num_fresh:]
+        n = num_row_chunks(lens, row_members)
+        if n:
+            rows = continued_rows(cache.block_size, cache.scratch_block, lens[:n], starts[:n], tables[:n], device,
+                                  row_members)
+        if n < len(lens):
+            continued = continued_layout(cache.block_size, cache.scratch_block * cache.block_size, lens[n:],
+                                         starts[n:], tables[n:], device)
         prefill_lens = prefill_lens[:num_fresh]
     if len(prefill_lens) > 1:
         pad, unpad = pad_indices(prefill_lens)
@@ -137,6 +151,7 @@ def build_metadata(
         prefill_lens=prefill_lens,
         pad_index=pad_index,
         unpad_index=unpad_index,
+        continued_rows=rows,
         continued=continued,
         shared=None if decode_shared is None else decode_shared.to(device),
     )
@@ -220,6 +235,11 @@ def paged_attention_forward(
     nf = nd + sum(meta.prefill_lens)
     if meta.prefill_lens:
         parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale, window, softcap))
+    if meta.continued_rows is not None:
+        nr = nf + meta.continued_rows.num_tokens
+        parts.append(rows_attention(q[:, nf:nr], cache.k[layer], cache.v[layer], meta.continued_rows, scale, window,
+                                    softcap))
+        nf = nr
     if meta.continued is not None:
         parts.append(
             continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale, window, softcap)

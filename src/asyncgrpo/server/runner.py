@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncgrpo.server.decode_attention import shared_pass_works_on
+from asyncgrpo.server.attention_math import attention_variants
+from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
@@ -145,10 +146,14 @@ class ModelRunner:
         recurrent: RecurrentState | None = None,
         lora: ServedLora | None = None,
         shared_prefix: bool | None = None,
+        continued_rows: bool | None = None,
     ) -> None:
         """shared_prefix: decode attention reads the first blocks that sequences share (a GRPO group's
         prompt) once per group (`shared_prefix.py`); None: where the Triton decode attention runs (the
-        gather path elsewhere would only read them twice), False: never."""
+        gather path elsewhere would only read them twice), False: never. continued_rows: short prompt
+        chunks after cached tokens run as rows of the decode attention (`context_attention.py`; needs
+        the shared pass); None: where the Triton kernel runs every attention variant of the model and
+        none has a sliding window (whose layers read each row's window on its own), False: never."""
         assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
         assert graphs is None or lora is None, "decode graphs do not carry LoRA slots"
         self.model = model
@@ -167,6 +172,13 @@ class ModelRunner:
         # members per group entry of the shared pass; 0: every sequence reads its whole context
         self.shared_members = max_members(heads, kv_heads) if shared_prefix and heads else 0
         self._shared: tuple[tuple, SharedPrefixes | None] = ((), None)  # the last decode set and its groups
+        if continued_rows is None:  # the gather path would copy each row's whole context; a window too
+            variants = attention_variants(model)
+            continued_rows = device.type == "cuda" and all(
+                not windowed and triton_works_on(device, cache.k[0].dtype, windowed, capped)
+                for windowed, capped in variants)
+        # short chunks after cached tokens run as rows of the decode attention, in runs of this many
+        self.row_members = self.shared_members if continued_rows else 0
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
 
     @torch.inference_mode()
@@ -238,6 +250,7 @@ class ModelRunner:
             starts,
             [s.blocks for s in prefill],
             None if dec is None else dec.shared,
+            self.row_members,
         )
         extra = {}
         prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))

@@ -371,6 +371,7 @@ class Scheduler:
             budget -= self._plan_chunk(seq, budget)
             self.running.append(seq)
             prefill.append(seq)
-        prefill.sort(key=lambda s: s.prefill_start > 0)  # the attention takes prompts from token 0 first
+        # the attention takes prompts from token 0 first, then the chunks after cached tokens shortest first
+        prefill.sort(key=lambda s: (s.prefill_start > 0, s.prefill_end - s.prefill_start if s.prefill_start else 0))
         sampled = decode + [s for s in prefill if s.prefill_end == s.num_tokens]
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted, sampled=sampled)

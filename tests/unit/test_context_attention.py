@@ -1,0 +1,134 @@
+"""Attention of prompt chunks after cached tokens (`server/context_attention.py`), both layouts, against
+a plain per-sequence computation in float64: the padded layout, the rows layout (each chunk token a
+query of the paged decode attention; on the CPU through the gather paths, which compute what the
+Triton kernels compute), with and without runs that read a sequence's cached blocks once, with a
+sliding window, a soft-cap and released blocks; and `attend`'s folding of grouped query heads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncgrpo.server.attention_math import attend
+from asyncgrpo.server.context_attention import (
+    MAX_RUNS,
+    continued_attention,
+    continued_layout,
+    continued_rows,
+    num_row_chunks,
+    rows_attention,
+    rows_sharing,
+)
+from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS
+
+BS = 4
+TOL = {"atol": 1e-5, "rtol": 1e-5}  # the soft-cap and the shared runs compute in float32, as the kernels do
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def _case(seed: int, starts: list[int], lens: list[int]):
+    """Pools with a scratch (null) block last, each sequence on its own shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-(s + n) // BS) for s, n in zip(starts, lens)]
+    num_blocks = sum(widths) + 3
+    k_pool, v_pool = (torch.randn(num_blocks + 1, BS, KV_HEADS, DIM, generator=g, dtype=torch.float64)
+                      for _ in range(2))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for w in widths:
+        tables.append(order[at: at + w] + [order[-1]])  # one entry past the chunk, as a prompt's later blocks
+        at += w
+    q = torch.randn(HEADS, sum(lens), DIM, generator=g, dtype=torch.float64) * 3
+    return q, k_pool, v_pool, tables, num_blocks
+
+
+def _reference(q, k_pool, v_pool, tables, starts, lens, window=None, softcap=None):
+    """Each sequence alone: its context read block by block, query i at start + i sees keys <= it (and
+    inside the window)."""
+    outs, at = [], 0
+    group = HEADS // KV_HEADS
+    for table, start, n in zip(tables, starts, lens):
+        ctx = start + n
+        pos = torch.arange(ctx)
+        rows = torch.tensor(table)[pos // BS] * BS + pos % BS
+        k = k_pool.view(-1, KV_HEADS, DIM)[rows].repeat_interleave(group, 1)  # [S, H, D]
+        v = v_pool.view(-1, KV_HEADS, DIM)[rows].repeat_interleave(group, 1)
+        qs = q[:, at: at + n]  # [H, n, D]
+        scores = torch.einsum("hid,shd->his", qs, k) * DIM**-0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = start + torch.arange(n)
+        visible = pos[None, :] <= qpos[:, None]
+        if window is not None:
+            visible &= pos[None, :] > qpos[:, None] - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("his,shd->ihd", scores.softmax(-1), v))
+        at += n
+    return torch.cat(outs)
+
+
+# group members' last blocks after a cached prompt, a chunk from mid-block, a long chunk, one token
+STARTS, LENS = [24, 24, 24, 10, 32, 7], [3, 3, 4, 9, 22, 1]
+
+
+@pytest.mark.parametrize("members", [0, 2, 4, 8])
+def test_rows_layout_matches_the_padded_one_and_a_plain_computation(members):
+    q, k_pool, v_pool, tables, null = _case(0, STARTS, LENS)
+    ref = _reference(q, k_pool, v_pool, tables, STARTS, LENS)
+    padded = continued_layout(BS, null * BS, LENS, STARTS, tables, q.device)
+    torch.testing.assert_close(continued_attention(q, k_pool, v_pool, padded, DIM**-0.5), ref)
+    rows = continued_rows(BS, null, LENS, STARTS, tables, q.device, members)
+    assert (rows.shared is not None) == (members >= 2)
+    torch.testing.assert_close(rows_attention(q, k_pool, v_pool, rows, DIM**-0.5), ref, **TOL)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (6, 3.0)])
+def test_rows_layout_with_a_window_or_softcap(window, softcap):
+    q, k_pool, v_pool, tables, null = _case(1, STARTS, LENS)
+    ref = _reference(q, k_pool, v_pool, tables, STARTS, LENS, window, softcap)
+    rows = continued_rows(BS, null, LENS, STARTS, tables, q.device, 4)
+    torch.testing.assert_close(rows_attention(q, k_pool, v_pool, rows, DIM**-0.5, window, softcap), ref, **TOL)
+    padded = continued_layout(BS, null * BS, LENS, STARTS, tables, q.device)
+    torch.testing.assert_close(continued_attention(q, k_pool, v_pool, padded, DIM**-0.5, window, softcap), ref,
+                               **TOL)
+
+
+def test_rows_sharing_runs_of_one_sequence():
+    starts, lens = [24, 10, 2, 24], [5, 3, 6, 1]
+    tables = np.arange(4 * 8).reshape(4, 8)
+    found = rows_sharing(lens, starts, tables, BS, members=2, null_block=99)
+    # sequence 0 (rows 0-4): runs [0, 1] from position 24 (6 blocks), [2, 3] from 26 (still 6), row 4 alone;
+    # sequence 1 (rows 5-7): 10 // 4 = 2 blocks < MIN_SHARED_BLOCKS; sequence 2: none; sequence 3: one row
+    assert MIN_SHARED_BLOCKS == 4
+    assert found.groups.tolist() == [[24, 0, 1], [24, 2, 3]]
+    assert found.lens.tolist() == [24, 24, 24, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    # a released block (the null block) caps what a run shares
+    tables[0, 5] = 99
+    assert rows_sharing(lens, starts, tables, BS, 4, 99).groups.tolist() == [[20, 0, 1, 2, 3]]
+    tables[0, 3] = 99
+    assert rows_sharing(lens, starts, tables, BS, 4, 99) is None
+    assert rows_sharing(lens, starts, tables, BS, 1, 99) is None
+
+
+def test_short_chunks_take_the_rows_layout():
+    members = 4
+    limit = MAX_RUNS * members
+    assert num_row_chunks([1, 3, limit, limit + 1, 2], members) == 3  # the leading short ones only
+    assert num_row_chunks([limit + 1], members) == 0
+    assert num_row_chunks([1, 2], 0) == 0  # without the shared pass every row would read its whole context
+
+
+@pytest.mark.parametrize("mask_shape", ["per_batch", "shared", "one_query_row"])
+def test_attend_folds_grouped_heads_under_an_explicit_mask(mask_shape):
+    g = torch.Generator().manual_seed(3)
+    b, length, s = 3, 5, 7
+    q = torch.randn(b, HEADS, length, DIM, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, KV_HEADS, s, DIM, generator=g, dtype=torch.float64) for _ in range(2))
+    full = {"per_batch": (b, 1, length, s), "shared": (length, s), "one_query_row": (b, 1, 1, s)}[mask_shape]
+    mask = torch.rand(full, generator=g) < 0.6
+    mask[..., 0] = True  # every row sees a key
+    scores = torch.einsum("bhld,bhsd->bhls", q, k.repeat_interleave(2, 1)) * 0.3
+    expected = torch.einsum("bhls,bhsd->bhld", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                            v.repeat_interleave(2, 1))
+    torch.testing.assert_close(attend(q, k, v, mask, 0.3), expected)
