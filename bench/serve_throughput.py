@@ -324,7 +324,9 @@ def main() -> None:
     from asyncgrpo.launch import EmbeddedServer
 
     max_len = args.prompt_len + args.turns * args.max_tokens + (args.turns - 1) * args.turn_tokens + 16
-    kv_tokens = max(levels) * max_len
+    # every request's own tokens, and each group's prompt once (a cached prompt is shared by its samples; an
+    # 8B's 256 x 2048-token prompts would not fit beside vLLM otherwise; without prefix caching, requests wait)
+    kv_tokens = max(levels) * (max_len - args.prompt_len) + -(-max(levels) // args.group_size) * args.prompt_len
     serve_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(levels)),
                   "--kv-cache-tokens", str(kv_tokens), *args.server_arg]
     log = Path(tempfile.gettempdir()) / "serve_throughput_server.log"
