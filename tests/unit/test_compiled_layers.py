@@ -68,8 +68,10 @@ def test_decoder_layers_are_the_repeated_blocks():
 
 
 def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph():
-    """The CUDA path's masks (FlexAttention BlockMask, forward on CPU): rows of 600 to 1050 tokens run
-    through one compiled graph and keep packed == unpacked."""
+    """The CUDA path's masks (FlexAttention BlockMask, forward on CPU): rows of 600 to 1300 tokens run
+    through the same compiled graphs and keep packed == unpacked. The graphs are one, or two where the
+    `kernels` package (transformers >= 5.2x) routes the attention module's functions through a variable
+    that its first compiled call sets: the second call compiles once more, and no row length after it."""
     full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
     model, reference = tiny_model("qwen3", **full), tiny_model("qwen3", **full)
     model.config.use_cache = False
@@ -78,7 +80,8 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     rng = np.random.default_rng(0)
-    for n in (5, 7, 9):
+    graphs = []
+    for n in (5, 7, 9, 11):
         samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
         row = pack_row(samples)
         mask = TreeMask.from_row(row, backend="flex")
@@ -86,4 +89,5 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
             hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
             lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
         torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[-1] <= 2, graphs

@@ -57,6 +57,11 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
     body, _ = decoder_and_head(model)
     windows = attention_windows(base)
     layers = decoder_layers(model)
+    # transformers' attention modules set a context variable of the `kernels` package in their forward (how
+    # it routes kernelized functions); under activation checkpointing dynamo refuses that side effect and
+    # runs the whole layer eagerly, unless the backward's recompute may skip it (it only routes calls)
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in layers:
         layer.compile(backend=backend or "inductor", mode=mode, dynamic=dynamic)
     if getattr(body, _PREBUILD_HOOK, None) is None:  # the decoder runs the layers, however it is called
