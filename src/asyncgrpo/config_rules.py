@@ -73,8 +73,10 @@ def resolve_defaults(args: AsyncGRPOConfig) -> None:
                 "autocast, or bf16=False to silence this warning."
             )
     if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:  # newer transformers: the new name
-        if args.activation_checkpointing is None and args.gradient_checkpointing is None:
-            args.activation_checkpointing = True
+        if args.activation_checkpointing is None:
+            # gradient_checkpointing is this config's own field (the reference's name): no deprecation warning
+            args.activation_checkpointing = True if args.gradient_checkpointing is None else args.gradient_checkpointing
+            args.gradient_checkpointing = None
     elif args.gradient_checkpointing is None:
         args.gradient_checkpointing = True
     if not args.ignore_data_skip:

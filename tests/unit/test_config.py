@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import logging
+import warnings
 import pickle
 import time
 
@@ -93,6 +94,17 @@ def test_bf16_default_falls_back_with_a_warning_when_transformers_would_refuse(c
 
 def test_explicit_gradient_checkpointing_false_is_kept():
     assert make(gradient_checkpointing=False).gradient_checkpointing is False
+
+
+def test_gradient_checkpointing_is_this_configs_own_field_without_a_deprecation_warning():
+    """transformers 5.2x renamed TrainingArguments.gradient_checkpointing to activation_checkpointing and
+    warns for the old name; here it is the reference's field, so it only sets the new one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for value in (False, True):
+            config = make(gradient_checkpointing=value)
+            assert config.gradient_checkpointing is value
+            assert getattr(config, "activation_checkpointing", value) is value
 
 
 def test_ignore_data_skip_false_is_overridden_with_a_warning(caplog):
