@@ -2,7 +2,8 @@
 a plain per-sequence computation in float64: the padded layout, the rows layout (each chunk token a
 query of the paged decode attention; on the CPU through the gather paths, which compute what the
 Triton kernels compute), with and without runs that read a sequence's cached blocks once, with a
-sliding window, a soft-cap and released blocks; and `attend`'s folding of grouped query heads."""
+sliding window and a soft-cap; the runs themselves (where a released block stops them); and
+`attend`'s folding of grouped query heads."""
 
 from __future__ import annotations
 

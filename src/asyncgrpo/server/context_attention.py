@@ -147,7 +147,9 @@ def rows_sharing(
 ) -> SharedPrefixes | None:
     """The shared-prefix groups of the rows layout: each sequence's rows in runs of at most `members`;
     a run of two or more shares the blocks wholly before its first row (not past a released block, and
-    from MIN_SHARED_BLOCKS on). tables: [B, nb] per sequence."""
+    from MIN_SHARED_BLOCKS on). tables: [B, nb] per sequence. (`shared_prefix.find_shared_prefixes` would
+    find such groups too, but by sorting every row's table each step; here the rows of a sequence are
+    already together, with one table.)"""
     if members < 2:
         return None
     released = tables == null_block
