@@ -24,7 +24,8 @@ Every step is put in one class, and each class gets its count and per-step times
 A step whose `wait` is near zero is host-bound (the device idles while Python launches); one whose
 `launch` is small against `device` is device-bound. `--profile` also runs the torch profiler over one
 step of each class and reports its number of device kernels (CPU: operators) and its device time by
-kernel category (attention, matmul, sampling, other).
+kernel category (attention, matmul, sampling, other), then cProfile over the next step of the class:
+the Python functions with the most own time (`host_functions`), which is where a host-bound step goes.
 
     python bench/engine_phases.py --random-qwen3 0.6b --device cuda --shape group --concurrency 256 \\
         --prompt-len 2048 --group-size 8 --max-tokens 256 --profile
@@ -213,6 +214,9 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) ->
         if profile and kind not in profiles and step > 2:
             profiles[kind], out = profile_step(runner.step, plan.decode, plan.prefill, cuda=cuda)
             timer.launch = timer.wait = 0.0
+        elif profile and kind in profiles and "host_functions" not in profiles[kind]:
+            profiles[kind]["host_functions"], out = profile_host(runner.step, plan.decode, plan.prefill)
+            timer.launch = timer.wait = 0.0
         else:
             out = timer.step(runner, plan.decode, plan.prefill)
         t2 = time.perf_counter()
@@ -265,6 +269,22 @@ def profile_step(step, decode, prefill, cuda: bool) -> tuple[dict, object]:
     if cuda:
         result["device_ms_by_category"] = dict(by_category)
     return result, out
+
+
+def profile_host(step, decode, prefill, top: int = 20) -> tuple[list[dict], object]:
+    """Run step(decode, prefill) under cProfile: the Python functions with the most own time (the
+    host's share of a step that the device waits for), with their call counts."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    out = step(decode, prefill)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls": calls, "own_ms": 1e3 * own, "cum_ms": 1e3 * cum}
+            for (f, line, name), (_, calls, own, cum, _) in rows], out
 
 
 def main() -> None:
