@@ -142,6 +142,43 @@ def test_chunks_after_cached_tokens_as_rows_of_the_kernels():
         assert _relative_error(out, ref) < 1e-5, members
 
 
+def test_a_step_of_decode_rows_and_prompt_rows_in_the_kernels():
+    """A graph step with prompt chunks (`runner.prompt_rows`): decode rows, two of them a group sharing
+    their first blocks, then every token of a fresh prompt, of a group member's last block and of a next
+    turn as rows whose runs read their sequence's blocks before them once; equals the gather, row by row."""
+    from asyncgrpo.server.runner import decode_inputs, prompt_rows
+    from asyncgrpo.server.scheduler import SeqParams, Sequence
+
+    g = torch.Generator().manual_seed(5)
+    num_blocks, width, members = 60, 10, 4
+    block_table = torch.randperm(num_blocks, generator=g)[: 6 * width].view(6, width).numpy().copy()
+    block_table[1, :5] = block_table[0, :5]  # decode rows 0 and 1: a group over 5 blocks
+    params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=8, min_tokens=0,
+                       stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=0,
+                       want_mask=False)
+    prefill = []
+    for row, (length, start, end) in zip((3, 4, 5), ((20, 0, 20), (85, 80, 85), (150, 97, 140))):
+        seq = Sequence(row, f"r{row}", 0, list(range(1, length + 1)), params, 160)
+        seq.row, seq.prefill_start, seq.prefill_end = row, start, end
+        prefill.append(seq)
+    num_tokens = np.array([97, 90, 33])
+    dec = decode_inputs(np.array([5, 6, 7]), num_tokens, np.arange(3), block_table, BLOCK)
+    dec.shared = find_shared_prefixes(dec.block_tables, num_tokens, BLOCK, members, null_block=num_blocks)
+    assert dec.shared is not None
+    step = prompt_rows(dec, prefill, block_table, BLOCK, members, num_blocks)
+    assert len(step.token_ids) == 3 + 20 + 5 + 43 and step.sample_rows.tolist() == [0, 1, 2, 22, 27]
+    assert step.shared.groups.shape[0] > 1
+    k_pool, v_pool = (torch.randn(num_blocks + 1, BLOCK, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(len(step.token_ids), 4, 16, generator=g) * 4
+    tables, lens = torch.from_numpy(step.block_tables), torch.from_numpy(step.context_lens)
+    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25)
+    shared = step.shared.to(q.device)
+    for num_splits in (1, 3):
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=16, num_splits=num_splits,
+                                         shared=shared)
+        assert _relative_error(out, ref) < 1e-5, num_splits
+
+
 @pytest.mark.parametrize("windowed,capped", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_load_time_check_passes_each_variant(windowed, capped):
     cpu = torch.device("cpu")

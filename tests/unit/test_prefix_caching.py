@@ -40,16 +40,19 @@ class Harness:
     """An engine without its thread: schedule, run, record, release finished sequences."""
 
     def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096,
-                 shared_prefix: bool = False, admission_interval: int = 1, continued_rows: bool = False) -> None:
+                 shared_prefix: bool = False, admission_interval: int = 1, continued_rows: bool = False,
+                 max_prompt_rows: int = 0) -> None:
         cpu = torch.device("cpu")
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN,
                                admission_interval=admission_interval)
         # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
         # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
-        graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB) if shared_prefix else None
+        graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB,
+                              max_prompt_rows) if shared_prefix else None
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
-        # attention, as on a GPU with the Triton kernels
+        # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
+        # at most that many rows take the fixed-shape path (`runner.prompt_rows`) with all chunks as rows
         self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
                                   continued_rows=continued_rows)
         self.num_ids = 0
@@ -251,3 +254,49 @@ def test_short_chunks_as_decode_rows_beside_a_long_padded_one_match_an_uncached_
     limit = MAX_RUNS * rows.runner.row_members
     continued = [[end - start for _, start, end in prefill if start > 0] for _, prefill in rows.plans]
     assert any(min(c) <= limit < max(c) for c in continued if c)
+
+
+def test_steps_with_prompt_chunks_as_graph_rows_match_an_uncached_server(model):
+    """Steps that carry prompt chunks through the fixed-shape path (what CUDA graphs replay), every chunk
+    token a row of the decode attention beside the decoding sequences: fresh prompts, a group's members
+    after its cached blocks, next turns of conversations, chunks cut by the token budget; steps with more
+    prompt rows than the graphs hold run eagerly. Same tokens and log-probs as an uncached server."""
+    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True, num_blocks=200, max_num_seqs=12,
+                   budget=48, max_prompt_rows=46)
+    off = Harness(model, caching=False, num_blocks=200, max_num_seqs=12)
+    kinds = []  # per fixed-shape step with prompt chunks: whether its rows had shared-prefix groups
+    run = rows.runner.graphs.run
+
+    def counting_run(inputs):
+        if inputs.sample_rows is not None:
+            kinds.append(inputs.shared is not None)
+        return run(inputs)
+
+    rows.runner.graphs.run = counting_run
+    first = rows.run([(_prompt(50, 3 * BS + 5), 1), (_prompt(51, 30), 2)], max_tokens=10)
+    off.run([(s.prompt, s.params.seed) for s in first], max_tokens=10)
+    group = _prompt(52, 4 * BS + 9)
+    work = [(group, seed) for seed in range(5)]
+    work += [(s.prompt + s.output + _prompt(53 + i, 6 + 11 * i), 20 + i) for i, s in enumerate(first)]
+    work += [(_prompt(60, 100), 30)]  # a long prompt: chunks cut at the budget, eager steps
+    _assert_same(rows.run(work, max_tokens=14), off.run(work, max_tokens=14))
+    prompt_steps = sum(1 for _, prefill in rows.plans if prefill)
+    assert len(kinds) >= 4 and prompt_steps - len(kinds) >= 2  # both paths ran
+    assert sum(kinds) >= 2  # runs of a chunk's rows read its cached blocks once, beside the decode groups
+
+
+def test_a_step_whose_rows_would_read_too_much_runs_eagerly(model, monkeypatch):
+    from asyncgrpo.server import runner as runner_module
+    from asyncgrpo.server.context_attention import row_step_reads
+
+    # runs of 16 rows each read up to their chunk's end: 2 runs x 40 + 1 run x 110 (+ 1 x 1 of a decode)
+    assert row_step_reads(np.array([20, 10]), np.array([20, 100]), 16) == 2 * 40 + 110
+    h = Harness(model, caching=True, shared_prefix=True, continued_rows=True, max_prompt_rows=64)
+    seen = []
+    run = h.runner.graphs.run
+    h.runner.graphs.run = lambda inputs: seen.append(inputs.sample_rows is not None) or run(inputs)
+    monkeypatch.setattr(runner_module, "ROW_STEP_READS", 30)
+    h.run([(_prompt(70, 20), 0)], max_tokens=3)  # 2 runs x 20 > 30: the prompt's step is eager
+    monkeypatch.setattr(runner_module, "ROW_STEP_READS", 40)
+    h.run([(_prompt(71, 20), 0)], max_tokens=3)
+    assert seen == [False, False, True, False, False]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncgrpo.server.shared_prefix import find_shared_prefixes, max_members
+from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 
 BS = 4
 NULL = 10_000
@@ -117,3 +117,15 @@ def test_members_per_entry_fill_one_tile_of_query_rows():
     assert max_members(16, 8) == 16  # 2 query heads per kv head
     assert max_members(32, 8) == 8
     assert max_members(64, 2) == 0  # 32 heads per kv head: one member per tile, nothing to share
+
+
+def test_groups_of_two_parts_of_a_batch_concatenate_with_the_second_parts_rows_offset():
+    first = SharedPrefixes(np.array([32, 32, 0]), np.array([[32, 0, 1, -1]]))
+    second = SharedPrefixes(np.array([0, 16, 16, 16]), np.array([[16, 1, 2, 3]]))
+    both = SharedPrefixes.concat(first, 3, second, 4)
+    assert both.lens.tolist() == [32, 32, 0, 0, 16, 16, 16]
+    assert both.groups.tolist() == [[32, 0, 1, -1], [16, 4, 5, 6]]
+    only_second = SharedPrefixes.concat(None, 2, second, 4)
+    assert only_second.lens.tolist() == [0, 0, 0, 16, 16, 16] and only_second.groups.tolist() == [[16, 3, 4, 5]]
+    assert SharedPrefixes.concat(first, 3, None, 5).lens.tolist() == [32, 32, 0, 0, 0, 0, 0, 0]
+    assert SharedPrefixes.concat(None, 3, None, 5) is None

@@ -39,6 +39,17 @@ from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, SharedPrefixes, Sh
 
 # chunks of at most this many shared-prefix runs take the rows layout (see above)
 MAX_RUNS = 4
+# in a step that replays a graph (`decode_graphs.py`) every chunk is rows, and a chunk of r runs reads
+# its context about r times: a step whose chunks would read more cached tokens than this in all (about
+# 30 GB of keys and values per step at 0.6B, less where the runs of a chunk meet in the L2 cache) runs
+# eagerly instead, its long chunks padded
+ROW_STEP_READS = 1 << 18
+
+
+def row_step_reads(lens: np.ndarray, starts: np.ndarray, members: int) -> int:
+    """Cached tokens the rows of chunks (`lens` new tokens after `starts`) read at most, in runs of
+    `members` rows: each run up to its chunk's end."""
+    return int((-(-lens // max(members, 1)) * (starts + lens)).sum())
 
 
 @dataclass

@@ -1,11 +1,19 @@
-"""Decode-only steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
+"""Steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
 
-A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32),
-its block tables to a power-of-two number of blocks and its groups of sequences sharing their first
-blocks (`shared_prefix.py`) to a power-of-two number of group entries (0: none); every input lives in a static
-device buffer, so each (batch, block, group) bucket is captured once and replayed: the ~30 kernels
-per layer of the Hugging Face forward cost one launch. Padded rows read and write the cache's
-scratch block and their logits are dropped; padded group entries have no members.
+A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32 up to
+256 and of 128 above), its block tables to a power-of-two number of blocks and its groups of rows
+sharing their first blocks (`shared_prefix.py`) to a power-of-two number of group entries (0: none);
+every input lives in a static device buffer, so each (batch, block, group) bucket is captured once
+and replayed: the ~30 kernels per layer of the Hugging Face forward cost one launch. Padded rows read
+and write the cache's scratch block and their logits are dropped; padded group entries have no members.
+
+A row is one query of the paged decode attention: a token, its position, the cache slot its keys go
+to, its sequence's blocks and how many of them it sees. A decode sequence is one row; so is each
+token of a short prompt chunk (`runner.prompt_rows`, up to `max_prompt_rows` of them per step), whose
+rows see the chunk's earlier tokens because every layer writes the step's keys before it attends. So
+a step that carries a conversation's next turn or a group member's last prompt block replays a graph
+too, instead of launching an eager forward of ~1,000 kernels. The LM head runs on the rows that
+sample only (`sample_rows`, padded to the decode batch bucket).
 
 Sampling (~100 small kernels, which at small batches take longer to launch than to run) is a second
 graph per (batch bucket, sampling plan): the plan is the host-side shape of `sampling.sample`
@@ -38,11 +46,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# prompt tokens a step may add to its decode rows and still replay a graph (about four turns of a
+# conversation, or 64 group members' last prompt blocks); longer steps run eagerly
+MAX_PROMPT_ROWS = 1024
+
+
 def batch_bucket(n: int) -> int:
     for b in (1, 2, 4, 8, 16, 32):
         if n <= b:
             return b
-    return -(-n // 32) * 32
+    if n <= 256:
+        return -(-n // 32) * 32
+    return -(-n // 128) * 128  # steps with prompt rows: fewer graphs, the padding costs little there
 
 
 def block_bucket(n: int, max_blocks: int) -> int:
@@ -53,7 +68,7 @@ def block_bucket(n: int, max_blocks: int) -> int:
 
 
 class DecodeGraphs:
-    """Static buffers + captured graphs for decode-only steps (engine thread only)."""
+    """Static buffers + captured graphs for steps of rows (engine thread only)."""
 
     def __init__(
         self,
@@ -64,19 +79,23 @@ class DecodeGraphs:
         max_blocks: int,
         use_graphs: bool,
         vocab_size: int,
+        max_prompt_rows: int = MAX_PROMPT_ROWS,
     ) -> None:
+        """max_prompt_rows: prompt tokens a step may add to its decode rows and still take a graph
+        (where the model runner lays chunks out as rows; 0: decode-only steps)."""
         self.model = model
         self.cache = cache
         self.device = device
         self.max_blocks = max_blocks
         self.use_graphs = use_graphs
+        self.max_prompt_rows = max_prompt_rows
         if device.type == "cuda":  # the decode attention variants the layers use, checked before any capture
             check_decode_variants(device, cache.k[0].dtype, attention_variants(model))
-        n = batch_bucket(max_num_seqs)
-        # rows: input ids, positions, cache slots, context lengths
-        self._vec = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._num_sampled = batch_bucket(max_num_seqs)  # rows that sample: at most one per sequence
+        n = batch_bucket(max_num_seqs + max_prompt_rows)
+        # rows: input ids, positions, cache slots, context lengths, rows the LM head keeps (sampled first)
+        self._vec = torch.zeros(5, n, dtype=torch.int64, device=device)
         self._tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
-        self._keep = torch.arange(n, device=device)
         # groups sharing their first blocks (shared_prefix.py): tokens each sequence's group reads, and
         # the group entries (shared tokens, members), allocated at the first step that has groups
         self._shared_lens = torch.zeros(n, dtype=torch.int64, device=device)
@@ -85,19 +104,27 @@ class DecodeGraphs:
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._scratch_slot = cache.scratch_block * cache.block_size
         # sampling inputs: float32 logits, then rows (temperature, top_p, min_p) and (top_k, row hash)
-        self._logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-        self._floats = torch.zeros(3, n, dtype=torch.float32, device=device)
-        self._ints = torch.zeros(2, n, dtype=torch.int64, device=device)
+        ns = self._num_sampled
+        self._logits = torch.zeros(ns, vocab_size, dtype=torch.float32, device=device)
+        self._floats = torch.zeros(3, ns, dtype=torch.float32, device=device)
+        self._ints = torch.zeros(2, ns, dtype=torch.int64, device=device)
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """One decode step of B sequences. Returns logits [B, V]."""
+        """One step of B rows. Returns the logits of the rows that sample ([S, V]: every row of a decode
+        step, `inputs.sample_rows` of one with prompt rows)."""
         b, nb = inputs.block_tables.shape
         bp = batch_bucket(b)
         nbp = block_bucket(nb, self.max_blocks)
         # padded rows: token 0 at position 0, written to and read from the scratch block
-        host = np.empty((4, bp), dtype=np.int64)
-        host[:, b:] = np.array([[0], [0], [self._scratch_slot], [1]])
-        host[:, :b] = (inputs.token_ids, inputs.positions, inputs.slots, inputs.context_lens)
+        host = np.empty((5, bp), dtype=np.int64)
+        host[:4, b:] = np.array([[0], [0], [self._scratch_slot], [1]])
+        host[:4, :b] = (inputs.token_ids, inputs.positions, inputs.slots, inputs.context_lens)
+        host[4] = np.arange(bp)
+        num_sampled = b
+        if inputs.sample_rows is not None:
+            num_sampled = len(inputs.sample_rows)
+            assert num_sampled <= self._num_sampled, "at most one sampled row per sequence"
+            host[4, :num_sampled] = inputs.sample_rows
         table = np.full((bp, nbp), self.cache.scratch_block, dtype=np.int64)
         table[:b, :nb] = inputs.block_tables
         self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
@@ -117,7 +144,7 @@ class DecodeGraphs:
             groups[:g] = inputs.shared.groups
             self._shared_lens[:bp].copy_(torch.from_numpy(lens), non_blocking=True)
             self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
-        return self._replay(("forward", bp, nbp, gp), lambda: self._forward(bp, nbp, gp))[:b]
+        return self._replay(("forward", bp, nbp, gp), lambda: self._forward(bp, nbp, gp))[:num_sampled]
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
         """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
@@ -176,7 +203,7 @@ class DecodeGraphs:
             input_ids=self._vec[0, :bp][None],
             position_ids=self._vec[1, :bp][None],
             use_cache=False,
-            logits_to_keep=self._keep[:bp],
+            logits_to_keep=self._vec[4, : min(bp, self._num_sampled)],
             kv_meta=meta,
         )
         return out.logits[0]

@@ -4,7 +4,9 @@ Builds the flat step (decode tokens first, then the chunks of prompts to prefill
 the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model with the paged
 attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
 per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
-transfer per step.
+transfer per step. With CUDA graphs (`decode_graphs.py`), decode steps replay one, and so do steps
+whose prompt chunks are all short (`prompt_rows`: every chunk token a row of the decode attention);
+other steps run the eager forward.
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attention_variants
+from asyncgrpo.server.context_attention import ROW_STEP_READS, row_step_reads, rows_sharing
 from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
 from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
@@ -50,6 +53,7 @@ class DecodeInputs:
     context_lens: np.ndarray  # [Bd] cached tokens incl. the new one
     block_tables: np.ndarray  # [Bd, nb] blocks; nb covers the longest sequence
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
+    sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
 
 
 def decode_inputs(
@@ -61,6 +65,43 @@ def decode_inputs(
     tables = block_table[rows, :num_blocks]
     blocks = tables[np.arange(len(rows)), positions // block_size]
     return DecodeInputs(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables)
+
+
+def prompt_rows(
+    dec: DecodeInputs | None, prefill: list[Sequence], block_table: np.ndarray, block_size: int, members: int,
+    null_block: int,
+) -> DecodeInputs:
+    """A step as rows of the decode attention (`decode_graphs.py`): the decode rows `dec` (None: none),
+    then a row per token of each prompt chunk, which sees its sequence's tokens up to itself. Runs of up
+    to `members` rows of a chunk read its blocks before them once (`context_attention.rows_sharing`);
+    the rows that sample are the decode rows and the last row of each chunk that ends its prompt."""
+    nd = 0 if dec is None else len(dec.token_ids)
+    lens = np.fromiter((s.prefill_end - s.prefill_start for s in prefill), np.int64, len(prefill))
+    starts = np.fromiter((s.prefill_start for s in prefill), np.int64, len(prefill))
+    num_blocks = -(-int((starts + lens).max()) // block_size)
+    if dec is not None:
+        num_blocks = max(num_blocks, dec.block_tables.shape[1])
+    seq_tables = block_table[[s.row for s in prefill], :num_blocks]
+    positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts.tolist(), lens.tolist())])
+    tables = np.repeat(seq_tables, lens, axis=0)
+    slots = tables[np.arange(len(positions)), positions // block_size] * block_size + positions % block_size
+    ids = np.concatenate([np.asarray(s.all_tokens()[s.prefill_start : s.prefill_end], np.int64) for s in prefill])
+    ends = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), bool, len(prefill))
+    sample_rows = np.concatenate([np.arange(nd), nd + np.cumsum(lens)[ends] - 1])
+    shared = rows_sharing(lens.tolist(), starts.tolist(), seq_tables, block_size, members, null_block)
+    if dec is None:
+        return DecodeInputs(ids, positions, slots, positions + 1, tables, shared, sample_rows)
+    dec_tables = np.full((nd, num_blocks), null_block, dtype=np.int64)  # entries past a context are not read
+    dec_tables[:, : dec.block_tables.shape[1]] = dec.block_tables
+    return DecodeInputs(
+        np.concatenate([dec.token_ids, ids]),
+        np.concatenate([dec.positions, positions]),
+        np.concatenate([dec.slots, slots]),
+        np.concatenate([dec.context_lens, positions + 1]),
+        np.concatenate([dec_tables, tables]),
+        SharedPrefixes.concat(dec.shared, nd, shared, len(ids)),
+        sample_rows,
+    )
 
 
 @dataclass
@@ -206,12 +247,15 @@ class ModelRunner:
             return StepOutput([], [], [], None, None, None)
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
-        if prefill or self.graphs is None:
-            logits = self._forward(dec, prefill, rows[: len(decode)])
-        else:
+        if self.graphs is not None and (not prefill or self._fits_rows(prefill)):
+            if prefill:
+                dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.row_members,
+                                  self.cache.scratch_block)
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
                 return self._to_host(self.graphs.sample(logits, plan, self.token_hashes), plan)
+        else:
+            logits = self._forward(dec, prefill, rows[: len(decode)])
         logits = self._process(logits.float(), seqs, rows, positions)
         # non_blocking: the decode graph may still be running; a plain copy would wait for it
         floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
@@ -271,6 +315,17 @@ class ModelRunner:
                 **extra,
             )
         return out.logits[0]
+
+    def _fits_rows(self, prefill: list[Sequence]) -> bool:
+        """Whether a step's prompt chunks run as rows of a graph's decode attention (`prompt_rows`): where
+        the rows layout runs, with few enough rows for the graphs' buffers, reading little enough."""
+        if not (self.row_members and self.graphs.max_prompt_rows):
+            return False
+        lens = np.fromiter((s.prefill_end - s.prefill_start for s in prefill), np.int64, len(prefill))
+        if lens.sum() > self.graphs.max_prompt_rows:
+            return False
+        starts = np.fromiter((s.prefill_start for s in prefill), np.int64, len(prefill))
+        return row_step_reads(lens, starts, self.row_members) <= ROW_STEP_READS
 
     def _shared_prefixes(self, decode: list[Sequence], dec: DecodeInputs) -> SharedPrefixes | None:
         """The groups of the decode sequences that share their first blocks, found again only when the

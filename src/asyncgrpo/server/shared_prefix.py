@@ -59,6 +59,23 @@ class SharedPrefixes:
         return SharedPrefixTensors(torch.from_numpy(self.lens).to(device, non_blocking=True),
                                    torch.from_numpy(self.groups).to(device, non_blocking=True))
 
+    @staticmethod
+    def concat(first: SharedPrefixes | None, num_first: int, second: SharedPrefixes | None,
+               num_second: int) -> SharedPrefixes | None:
+        """The groups of a batch of `num_first` rows followed by `num_second` rows, from each part's own
+        (None: no groups there); entries keep their width (members per entry)."""
+        if first is None and second is None:
+            return None
+        parts = [(first, num_first, 0), (second, num_second, num_first)]
+        lens = np.concatenate([np.zeros(n, np.int64) if p is None else p.lens for p, n, _ in parts])
+        groups = []
+        for p, _, offset in parts:
+            if p is not None:
+                g = p.groups.copy()
+                g[:, 1:] = np.where(g[:, 1:] >= 0, g[:, 1:] + offset, -1)
+                groups.append(g)
+        return SharedPrefixes(lens, np.concatenate(groups))
+
 
 @dataclass
 class SharedPrefixTensors:
