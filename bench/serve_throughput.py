@@ -114,6 +114,9 @@ async def server_wave(
         result["engine"] = {
             "steps": steps, "prefill_steps": after["num_prefill_steps"] - before["num_prefill_steps"],
             "step_seconds": busy, "busy_frac": busy / elapsed, "mean_step_ms": 1e3 * busy / max(steps, 1),
+            # where the engine thread's step time went (the model runner's step waits for the device)
+            "mean_phase_ms": {k: 1e3 * (v - before["step_phase_seconds"][k]) / max(steps, 1)
+                              for k, v in after["step_phase_seconds"].items()},
         }
     return result
 
@@ -265,7 +268,8 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
             if "engine" in r:
                 e = r["engine"]
                 line = (f"; engine {e['steps']} steps ({e['prefill_steps']} with prefill), busy "
-                        f"{e['busy_frac']:.0%}, {e['mean_step_ms']:.2f} ms/step")
+                        f"{e['busy_frac']:.0%}, {e['mean_step_ms']:.2f} ms/step ("
+                        + ", ".join(f"{k} {v:.2f}" for k, v in e["mean_phase_ms"].items()) + ")")
             print(f"  {label:<15} logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s "
                   f"(first wave {first['tokens_per_s']:.1f}){line}", flush=True)
     return results

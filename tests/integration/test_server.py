@@ -394,6 +394,9 @@ def test_sixty_four_requests_share_one_forward_pass(main):
     assert info["embedded"]["num_steps"] - before["num_steps"] == 6
     assert info["embedded"]["num_prefill_steps"] - before["num_prefill_steps"] == 1
     assert info["embedded"]["step_seconds"] > before["step_seconds"]
+    phases = {k: v - before["step_phase_seconds"][k] for k, v in info["embedded"]["step_phase_seconds"].items()}
+    assert set(phases) == {"schedule", "forward", "record"} and min(phases.values()) > 0
+    assert sum(phases.values()) <= info["embedded"]["step_seconds"] - before["step_seconds"]
     assert _metric(main, "asyncgrpo:max_num_seqs_per_step") == 64
 
 

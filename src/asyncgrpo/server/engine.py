@@ -49,6 +49,11 @@ class EngineStats:
         self.num_steps = 0
         self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards; decode-only ones replay graphs)
         self.step_s = 0.0  # engine-thread seconds inside steps (the rest of its time it waits for work)
+        # ... split: planning (scheduler), the model runner's step (forward, sampling, the device->host
+        # copy that waits for the device), recording the tokens and handing them to the HTTP side
+        self.schedule_s = 0.0
+        self.forward_s = 0.0
+        self.record_s = 0.0
         self.max_batch_seqs = 0
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -260,8 +265,11 @@ class Engine:
             self.stats.step_s += time.perf_counter() - start
 
     def _run_step(self) -> None:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
+        planned = time.perf_counter()
+        self.stats.schedule_s += planned - start
         if plan.size == 0:
             self._notify()
             return
@@ -280,6 +288,8 @@ class Engine:
                 events.append((seq, len(seq.output), len(seq.output), True))
             self._deliver(events)
             return
+        ran = time.perf_counter()
+        self.stats.forward_s += ran - planned
         self.stats.num_steps += 1
         self.stats.num_prefill_steps += bool(plan.prefill)
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
@@ -296,6 +306,7 @@ class Engine:
                 events.append((seq, end - 1, end, finished))
         self._deliver(events)
         self._notify()
+        self.stats.record_s += time.perf_counter() - ran
 
 
 def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> None:
