@@ -120,7 +120,8 @@ class ControlRoutes:
         embedded = {
             "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
             "num_prefill_steps": st.num_prefill_steps, "step_seconds": st.step_s,
-            "step_phase_seconds": {"schedule": st.schedule_s, "forward": st.forward_s, "record": st.record_s},
+            "step_phase_seconds": {"schedule": st.schedule_s, "forward": st.forward_s, "record": st.record_s,
+                                   "device_wait": self.runner.wait_s},  # part of forward
             "num_preemptions": st.num_preemptions,
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],

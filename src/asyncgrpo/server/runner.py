@@ -17,6 +17,7 @@ step gathers them by row.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -221,6 +222,7 @@ class ModelRunner:
         # short chunks after cached tokens run as rows of the decode attention, in runs of this many
         self.row_members = self.shared_members if continued_rows else 0
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
+        self.wait_s = 0.0  # seconds the host waited for the device's step outputs
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
@@ -384,5 +386,9 @@ class ModelRunner:
         )
 
     def _to_host(self, packed: torch.Tensor, plan: SamplingPlan) -> StepOutput:
-        """One device->host transfer of everything the step produced."""
-        return StepOutput.unpack(packed.cpu().numpy(), plan.num_top_logprobs, plan.mask_width)
+        """One device->host transfer of everything the step produced (the host waits for the device
+        here: `wait_s` sums that wait, the rest of a step is host work)."""
+        start = time.perf_counter()
+        host = packed.cpu().numpy()
+        self.wait_s += time.perf_counter() - start
+        return StepOutput.unpack(host, plan.num_top_logprobs, plan.mask_width)
