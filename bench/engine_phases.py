@@ -12,8 +12,9 @@ one of the request shapes of bench/serve_throughput.py in this process:
 Every step is put in one class, and each class gets its count and per-step times:
 
     decode     decode-only step (CUDA: graph replay)
-    mixed      decode tokens and prompt chunks in one eager forward
-    prefill    prompt chunks only (eager)
+    mixed      decode tokens and prompt chunks in one forward (a graph replay where the chunks are
+               short, `runner.prompt_rows`; else eager)
+    prefill    prompt chunks only (likewise)
 
     schedule   host: the scheduler's plan
     launch     host: ModelRunner.step up to the device->host copy (inputs, Python, kernel launches)

@@ -47,7 +47,7 @@ class EngineStats:
 
     def __init__(self) -> None:
         self.num_steps = 0
-        self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards; decode-only ones replay graphs)
+        self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards unless their chunks are short)
         self.step_s = 0.0  # engine-thread seconds inside steps (the rest of its time it waits for work)
         # ... split: planning (scheduler), the model runner's step (forward, sampling, the device->host
         # copy that waits for the device), recording the tokens and handing them to the HTTP side
