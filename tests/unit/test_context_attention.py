@@ -18,6 +18,7 @@ from asyncgrpo.server.context_attention import (
     continued_layout,
     continued_rows,
     num_row_chunks,
+    pad_indices,
     rows_attention,
     rows_sharing,
 )
@@ -133,3 +134,30 @@ def test_attend_folds_grouped_heads_under_an_explicit_mask(mask_shape):
     expected = torch.einsum("bhls,bhsd->bhld", scores.masked_fill(~mask, float("-inf")).softmax(-1),
                             v.repeat_interleave(2, 1))
     torch.testing.assert_close(attend(q, k, v, mask, 0.3), expected)
+
+
+def test_both_layouts_take_the_schedulers_block_table_rows_as_well_as_block_lists():
+    """The model runner passes its [B, max_blocks] block-table rows (entries past a sequence's blocks
+    hold anything); the layouts equal those built from each sequence's own block list."""
+    q, k_pool, v_pool, tables, null = _case(3, STARTS, LENS)
+    rows = np.full((len(tables), 20), 5, dtype=np.int64)  # 5: a stale block past every sequence's own
+    for b, t in enumerate(tables):
+        rows[b, : len(t) - 1] = t[:-1]
+    ref = continued_attention(q, k_pool, v_pool, continued_layout(BS, null * BS, LENS, STARTS, tables, q.device),
+                              DIM**-0.5)
+    got = continued_attention(q, k_pool, v_pool, continued_layout(BS, null * BS, LENS, STARTS, rows, q.device),
+                              DIM**-0.5)
+    torch.testing.assert_close(got, ref, **TOL)
+    from_lists = continued_rows(BS, null, LENS, STARTS, tables, q.device, 2)
+    from_rows = continued_rows(BS, null, LENS, STARTS, rows, q.device, 2)
+    assert torch.equal(from_rows.block_tables, from_lists.block_tables)
+    assert torch.equal(from_rows.shared.groups, from_lists.shared.groups)
+
+
+def test_pad_indices_move_packed_tokens_to_a_padded_layout_and_back():
+    lens = [3, 1, 4]
+    pad, unpad = pad_indices(lens)
+    assert pad.tolist() == [0, 1, 2, 0, 3, 0, 0, 0, 4, 5, 6, 7]
+    assert unpad.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
+    packed = np.arange(100, 108)
+    assert (packed[pad].reshape(3, 4).reshape(-1)[unpad] == packed).all()

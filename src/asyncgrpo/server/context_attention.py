@@ -68,16 +68,33 @@ class ContinuedPrefill:
         return sum(self.lens)
 
 
-def pad_indices(lens: Sequence[int]) -> tuple[list[int], list[int]]:
-    """(pad, unpad) index lists between len(lens) packed sequences and a [B, max(lens)] layout."""
-    lmax = max(lens)
-    pad, unpad, start = [], [], 0
-    for i, n in enumerate(lens):
-        pad.extend(range(start, start + n))
-        pad.extend([0] * (lmax - n))
-        unpad.extend(range(i * lmax, i * lmax + n))
-        start += n
+def pad_indices(lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(pad, unpad) int64 indices between len(lens) packed sequences and a [B, max(lens)] layout: pad
+    [B * max(lens)] into the packed tokens (0 where padding), unpad [sum(lens)] into the layout."""
+    lens = np.asarray(lens, dtype=np.int64)
+    lmax = int(lens.max())
+    j = np.arange(lmax)
+    real = j[None, :] < lens[:, None]
+    first = np.cumsum(lens) - lens
+    pad = np.where(real, first[:, None] + j[None, :], 0).reshape(-1)
+    unpad = (np.arange(len(lens))[:, None] * lmax + j[None, :])[real]
     return pad, unpad
+
+
+def padded_tables(tables: Sequence[Sequence[int]] | np.ndarray, ends: np.ndarray, block_size: int,
+                  fill: int) -> np.ndarray:
+    """[B, nb] int64: the blocks of each sequence that hold its tokens [0, end), `fill` past them
+    (nb covers the longest). tables: a block list per sequence, or a [B, >= nb] array (the scheduler's)."""
+    used = -(-ends // block_size)
+    width = int(used.max())
+    if isinstance(tables, np.ndarray):
+        out = tables[:, :width].copy()
+    else:
+        out = np.full((len(used), width), fill, dtype=np.int64)
+        for b, (n, table) in enumerate(zip(used.tolist(), tables)):
+            out[b, :n] = table[:n]
+    out[np.arange(width)[None, :] >= used[:, None]] = fill
+    return out
 
 
 def continued_layout(
@@ -85,28 +102,31 @@ def continued_layout(
     scratch_slot: int,
     lens: Sequence[int],
     starts: Sequence[int],
-    tables: Sequence[Sequence[int]],
+    tables: Sequence[Sequence[int]] | np.ndarray,
     device: torch.device,
 ) -> ContinuedPrefill:
-    """Layout of sequences computing tokens [start, start + len) over their blocks `tables`;
-    padded context rows point at `scratch_slot` (finite, never visible to a real query)."""
-    ctx = [s + n for s, n in zip(starts, lens)]
-    smax, lmax = max(ctx), max(lens)
-    slots = np.full((len(ctx), smax), scratch_slot, dtype=np.int64)
-    for b, (n, table) in enumerate(zip(ctx, tables)):
-        p = np.arange(n)
-        slots[b, :n] = np.asarray(table, dtype=np.int64)[p // block_size] * block_size + p % block_size
-    # padded queries (i >= len_b) see a few padded keys too, which keeps their rows finite (then dropped)
-    query_pos = torch.as_tensor(starts, dtype=torch.int64)[:, None] + torch.arange(lmax)[None, :]
-    mask = torch.arange(smax)[None, None, :] <= query_pos[:, :, None]
+    """Layout of sequences computing tokens [start, start + len) over their blocks `tables` (lists, or
+    the scheduler's [B, >= nb] rows); padded context rows point at `scratch_slot` (finite, never
+    visible to a real query)."""
+    starts, lens_arr = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    ctx = starts + lens_arr
+    smax, lmax = int(ctx.max()), int(lens_arr.max())
+    p = np.arange(smax)
+    blocks = padded_tables(tables, ctx, block_size, 0)
+    slots = blocks[:, p // block_size] * block_size + p % block_size
+    slots[p[None, :] >= ctx[:, None]] = scratch_slot
+    # padded queries (i >= len_b) see a few padded keys too, which keeps their rows finite (then dropped);
+    # the mask is built on the device from the positions (a host-built one would be B x Lmax x Smax bytes)
+    query_pos = torch.from_numpy(starts[:, None] + np.arange(lmax)[None, :]).to(device, non_blocking=True)
+    mask = torch.arange(smax, device=device)[None, None, :] <= query_pos[:, :, None]
     pad, unpad = pad_indices(lens)
     return ContinuedPrefill(
         lens=list(lens),
         context_slots=torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True),
-        mask=mask[:, None].to(device, non_blocking=True),
-        pad_index=torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True),
-        unpad_index=torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True),
-        query_pos=query_pos.to(device, non_blocking=True),
+        mask=mask[:, None],
+        pad_index=torch.from_numpy(pad).to(device, non_blocking=True),
+        unpad_index=torch.from_numpy(unpad).to(device, non_blocking=True),
+        query_pos=query_pos,
     )
 
 
@@ -193,11 +213,7 @@ def continued_rows(
     """Rows layout of sequences computing tokens [start, start + len) over their blocks `tables`; runs of
     up to `members` rows of one sequence share its cached blocks (`rows_sharing`; < 2: none)."""
     ends = [s + n for s, n in zip(starts, lens)]
-    width = -(-max(ends) // block_size)
-    padded = np.full((len(lens), width), null_block, dtype=np.int64)
-    for b, (end, table) in enumerate(zip(ends, tables)):
-        used = -(-end // block_size)
-        padded[b, :used] = np.asarray(table[:used], dtype=np.int64)
+    padded = padded_tables(tables, np.asarray(ends, dtype=np.int64), block_size, null_block)
     seq_of_row = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device, non_blocking=True)
     context = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in zip(starts, ends)])
     shared = rows_sharing(lens, starts, padded, block_size, members, null_block)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -107,7 +108,7 @@ def build_metadata(
     prefill_lens: list[int],
     device: torch.device,
     prefill_starts: Sequence[int] | None = None,
-    prefill_tables: Sequence[Sequence[int]] | None = None,
+    prefill_tables: Sequence[Sequence[int]] | np.ndarray | None = None,
     decode_shared: SharedPrefixes | None = None,
     row_members: int = 0,
 ) -> AttentionMetadata:
@@ -140,8 +141,8 @@ def build_metadata(
         prefill_lens = prefill_lens[:num_fresh]
     if len(prefill_lens) > 1:
         pad, unpad = pad_indices(prefill_lens)
-        pad_index = torch.tensor(pad, dtype=torch.int64).to(device, non_blocking=True)
-        unpad_index = torch.tensor(unpad, dtype=torch.int64).to(device, non_blocking=True)
+        pad_index = torch.from_numpy(pad).to(device, non_blocking=True)
+        unpad_index = torch.from_numpy(unpad).to(device, non_blocking=True)
     return AttentionMetadata(
         cache=cache,
         slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),

@@ -286,6 +286,7 @@ class ModelRunner:
         ends = num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1
         sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
         last = np.concatenate([np.arange(num_decode), ends[sampled]])
+        prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
         meta = build_metadata(
             self.cache,
             np.concatenate(slots),
@@ -294,12 +295,11 @@ class ModelRunner:
             prefill_lens,
             self.device,
             starts,
-            [s.blocks for s in prefill],
+            self.block_table[prefill_rows],  # each sequence's blocks, as its `blocks` list holds them
             None if dec is None else dec.shared,
             self.row_members,
         )
         extra = {}
-        prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
         if self.recurrent is not None:
             rows = np.concatenate([decode_rows, prefill_rows])
             extra[STEP_KWARG] = self.recurrent.step(rows, len(decode_rows), prefill_lens, starts)
