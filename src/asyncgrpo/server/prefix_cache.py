@@ -40,8 +40,12 @@ _KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Hash of one full block chained with its parent's hash (16 bytes, blake2b)."""
+    return _chained(parent, np.asarray(tokens, dtype=np.int64).tobytes())
+
+
+def _chained(parent: bytes, block: bytes) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    h.update(block)
     return h.digest()
 
 
@@ -52,9 +56,16 @@ def extend_block_hashes(
     `num_blocks` full blocks, and return it. `tokens` must hold num_blocks * block_size tokens.
     `root` starts the chain (a LoRA adapter's own root keeps its KV apart from the base model's)."""
     assert len(tokens) >= num_blocks * block_size, (len(tokens), num_blocks, block_size)
-    for i in range(len(hashes), num_blocks):
-        parent = hashes[i - 1] if i else root
-        hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size]))
+    first = len(hashes)
+    if first >= num_blocks:
+        return hashes
+    # the new blocks' bytes at once (hash_block's per-block conversion costs more than the hashing)
+    data = np.asarray(tokens[first * block_size : num_blocks * block_size], dtype=np.int64).tobytes()
+    step = block_size * 8
+    parent = hashes[-1] if first else root
+    for i in range(num_blocks - first):
+        parent = _chained(parent, data[i * step : (i + 1) * step])
+        hashes.append(parent)
     return hashes
 
 
