@@ -98,10 +98,14 @@ async def server_wave(
                     prompt = prompt + out + turn_tokens[i][t]
             return tokens
 
-        # warm-up wave of the same shape (connections, graph captures), few tokens, on the prompts
-        # reversed: groups stay groups, and nothing of the timed prompts gets into a prefix cache
+        # warm-up wave of the same shape (connections, graph captures) on the prompts reversed: groups
+        # stay groups, and nothing of the timed prompts gets into a prefix cache. Few tokens, except for
+        # conversations, whose later turns reach longer contexts (graph buckets) than a first turn
         warm = [p[::-1] for p in prompts]
-        await asyncio.gather(*(request(p, {**sampling, "max_tokens": 4}, i) for i, p in enumerate(warm)))
+        if turns > 1:
+            await asyncio.gather(*(conversation(i, p, sampling) for i, p in enumerate(warm)))
+        else:
+            await asyncio.gather(*(request(p, {**sampling, "max_tokens": 4}, i) for i, p in enumerate(warm)))
         before = probe(url) if probe else None
         start = time.perf_counter()
         counts = await asyncio.gather(*(conversation(i, p, sampling) for i, p in enumerate(prompts)))

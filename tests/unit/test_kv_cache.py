@@ -110,6 +110,7 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
 
 def test_buckets():
     assert [batch_bucket(n) for n in (1, 3, 5, 17, 33, 64, 65, 256)] == [1, 4, 8, 32, 64, 64, 96, 256]
+    assert [batch_bucket(n) for n in (257, 384, 385, 1280)] == [384, 384, 512, 1280]  # steps with prompt rows
     assert [block_bucket(n, 40) for n in (1, 3, 9, 33)] == [1, 4, 16, 40]
 
 
@@ -119,3 +120,36 @@ def test_small_decode_batches_split_the_context_across_programs():
     assert choose_splits(num_programs=128, max_context=512, tile=64, num_sms=132) == (3, 192)
     assert choose_splits(num_programs=2048, max_context=512, tile=64, num_sms=132) == (1, 512)
     assert choose_splits(num_programs=8, max_context=16, tile=64, num_sms=132) == (1, 64)
+
+
+def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models, monkeypatch):
+    """Graphs are kept per (rows, blocks, groups) bucket; once MAX_GRAPHS are kept, a step of a shape not
+    met yet runs its static path eagerly instead of capturing one more. Capture needs CUDA, so a
+    stand-in records what would be captured; keys met before still replay."""
+    from asyncgrpo.server import decode_graphs
+
+    _, paged = models
+    cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
+    graphs.use_graphs = True
+    captured = []
+
+    class Captured:
+        def replay(self) -> None:
+            pass
+
+    def capture(key, fn):
+        captured.append(key)
+        graphs._graphs[key] = (Captured(), fn())
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(decode_graphs, "MAX_GRAPHS", 2)
+    ran = []
+
+    def step(value):
+        return lambda: ran.append(value) or torch.tensor(value)
+
+    assert graphs._replay(("forward", 1), step(1)) == 1 and graphs._replay(("forward", 2), step(2)) == 2
+    assert graphs._replay(("forward", 1), step(9)) == 1  # replayed: the captured output, nothing run
+    assert graphs._replay(("forward", 3), step(3)) == 3 and graphs._replay(("forward", 3), step(4)) == 4
+    assert captured == [("forward", 1), ("forward", 2)] and ran == [1, 2, 3, 4]

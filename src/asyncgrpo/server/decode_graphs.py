@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 # prompt tokens a step may add to its decode rows and still replay a graph (about four turns of a
 # conversation, or 64 group members' last prompt blocks); longer steps run eagerly
 MAX_PROMPT_ROWS = 1024
+# graphs kept at most (each holds ~1,000 kernel nodes in host memory; the device memory is one pool):
+# steps of shapes met after that run the same static path eagerly
+MAX_GRAPHS = 256
 
 
 def batch_bucket(n: int) -> int:
@@ -101,6 +104,7 @@ class DecodeGraphs:
         self._shared_lens = torch.zeros(n, dtype=torch.int64, device=device)
         self._groups: torch.Tensor | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._full = False  # MAX_GRAPHS reached (and said so)
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._scratch_slot = cache.scratch_block * cache.block_size
         # sampling inputs: float32 logits, then rows (temperature, top_p, min_p) and (top_k, row hash)
@@ -173,11 +177,16 @@ class DecodeGraphs:
         if not self.use_graphs:
             return fn()
         if key not in self._graphs:
+            if len(self._graphs) >= MAX_GRAPHS:
+                if not self._full:
+                    logger.info("%d CUDA graphs captured; steps of shapes not met yet run eagerly", MAX_GRAPHS)
+                    self._full = True
+                return fn()
             try:
                 self._capture(key, fn)
             except RuntimeError:
                 logger.exception(
-                    "capturing a CUDA graph for the decode step failed; decode steps run eagerly from now on "
+                    "capturing a CUDA graph for a step failed; steps run eagerly from now on "
                     "(start with --enforce-eager to skip the attempt)"
                 )
                 self.use_graphs = False
@@ -221,4 +230,4 @@ class DecodeGraphs:
             out = fn()
         self._pools.setdefault(kind, graph.pool())
         self._graphs[key] = (graph, out)
-        logger.info("captured a decode graph %s (%d graphs)", key, len(self._graphs))
+        logger.info("captured a graph %s (%d graphs)", key, len(self._graphs))
