@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,12 @@ def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
     if started.returncode != 0:
         raise SystemExit(f"starting the MPS daemon failed ({control} -d exited {started.returncode}: "
                          f"{(started.stderr or started.stdout).strip()}); run with --sharing time-slicing")
+    probe_error = _probe_cuda({**os.environ, **env})
+    if probe_error:
+        subprocess.run([control], check=False, input="quit\n", env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=30)
+        raise SystemExit(f"a CUDA client under the MPS daemon {probe_error}; the daemon was stopped: run with "
+                         "--sharing time-slicing")
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)  # inherited by the server and the rollout process
     try:
@@ -55,3 +62,17 @@ def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _probe_cuda(env: dict, timeout_s: float = 120.0) -> str | None:
+    """Run one small CUDA computation in a child process under `env`; None if it works, else what went
+    wrong (a client that cannot reach the daemon may hang rather than fail: the timeout bounds that)."""
+    code = "import torch; assert torch.ones(4, device='cuda').sum().item() == 4"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"did not finish a one-kernel computation in {timeout_s:.0f} s"
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"failed a one-kernel computation ({last[0][-300:]})"
+    return None

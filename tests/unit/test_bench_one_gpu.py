@@ -112,8 +112,30 @@ def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(sys.modules["gpu_sharing"], "_probe_cuda", lambda env: None)  # no GPU here
     with gpu_sharing("mps", tmp_path / "run") as info:
         assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == info["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "run/mps-pipe")
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     started, stopped = calls.read_text().splitlines()
     assert started.startswith("args=-d pipe=") and stopped.endswith("stdin=quit")
+
+
+def test_mps_whose_clients_cannot_compute_stops_the_daemon_and_says_what_to_do(tmp_path, monkeypatch):
+    """The probe, a one-kernel CUDA computation in a child process, fails here (no GPU) as it would
+    where MPS clients cannot run: the daemon is stopped and the run refused before any work starts."""
+    import os
+
+    from gpu_sharing import gpu_sharing
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(f'#!/bin/sh\necho "args=$* stdin=$(cat)" >> {calls}\n')
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    with pytest.raises(SystemExit, match="one-kernel computation.*daemon was stopped.*--sharing time-slicing"), \
+            gpu_sharing("mps", tmp_path / "run"):
+        pass
+    started, stopped = calls.read_text().splitlines()
+    assert started.startswith("args=-d") and stopped.endswith("stdin=quit")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
