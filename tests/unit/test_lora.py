@@ -110,3 +110,56 @@ def test_a_reload_under_the_same_name_gets_a_new_slot_and_cache_root():
         assert second.hash_root != first.hash_root
         assert registry.reserve("w") is None  # the first load's slot is still in use
     assert registry.reserve("w") == first.slot
+
+
+def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
+    """The path CUDA graphs replay (decode steps, and steps whose prompt chunks are rows of the decode
+    attention), run eagerly on the CPU: requests under two adapters and the base model, in one batch,
+    sample what the eager runner samples, and the adapters change what is sampled."""
+    from asyncgrpo.server.decode_graphs import DecodeGraphs
+    from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
+    from asyncgrpo.server.prefix_cache import BlockPool
+    from asyncgrpo.server.runner import ModelRunner
+    from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+
+    for name, seed in (("a", 1), ("b", 2)):
+        _adapter(tmp_path / name, seed, r=4, lora_alpha=8, target_modules="all-linear")
+    model = _tiny()
+    model.set_attn_implementation(register_attention())
+    assert fuse_layers(model, triton=False).attention == 2
+    lora = ServedLora(model, max_loras=2, max_rank=8)
+    for slot, name in enumerate("ab"):
+        lora.write(slot, read_adapter(name, str(tmp_path / name), lora.targets(), 8))
+    cpu = torch.device("cpu")
+    prompt = torch.randint(0, 64, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def run(fixed: bool) -> list[Sequence]:
+        cache = PagedKVCache(2, 80, 16, 2, 8, torch.float32, cpu)
+        sched = Scheduler(BlockPool(80), 16, 8, 4096, 64)
+        graphs = DecodeGraphs(model, cache, cpu, 8, sched.max_blocks, False, 64, lora=lora) if fixed else None
+        runner = ModelRunner(model, cache, cpu, 64, sched.block_table, graphs, lora=lora, shared_prefix=fixed,
+                             continued_rows=fixed)
+        seqs = []
+        for i, slot in enumerate([0, 1, -1, 0, 1, -1]):
+            params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i % 3, max_tokens=12,
+                               min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None,
+                               extra_eos_ids=frozenset(), logprobs=2, want_mask=False)
+            seq = Sequence(i, f"r{i}", 0, prompt + [i // 3], params, 64, lora_slot=slot,
+                           hash_root=bytes([slot + 1]))
+            seqs.append(seq)
+            sched.add(seq)
+        while sched.has_work():
+            plan = sched.schedule()
+            runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
+            for s in plan.sampled:
+                if s.finished:
+                    sched.remove(s)
+        return seqs
+
+    with torch.no_grad():
+        fixed, eager = run(True), run(False)
+    for a, b in zip(fixed, eager, strict=True):
+        assert a.output == b.output
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    # same prompt and seed under adapter a, adapter b and the base model: three different samplings
+    assert len({tuple(np.round(s.logprobs, 3)) for s in fixed[:3]}) == 3

@@ -143,13 +143,10 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         graphs = None
         if self.recurrent is not None and served.device.type == "cuda" and not args.enforce_eager:
             logger.info("decode steps run eagerly: the Gated DeltaNet layers' state is not captured in CUDA graphs")
-        elif self.lora is not None and served.device.type == "cuda" and not args.enforce_eager:
-            logger.info("decode steps run eagerly: with --enable-lora, CUDA graphs are off (they do not carry the "
-                        "tokens' adapter slots)")
         elif served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
-                served.vocab_size,
+                served.vocab_size, lora=self.lora,
             )
         self.runner = ModelRunner(
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,

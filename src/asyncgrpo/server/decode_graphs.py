@@ -28,6 +28,7 @@ check it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
 if TYPE_CHECKING:
+    from asyncgrpo.server.lora import ServedLora
     from asyncgrpo.server.runner import DecodeInputs
 
 logger = logging.getLogger(__name__)
@@ -83,9 +85,12 @@ class DecodeGraphs:
         use_graphs: bool,
         vocab_size: int,
         max_prompt_rows: int = MAX_PROMPT_ROWS,
+        lora: ServedLora | None = None,
     ) -> None:
         """max_prompt_rows: prompt tokens a step may add to its decode rows and still take a graph
-        (where the model runner lays chunks out as rows; 0: decode-only steps)."""
+        (where the model runner lays chunks out as rows; 0: decode-only steps). lora: the served LoRA
+        adapters (`--enable-lora`): steps with adapter rows replay graphs that add every slot's delta,
+        each row's slot a one-hot in a static buffer."""
         self.model = model
         self.cache = cache
         self.device = device
@@ -102,6 +107,9 @@ class DecodeGraphs:
         # groups sharing their first blocks (shared_prefix.py): tokens each sequence's group reads, and
         # the group entries (shared tokens, members), allocated at the first step that has groups
         self._shared_lens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.lora = lora
+        if lora is not None:  # each row's adapter slot, one-hot (zero rows: the base model)
+            self._slots = torch.zeros(n, lora.max_loras, dtype=lora.dtype, device=device)
         self._groups: torch.Tensor | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._full = False  # MAX_GRAPHS reached (and said so)
@@ -148,7 +156,13 @@ class DecodeGraphs:
             groups[:g] = inputs.shared.groups
             self._shared_lens[:bp].copy_(torch.from_numpy(lens), non_blocking=True)
             self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
-        return self._replay(("forward", bp, nbp, gp), lambda: self._forward(bp, nbp, gp))[:num_sampled]
+        adapters = inputs.lora_slots is not None and bool((inputs.lora_slots >= 0).any())
+        if adapters:  # graphs without adapter rows skip the LoRA matmuls
+            slots = np.full(bp, -1, dtype=np.int64)
+            slots[:b] = inputs.lora_slots
+            self._slots[:bp].copy_(torch.from_numpy(self.lora.slot_onehot(slots)), non_blocking=True)
+        key = ("forward", bp, nbp, gp, adapters)
+        return self._replay(key, lambda: self._forward(bp, nbp, gp, adapters))[:num_sampled]
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
         """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
@@ -196,7 +210,7 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def _forward(self, bp: int, nbp: int, gp: int) -> torch.Tensor:
+    def _forward(self, bp: int, nbp: int, gp: int, adapters: bool = False) -> torch.Tensor:
         meta = AttentionMetadata(
             cache=self.cache,
             slot_mapping=self._vec[2, :bp],
@@ -208,13 +222,15 @@ class DecodeGraphs:
             unpad_index=None,
             shared=SharedPrefixTensors(self._shared_lens[:bp], self._groups[:gp]) if gp else None,
         )
-        out = self.model(
-            input_ids=self._vec[0, :bp][None],
-            position_ids=self._vec[1, :bp][None],
-            use_cache=False,
-            logits_to_keep=self._vec[4, : min(bp, self._num_sampled)],
-            kv_meta=meta,
-        )
+        lora = self.lora.fixed_step(self._slots[:bp]) if adapters else contextlib.nullcontext()
+        with lora:
+            out = self.model(
+                input_ids=self._vec[0, :bp][None],
+                position_ids=self._vec[1, :bp][None],
+                use_cache=False,
+                logits_to_keep=self._vec[4, : min(bp, self._num_sampled)],
+                kv_meta=meta,
+            )
         return out.logits[0]
 
     def _capture(self, key: tuple, fn) -> None:

@@ -14,8 +14,9 @@ slot block set to 1), the target's output gains, for every token of the step at 
 
 two matmuls per target whatever mix of adapters the batch holds (never one forward per adapter); a
 step that uses no adapter skips them, and the matmuls only span the slots between the lowest and the
-highest one in use. Zero rows and zero mask entries add exact zeros, so a token's delta is its own
-adapter's. Where `fuse_layers` joined projections (q/k/v, gate/up) into one matmul, the fused forward
+highest one in use (in a CUDA graph's step, whose shapes are fixed, they span every slot and M is
+expanded from a static one-hot buffer: `fixed_step`). Zero rows and zero mask entries add exact
+zeros, so a token's delta is its own adapter's. Where `fuse_layers` joined projections (q/k/v, gate/up) into one matmul, the fused forward
 calls `JoinedDelta` on the joined output; other targets get a wrapped forward.
 
 The slot bookkeeping (`AdapterRegistry`) lives in the event loop: a request takes a reference on its
@@ -104,17 +105,38 @@ class ServedLora:
         used = token_slots[token_slots >= 0]
         if used.size:
             lo, hi = int(used.min()), int(used.max())
-            onehot = np.zeros((len(token_slots), hi - lo + 1), dtype=np.float32)
-            rows = np.flatnonzero(token_slots >= 0)
-            onehot[rows, token_slots[rows] - lo] = 1.0
             some = next(iter(self.stacks.values())).a
-            mask = torch.from_numpy(onehot).to(some.device, non_blocking=True).to(some.dtype)
-            self._mask = mask.repeat_interleave(self.max_rank, dim=1)
+            onehot = torch.from_numpy(self.slot_onehot(token_slots, lo, hi - lo + 1))
+            self._mask = onehot.to(some.device, non_blocking=True).to(some.dtype).repeat_interleave(self.max_rank, 1)
             self._cols = slice(lo * self.max_rank, (hi + 1) * self.max_rank)
         try:
             yield
         finally:
             self._mask = self._cols = None
+
+    def slot_onehot(self, token_slots: np.ndarray, first: int = 0, num_slots: int | None = None) -> np.ndarray:
+        """[N, num_slots] float32: row n one-hot of token n's slot (slots counted from `first`; -1: a
+        zero row); repeated over each slot's rank rows it is the M of the module docstring."""
+        num_slots = self.max_loras - first if num_slots is None else num_slots
+        onehot = np.zeros((len(token_slots), num_slots), dtype=np.float32)
+        rows = np.flatnonzero(token_slots >= 0)
+        onehot[rows, token_slots[rows] - first] = 1.0
+        return onehot
+
+    @contextlib.contextmanager
+    def fixed_step(self, onehot: torch.Tensor) -> Iterator[None]:
+        """Around a forward pass of fixed shapes (a CUDA graph's, `decode_graphs.py`): every slot's
+        columns, `onehot` [N, S] a buffer rewritten with `slot_onehot` before each replay."""
+        self._mask = onehot.repeat_interleave(self.max_rank, 1)
+        self._cols = slice(0, self.max_loras * self.max_rank)
+        try:
+            yield
+        finally:
+            self._mask = self._cols = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.stacks.values())).a.dtype
 
     def delta(self, x: torch.Tensor, stack: _Stack) -> torch.Tensor | None:
         """The adapters' contribution to a target's output for input x [..., N, in] (None: no adapter

@@ -55,6 +55,7 @@ class DecodeInputs:
     block_tables: np.ndarray  # [Bd, nb] blocks; nb covers the longest sequence
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
+    lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
 
 
 def decode_inputs(
@@ -197,7 +198,7 @@ class ModelRunner:
         the shared pass); None: where the Triton kernel runs every attention variant of the model and
         none has a sliding window (whose layers read each row's window on its own), False: never."""
         assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
-        assert graphs is None or lora is None, "decode graphs do not carry LoRA slots"
+        assert graphs is None or graphs.lora is lora, "the graphs add the deltas of the runner's adapters"
         self.model = model
         self.cache = cache
         self.device = device
@@ -253,6 +254,11 @@ class ModelRunner:
             if prefill:
                 dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.row_members,
                                   self.cache.scratch_block)
+            if self.lora is not None:
+                slots = self.params.lora_slot
+                lens = [s.prefill_end - s.prefill_start for s in prefill]
+                dec.lora_slots = np.concatenate([slots[rows[: len(decode)]],
+                                                 np.repeat(slots[[s.row for s in prefill]], lens)])
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
                 return self._to_host(self.graphs.sample(logits, plan, self.token_hashes), plan)
