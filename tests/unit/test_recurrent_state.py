@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from test_tree_deltanet import HYBRIDS, tiny_hybrid  # tests/unit is on the path (pytest's rootdir imports)
 
 from asyncgrpo.packing.deltanet import deltanet_layers
+from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import prepare_model
@@ -42,8 +44,10 @@ def sensitive_hybrid(model_type: str):
     return model
 
 
-def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 4096):
-    """(scheduler, runner) over `model` (prepared for serving in place), as the server builds them."""
+def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 4096,
+          fixed: bool = False):
+    """(scheduler, runner) over `model` (prepared for serving in place), as the server builds them;
+    fixed: decode steps take the fixed-shape path CUDA graphs replay (run eagerly here)."""
     prepare_model(model, CPU)
     text = model.config.get_text_config()
     cache = PagedKVCache(text.num_hidden_layers, num_blocks, 16, text.num_key_value_heads, text.head_dim,
@@ -52,7 +56,9 @@ def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_to
     sched = Scheduler(BlockPool(num_blocks, enable_caching=False), 16, max_num_seqs, max_num_batched_tokens, MAX_LEN)
     recurrent = RecurrentState.for_model(model, max_num_seqs, CPU)
     assert recurrent is not None
-    runner = ModelRunner(model, cache, CPU, text.vocab_size, sched.block_table, recurrent=recurrent)
+    graphs = DecodeGraphs(model, cache, CPU, max_num_seqs, sched.max_blocks, False, text.vocab_size,
+                          recurrent=recurrent) if fixed else None
+    runner = ModelRunner(model, cache, CPU, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
     warm_up(runner, sched)
     return sched, runner
 
@@ -99,11 +105,12 @@ def check_against_forward(reference, seq: Sequence, top_k: int = 0) -> None:
     torch.testing.assert_close(top_logprobs, top.values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape decode"])
 @pytest.mark.parametrize("model_type", sorted(HYBRIDS))
-def test_server_logprobs_equal_the_model_forward_with_sequences_joining_mid_way(model_type):
+def test_server_logprobs_equal_the_model_forward_with_sequences_joining_mid_way(model_type, fixed):
     model = sensitive_hybrid(model_type)
     reference = copy.deepcopy(model)
-    sched, runner = serve(model)
+    sched, runner = serve(model, fixed=fixed)
     # prompts shorter than the conv window (1, 2 tokens) and longer than a 64-token chunk; many
     # decode steps (9 + 58 tokens cross a chunk boundary of the reference's chunked forward)
     lengths = [(9, 58), (1, 12), (70, 6), (2, 30), (33, 5)]
@@ -144,12 +151,13 @@ def test_chunked_prefill_continues_each_prompt_from_its_recurrent_state(model_ty
         check_against_forward(reference, s)
 
 
-def test_preempted_sequences_rebuild_their_recurrent_state():
+@pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape decode"])
+def test_preempted_sequences_rebuild_their_recurrent_state(fixed):
     """A KV pool too small for every sequence: the youngest are preempted and re-prefill prompt +
     output later; their state starts over from that prefill, so the log-probs stay exact."""
     model = sensitive_hybrid("qwen3_5_text")
     reference = copy.deepcopy(model)
-    sched, runner = serve(model, num_blocks=6, max_num_seqs=4)
+    sched, runner = serve(model, num_blocks=6, max_num_seqs=4, fixed=fixed)
     seqs = [Sequence(i, f"p{i}", 0, [(5 * i + j) % 96 for j in range(10 + i)], params(i, 30), MAX_LEN)
             for i in range(4)]
     assert run(sched, runner, seqs, join_every=1) > 0
@@ -172,3 +180,38 @@ def test_weights_pushed_into_the_server_land_in_the_deltanet_layers():
     run(sched, runner, seqs, join_every=2)
     for s in seqs:
         check_against_forward(pushed, s)
+
+
+def test_a_graphs_warm_up_leaves_the_rows_deltanet_state_alone():
+    """Before capturing a decode step, its graph runs it once (first-use set-up) and then replays it:
+    the warm-up must not advance the rows' DeltaNet state (the replay would advance it twice), so it
+    runs on the scratch slot. Checked on the CPU by running the warm-up alone and comparing states."""
+    model = sensitive_hybrid("qwen3_5_text")
+    sched, runner = serve(model, fixed=True)
+    seqs = [Sequence(i, f"w{i}", 0, [(3 * i + j) % 96 for j in range(6 + i)], params(i, 4), MAX_LEN)
+            for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()  # the prompts: their states now hold something
+    runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
+    plan = sched.schedule()
+    assert plan.decode and not plan.prefill
+    graphs, state = runner.graphs, runner.recurrent
+    before = {i: (c.clone(), d.clone()) for (i, c), d in zip(state.conv.items(), state.delta.values())}
+    nums = [s.num_tokens for s in plan.decode]
+    rows = [s.row for s in plan.decode]
+    from asyncgrpo.server.runner import decode_inputs
+
+    dec = decode_inputs(np.array([s.last_token() for s in plan.decode]), np.array(nums), np.array(rows),
+                        sched.block_table, 16)
+    dec.state_rows = np.array(rows)
+    graphs.run(dec)  # writes the static inputs and runs the step (the state of `rows` advances) ...
+    advanced = {i: (c.clone(), d.clone()) for (i, c), d in zip(state.conv.items(), state.delta.values())}
+    for i, (c, d) in before.items():  # ... restore, then the warm-up alone
+        state.conv[i].copy_(c), state.delta[i].copy_(d)
+    bp = len(rows)
+    graphs._warm_up(("forward", bp, 0, 0, False), lambda: graphs._forward(bp, 1, 0))
+    for i, (c, d) in before.items():
+        assert torch.equal(state.conv[i][rows], c[rows]) and torch.equal(state.delta[i][rows], d[rows])
+        assert not torch.equal(advanced[i][1][rows], d[rows])  # a step does advance them
+    assert graphs._state_rows[:bp].tolist() == rows  # the rows are back for the replay

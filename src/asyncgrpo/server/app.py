@@ -141,12 +141,10 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         self.adapters = AdapterRegistry(args.max_loras) if args.enable_lora else None
         self.lora_lock = asyncio.Lock()  # one adapter load or unload at a time
         graphs = None
-        if self.recurrent is not None and served.device.type == "cuda" and not args.enforce_eager:
-            logger.info("decode steps run eagerly: the Gated DeltaNet layers' state is not captured in CUDA graphs")
-        elif served.device.type == "cuda" and not args.enforce_eager:
+        if served.device.type == "cuda" and not args.enforce_eager:
             graphs = DecodeGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
-                served.vocab_size, lora=self.lora,
+                served.vocab_size, lora=self.lora, recurrent=self.recurrent,
             )
         self.runner = ModelRunner(
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,

@@ -41,6 +41,8 @@ from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
+from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
+
 if TYPE_CHECKING:
     from asyncgrpo.server.lora import ServedLora
     from asyncgrpo.server.runner import DecodeInputs
@@ -86,11 +88,14 @@ class DecodeGraphs:
         vocab_size: int,
         max_prompt_rows: int = MAX_PROMPT_ROWS,
         lora: ServedLora | None = None,
+        recurrent: RecurrentState | None = None,
     ) -> None:
         """max_prompt_rows: prompt tokens a step may add to its decode rows and still take a graph
         (where the model runner lays chunks out as rows; 0: decode-only steps). lora: the served LoRA
         adapters (`--enable-lora`): steps with adapter rows replay graphs that add every slot's delta,
-        each row's slot a one-hot in a static buffer."""
+        each row's slot a one-hot in a static buffer. recurrent: a hybrid model's DeltaNet state
+        (`recurrent_state.py`): decode steps read and write the slots of the scheduler rows held in a
+        static buffer (padded rows: its scratch slot); steps with prompt tokens run eagerly."""
         self.model = model
         self.cache = cache
         self.device = device
@@ -108,6 +113,10 @@ class DecodeGraphs:
         # the group entries (shared tokens, members), allocated at the first step that has groups
         self._shared_lens = torch.zeros(n, dtype=torch.int64, device=device)
         self.lora = lora
+        self.recurrent = recurrent
+        if recurrent is not None:  # each row's slot of the DeltaNet state, and each batch bucket's plan
+            self._state_rows = torch.full((n,), recurrent.scratch_row, dtype=torch.int64, device=device)
+            self._recurrent_steps: dict[int, RecurrentStep] = {}
         if lora is not None:  # each row's adapter slot, one-hot (zero rows: the base model)
             self._slots = torch.zeros(n, lora.max_loras, dtype=lora.dtype, device=device)
         self._groups: torch.Tensor | None = None
@@ -156,6 +165,10 @@ class DecodeGraphs:
             groups[:g] = inputs.shared.groups
             self._shared_lens[:bp].copy_(torch.from_numpy(lens), non_blocking=True)
             self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
+        if self.recurrent is not None:
+            rows = np.full(bp, self.recurrent.scratch_row, dtype=np.int64)
+            rows[:b] = inputs.state_rows
+            self._state_rows[:bp].copy_(torch.from_numpy(rows), non_blocking=True)
         adapters = inputs.lora_slots is not None and bool((inputs.lora_slots >= 0).any())
         if adapters:  # graphs without adapter rows skip the LoRA matmuls
             slots = np.full(bp, -1, dtype=np.int64)
@@ -222,6 +235,11 @@ class DecodeGraphs:
             unpad_index=None,
             shared=SharedPrefixTensors(self._shared_lens[:bp], self._groups[:gp]) if gp else None,
         )
+        extra = {}
+        if self.recurrent is not None:
+            if bp not in self._recurrent_steps:
+                self._recurrent_steps[bp] = self.recurrent.decode_step(self._state_rows[:bp])
+            extra[STEP_KWARG] = self._recurrent_steps[bp]
         lora = self.lora.fixed_step(self._slots[:bp]) if adapters else contextlib.nullcontext()
         with lora:
             out = self.model(
@@ -230,6 +248,7 @@ class DecodeGraphs:
                 use_cache=False,
                 logits_to_keep=self._vec[4, : min(bp, self._num_sampled)],
                 kv_meta=meta,
+                **extra,
             )
         return out.logits[0]
 
@@ -237,7 +256,7 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            fn()  # warm-up outside capture (same inputs, same cache writes)
+            self._warm_up(key, fn)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         kind = key[0]
@@ -247,3 +266,19 @@ class DecodeGraphs:
         self._pools.setdefault(kind, graph.pool())
         self._graphs[key] = (graph, out)
         logger.info("captured a graph %s (%d graphs)", key, len(self._graphs))
+
+    def _warm_up(self, key: tuple, fn) -> None:
+        """fn() once before its capture (first-use set-up), after which the replay runs the step. The
+        keys and values it writes, the replay writes again, but a DeltaNet state it advanced the replay
+        would advance twice: with recurrent state the warm-up reads and writes the scratch slot (its
+        keys and values, computed from that state, the replay overwrites before any layer reads them)."""
+        if self.recurrent is None or key[0] != "forward":
+            fn()
+            return
+        rows = self._state_rows[: key[1]]
+        held = rows.clone()
+        rows.fill_(self.recurrent.scratch_row)
+        try:
+            fn()
+        finally:
+            rows.copy_(held)

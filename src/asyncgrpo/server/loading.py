@@ -254,7 +254,8 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
             budget = int(0.8 * free)
         else:
             budget = int(0.3 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        cap = max(budget - max_num_seqs * RecurrentState.bytes_per_sequence(served.model), 0) // per_token
+        # a hybrid's DeltaNet state: a slot per sequence, and the CUDA graphs' scratch slot
+        cap = max(budget - (max_num_seqs + 1) * RecurrentState.bytes_per_sequence(served.model), 0) // per_token
         tokens = min(want, cap)
     else:
         tokens = requested

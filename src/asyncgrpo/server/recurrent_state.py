@@ -11,7 +11,8 @@ Slots are the scheduler's rows: a sequence takes a row when it is admitted, whic
 through a prefill of its context from token 0 (prompt, plus the output so far after a preemption)
 whose first chunk writes the slot completely, and gives the row back when it finishes, is aborted or
 preempted. So nothing is carried over in a freed slot and nothing needs clearing. (Prefix caching
-never applies to these models: a cached prefix would need the state after it.)
+never applies to these models: a cached prefix would need the state after it.) One more slot,
+`scratch_row`, takes what the padded rows of a CUDA graph's decode step write (`decode_graphs.py`).
 
 One server step is the runner's flat row: decode tokens first, one per sequence, then prompt chunks
 (chunked prefill: a chunk that does not start at token 0 continues from the slot, as a decode does).
@@ -62,12 +63,14 @@ class RecurrentState:
     def __init__(self, layers: list[torch.nn.Module], num_rows: int, device: torch.device) -> None:
         self.conv: dict[int, torch.Tensor] = {}
         self.delta: dict[int, torch.Tensor] = {}
+        self.scratch_row = num_rows
         for layer in layers:
             dtype = layer.conv1d.weight.dtype
-            self.conv[layer.layer_idx] = torch.zeros(num_rows, layer.conv_kernel_size - 1, layer.conv_dim,
+            self.conv[layer.layer_idx] = torch.zeros(num_rows + 1, layer.conv_kernel_size - 1, layer.conv_dim,
                                                      dtype=dtype, device=device)
-            self.delta[layer.layer_idx] = torch.zeros(num_rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                                                      dtype=torch.promote_types(dtype, torch.float32), device=device)
+            self.delta[layer.layer_idx] = torch.zeros(num_rows + 1, layer.num_v_heads, layer.head_k_dim,
+                                                      layer.head_v_dim, dtype=torch.promote_types(dtype, torch.float32),
+                                                      device=device)
         self.device = device
 
     @classmethod
@@ -95,6 +98,12 @@ class RecurrentState:
         carried = np.array([True] * num_decode + [start > 0 for start in starts], dtype=bool)
         return RecurrentStep(self, torch.from_numpy(np.ascontiguousarray(rows)).to(self.device, non_blocking=True),
                              num_decode, list(prefill_lens), carried)
+
+    def decode_step(self, rows: torch.Tensor) -> RecurrentStep:
+        """The plan of a decode step over the rows of a device buffer `rows` [B] (a CUDA graph's static
+        input, rewritten before each replay): its index plans depend on B alone, so the layers build
+        them at the first call and reuse them, and a replay reads and writes whatever rows it holds."""
+        return RecurrentStep(self, rows, len(rows), [], np.ones(len(rows), dtype=bool))
 
 
 @dataclass(eq=False)

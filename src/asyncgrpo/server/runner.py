@@ -56,6 +56,7 @@ class DecodeInputs:
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
     lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
+    state_rows: np.ndarray | None = None  # each row's scheduler row: its DeltaNet state slot (hybrids)
 
 
 def decode_inputs(
@@ -197,7 +198,7 @@ class ModelRunner:
         chunks after cached tokens run as rows of the decode attention (`context_attention.py`; needs
         the shared pass); None: where the Triton kernel runs every attention variant of the model and
         none has a sliding window (whose layers read each row's window on its own), False: never."""
-        assert graphs is None or recurrent is None, "decode graphs do not carry recurrent state"
+        assert graphs is None or graphs.recurrent is recurrent, "the graphs carry the runner's recurrent state"
         assert graphs is None or graphs.lora is lora, "the graphs add the deltas of the runner's adapters"
         self.model = model
         self.cache = cache
@@ -254,6 +255,8 @@ class ModelRunner:
             if prefill:
                 dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.row_members,
                                   self.cache.scratch_block)
+            if self.recurrent is not None:  # decode only (`_fits_rows`)
+                dec.state_rows = rows[: len(decode)]
             if self.lora is not None:
                 slots = self.params.lora_slot
                 lens = [s.prefill_end - s.prefill_start for s in prefill]
@@ -327,8 +330,8 @@ class ModelRunner:
     def _fits_rows(self, prefill: list[Sequence]) -> bool:
         """Whether a step's prompt chunks run as rows of a graph's decode attention (`prompt_rows`): where
         the rows layout runs, with few enough rows for the graphs' buffers, reading little enough."""
-        if not (self.row_members and self.graphs.max_prompt_rows):
-            return False
+        if not (self.row_members and self.graphs.max_prompt_rows) or self.recurrent is not None:
+            return False  # (a DeltaNet layer runs prompt chunks with its chunked rule, not as rows)
         lens = np.fromiter((s.prefill_end - s.prefill_start for s in prefill), np.int64, len(prefill))
         if lens.sum() > self.graphs.max_prompt_rows:
             return False
