@@ -264,10 +264,13 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
     for k in args.logprob_passes:
         for c in levels:
             shape = {"turns": args.turns, "turn_tokens": extras}
-            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape))
+            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape,
+                                            probe=engine_counters))
             r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape,
                                         probe=engine_counters))
             results[f"{k}:{c}"] = {**r, "first_wave_tokens_per_s": first["tokens_per_s"]}
+            if "engine" in first:  # the same wave on other prompts, into a fresh server: compare the steps
+                results[f"{k}:{c}"]["first_wave_engine"] = first["engine"]
             line = ""
             if "engine" in r:
                 e = r["engine"]
