@@ -1,9 +1,9 @@
 import dataclasses
 import json
 import logging
-import warnings
 import pickle
 import time
+import warnings
 
 import pytest
 from transformers import HfArgumentParser, TrainingArguments

@@ -38,10 +38,9 @@ import torch
 from asyncgrpo.server.attention_math import attention_variants
 from asyncgrpo.server.decode_attention import check_decode_variants
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
+from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 from asyncgrpo.server.shared_prefix import SharedPrefixTensors
-
-from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
 
 if TYPE_CHECKING:
     from asyncgrpo.server.lora import ServedLora
