@@ -26,7 +26,7 @@ from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
-from test_recurrent_state import params, sensitive_hybrid
+from test_recurrent_state import params, run, sensitive_hybrid
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,19 +34,6 @@ pytestmark = [
 ]
 
 MAX_LEN = 256
-
-
-def _drive(sched, runner, seqs: list[Sequence], join_every: int = 3) -> None:
-    pending, steps = list(seqs), 0
-    while any(not s.finished for s in seqs):
-        if pending and steps % join_every == 0:
-            sched.add(pending.pop(0))
-        plan = sched.schedule()
-        runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
-        for s in plan.sampled:
-            if s.finished:
-                sched.remove(s)
-        steps += 1
 
 
 def _assert_same(a: list[Sequence], b: list[Sequence]) -> None:
@@ -63,7 +50,7 @@ def test_hybrid_decode_graphs_sample_what_eager_steps_sample(model_type):
     text = model.config.get_text_config()
     lengths = [(9, 40), (1, 12), (70, 6), (2, 30), (33, 5)]
 
-    def run(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
+    def serve(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
         cache = PagedKVCache(text.num_hidden_layers, 64, 16, text.num_key_value_heads, text.head_dim,
                              torch.float32, cuda)
         sched = Scheduler(BlockPool(64, enable_caching=False), 16, 8, 4096, MAX_LEN)
@@ -73,12 +60,12 @@ def test_hybrid_decode_graphs_sample_what_eager_steps_sample(model_type):
         runner = ModelRunner(model, cache, cuda, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
         seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)], params(i, n), MAX_LEN)
                 for i, (p, n) in enumerate(lengths)]
-        _drive(sched, runner, seqs)
+        run(sched, runner, seqs, join_every=3)
         return seqs, graphs
 
     with torch.inference_mode():
-        fixed, graphs = run(True)
-        eager, _ = run(False)
+        fixed, graphs = serve(True)
+        eager, _ = serve(False)
     assert graphs.use_graphs and any(key[0] == "forward" for key in graphs._graphs)  # captured, no fallback
     _assert_same(fixed, eager)
 
@@ -108,19 +95,19 @@ def test_lora_graphs_sample_what_eager_steps_sample(tmp_path):
         lora.write(slot, read_adapter(name, str(tmp_path / name), lora.targets(), 8))
     prompt = torch.randint(1, 257, (45,), generator=torch.Generator().manual_seed(3)).tolist()
 
-    def run(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
+    def serve(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
         cache = PagedKVCache(2, 200, 16, 2, 64, torch.float32, cuda)
         sched = Scheduler(BlockPool(200), 16, 8, 4096, MAX_LEN)
         graphs = DecodeGraphs(model, cache, cuda, 8, sched.max_blocks, True, 257, lora=lora) if fixed else None
         runner = ModelRunner(model, cache, cuda, 257, sched.block_table, graphs, lora=lora)
         seqs = [Sequence(i, f"r{i}", 0, prompt + [i // 3], params(i % 3, 20), MAX_LEN, lora_slot=slot,
                          hash_root=bytes([slot + 1])) for i, slot in enumerate([0, 1, -1, 0, 1, -1])]
-        _drive(sched, runner, seqs, join_every=2)
+        run(sched, runner, seqs, join_every=2)
         return seqs, graphs
 
     with torch.inference_mode():
-        fixed, graphs = run(True)
-        eager, _ = run(False)
+        fixed, graphs = serve(True)
+        eager, _ = serve(False)
     assert graphs.use_graphs and any(key[0] == "forward" and key[-1] for key in graphs._graphs)
     _assert_same(fixed, eager)
     assert len({tuple(np.round(s.logprobs, 3)) for s in fixed[:3]}) == 3  # the adapters change the sampling

@@ -99,11 +99,9 @@ def test_mps_without_its_control_program_says_what_to_do(tmp_path, monkeypatch):
         pass
 
 
-def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
-    """A stand-in control program records how it is called (the real one needs an NVIDIA driver)."""
+def _stand_in_mps_control(tmp_path: Path, monkeypatch) -> Path:
+    """An `nvidia-cuda-mps-control` first on PATH that appends how it is called to the returned file."""
     import os
-
-    from gpu_sharing import gpu_sharing
 
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir()
@@ -111,6 +109,16 @@ def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
     control.write_text(f'#!/bin/sh\necho "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {calls}\n')
     control.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return calls
+
+
+def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
+    """A stand-in control program records how it is called (the real one needs an NVIDIA driver)."""
+    import os
+
+    from gpu_sharing import gpu_sharing
+
+    calls = _stand_in_mps_control(tmp_path, monkeypatch)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.setattr(sys.modules["gpu_sharing"], "_probe_cuda", lambda env: None)  # no GPU here
     with gpu_sharing("mps", tmp_path / "run") as info:
@@ -127,12 +135,7 @@ def test_mps_whose_clients_cannot_compute_stops_the_daemon_and_says_what_to_do(t
 
     from gpu_sharing import gpu_sharing
 
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir()
-    control = bin_dir / "nvidia-cuda-mps-control"
-    control.write_text(f'#!/bin/sh\necho "args=$* stdin=$(cat)" >> {calls}\n')
-    control.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    calls = _stand_in_mps_control(tmp_path, monkeypatch)
     with pytest.raises(SystemExit, match="one-kernel computation.*daemon was stopped.*--sharing time-slicing"), \
             gpu_sharing("mps", tmp_path / "run"):
         pass
