@@ -57,7 +57,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
     p.add_argument(
-        "--enforce-eager", action="store_true", help="Never replay decode steps as CUDA graphs (CUDA only)."
+        "--enforce-eager", action="store_true", help="Never replay steps as CUDA graphs (CUDA only)."
     )
     p.add_argument(
         "--return-sampling-mask",
