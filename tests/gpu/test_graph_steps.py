@@ -27,6 +27,7 @@ from asyncgrpo.server.scheduler import Scheduler, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
 from test_recurrent_state import params, run, sensitive_hybrid
+from test_tree_deltanet import HYBRIDS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,7 +67,9 @@ def test_hybrid_decode_graphs_sample_what_eager_steps_sample(model_type):
     with torch.inference_mode():
         fixed, graphs = serve(True)
         eager, _ = serve(False)
-    assert graphs.use_graphs and any(key[0] == "forward" for key in graphs._graphs)  # captured, no fallback
+    if not HYBRIDS[model_type]:  # dense: captured, no fallback (a MoE router as transformers runs its experts
+        # eagerly may synchronise with the host, and the graphs then fall back to eager steps, logged)
+        assert graphs.use_graphs and any(key[0] == "forward" for key in graphs._graphs)
     _assert_same(fixed, eager)
 
 
