@@ -43,13 +43,13 @@ from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, w
 
 from asyncgrpo.server import decode_attention as attention
 from asyncgrpo.server import fused_layers, kv_cache
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampling import sample
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
@@ -160,8 +160,8 @@ def run_engine(served, args, prompts, impl: str) -> dict:
                          served.num_kv_heads, served.head_dim, served.dtype, served.device)
     scheduler = Scheduler(BlockPool(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
     cuda = served.device.type == "cuda"
-    graphs = DecodeGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda,
-                          served.vocab_size)
+    graphs = StepGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda,
+                        served.vocab_size)
     runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs)
     params = SeqParams(
         temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens, min_tokens=0,

@@ -61,12 +61,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from provenance import command_line, package_versions
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 
 BLOCK_SIZE = 16
 PHASES = ("schedule", "launch", "wait", "device", "record")
@@ -189,8 +189,8 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) ->
     scheduler = Scheduler(BlockPool(cache.num_blocks, args.caching == "on"), BLOCK_SIZE, args.concurrency,
                           args.max_num_batched_tokens, max_len, admission_interval=args.admission_interval)
     cuda = served.device.type == "cuda"
-    graphs = DecodeGraphs(served.model, cache, served.device, args.concurrency, scheduler.max_blocks, cuda,
-                          served.vocab_size) if args.graphs == "on" else None
+    graphs = StepGraphs(served.model, cache, served.device, args.concurrency, scheduler.max_blocks, cuda,
+                        served.vocab_size) if args.graphs == "on" else None
     runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs,
                          shared_prefix=shared_prefix)
     timer = StepTimer(runner)

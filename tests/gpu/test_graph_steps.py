@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.loading import prepare_model
@@ -24,6 +23,7 @@ from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
 from test_recurrent_state import params, run, sensitive_hybrid
@@ -44,20 +44,20 @@ def _assert_same(a: list[Sequence], b: list[Sequence]) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
-def test_hybrid_decode_graphs_sample_what_eager_steps_sample(model_type):
+def test_hybrid_decode_graph_steps_sample_what_eager_steps_sample(model_type):
     cuda = torch.device("cuda")
     model = sensitive_hybrid(model_type).to(cuda)
     prepare_model(model, cuda)
     text = model.config.get_text_config()
     lengths = [(9, 40), (1, 12), (70, 6), (2, 30), (33, 5)]
 
-    def serve(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
+    def serve(fixed: bool) -> tuple[list[Sequence], StepGraphs | None]:
         cache = PagedKVCache(text.num_hidden_layers, 64, 16, text.num_key_value_heads, text.head_dim,
                              torch.float32, cuda)
         sched = Scheduler(BlockPool(64, enable_caching=False), 16, 8, 4096, MAX_LEN)
         recurrent = RecurrentState.for_model(model, 8, cuda)
-        graphs = DecodeGraphs(model, cache, cuda, 8, sched.max_blocks, True, text.vocab_size,
-                              recurrent=recurrent) if fixed else None
+        graphs = StepGraphs(model, cache, cuda, 8, sched.max_blocks, True, text.vocab_size,
+                            recurrent=recurrent) if fixed else None
         runner = ModelRunner(model, cache, cuda, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
         seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)], params(i, n), MAX_LEN)
                 for i, (p, n) in enumerate(lengths)]
@@ -98,10 +98,10 @@ def test_lora_graphs_sample_what_eager_steps_sample(tmp_path):
         lora.write(slot, read_adapter(name, str(tmp_path / name), lora.targets(), 8))
     prompt = torch.randint(1, 257, (45,), generator=torch.Generator().manual_seed(3)).tolist()
 
-    def serve(fixed: bool) -> tuple[list[Sequence], DecodeGraphs | None]:
+    def serve(fixed: bool) -> tuple[list[Sequence], StepGraphs | None]:
         cache = PagedKVCache(2, 200, 16, 2, 64, torch.float32, cuda)
         sched = Scheduler(BlockPool(200), 16, 8, 4096, MAX_LEN)
-        graphs = DecodeGraphs(model, cache, cuda, 8, sched.max_blocks, True, 257, lora=lora) if fixed else None
+        graphs = StepGraphs(model, cache, cuda, 8, sched.max_blocks, True, 257, lora=lora) if fixed else None
         runner = ModelRunner(model, cache, cuda, 257, sched.block_table, graphs, lora=lora)
         seqs = [Sequence(i, f"r{i}", 0, prompt + [i // 3], params(i % 3, 20), MAX_LEN, lora_slot=slot,
                          hash_root=bytes([slot + 1])) for i, slot in enumerate([0, 1, -1, 0, 1, -1])]

@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def _run(model, shared_prefix: bool, work, max_tokens: int) -> list[Sequence]:
     cuda = torch.device("cuda")
     cache = PagedKVCache(2, 400, BS, 2, 64, torch.float32, cuda)
     sched = Scheduler(BlockPool(400), BS, 32, 8192, MAX_LEN)
-    graphs = DecodeGraphs(model, cache, cuda, 32, sched.max_blocks, True, VOCAB)
+    graphs = StepGraphs(model, cache, cuda, 32, sched.max_blocks, True, VOCAB)
     runner = ModelRunner(model, cache, cuda, VOCAB, sched.block_table, graphs, shared_prefix=shared_prefix)
     assert (runner.shared_members > 0) == shared_prefix
     seqs = []

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_graphs import DecodeGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.decode_kernels import choose_splits
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import decode_inputs
+from asyncgrpo.server.step_graphs import StepGraphs, batch_bucket, block_bucket
 
 
 @pytest.fixture(scope="module", params=["own forwards", "fused layers"])
@@ -89,8 +89,8 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     got = _step(paged, cache, seqs, ["a", "b"], ["c"])  # decode and a single prefill in one pass
     torch.testing.assert_close(got, expected(["a", "b", "c"]), atol=1e-5, rtol=1e-5)
     # fixed-shape decode path (what CUDA graphs replay): 3 rows padded to 4, tables to 4 blocks
-    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False,
-                          vocab_size=97)
+    graphs = StepGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False,
+                        vocab_size=97)
     for _ in range(2):
         for n in "abc":
             grow(n)
@@ -126,11 +126,11 @@ def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models,
     """Graphs are kept per (rows, blocks, groups) bucket; once MAX_GRAPHS are kept, a step of a shape not
     met yet runs its static path eagerly instead of capturing one more. Capture needs CUDA, so a
     stand-in records what would be captured; keys met before still replay."""
-    from asyncgrpo.server import decode_graphs
+    from asyncgrpo.server import step_graphs
 
     _, paged = models
     cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
-    graphs = DecodeGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
+    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
     graphs.use_graphs = True
     captured = []
 
@@ -143,7 +143,7 @@ def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models,
         graphs._graphs[key] = (Captured(), fn())
 
     monkeypatch.setattr(graphs, "_capture", capture)
-    monkeypatch.setattr(decode_graphs, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 2)
     ran = []
 
     def step(value):

@@ -116,11 +116,11 @@ def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
     """The path CUDA graphs replay (decode steps, and steps whose prompt chunks are rows of the decode
     attention), run eagerly on the CPU: requests under two adapters and the base model, in one batch,
     sample what the eager runner samples, and the adapters change what is sampled."""
-    from asyncgrpo.server.decode_graphs import DecodeGraphs
     from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
     from asyncgrpo.server.prefix_cache import BlockPool
     from asyncgrpo.server.runner import ModelRunner
     from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+    from asyncgrpo.server.step_graphs import StepGraphs
 
     for name, seed in (("a", 1), ("b", 2)):
         _adapter(tmp_path / name, seed, r=4, lora_alpha=8, target_modules="all-linear")
@@ -136,7 +136,7 @@ def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
     def run(fixed: bool) -> list[Sequence]:
         cache = PagedKVCache(2, 80, 16, 2, 8, torch.float32, cpu)
         sched = Scheduler(BlockPool(80), 16, 8, 4096, 64)
-        graphs = DecodeGraphs(model, cache, cpu, 8, sched.max_blocks, False, 64, lora=lora) if fixed else None
+        graphs = StepGraphs(model, cache, cpu, 8, sched.max_blocks, False, 64, lora=lora) if fixed else None
         runner = ModelRunner(model, cache, cpu, 64, sched.block_table, graphs, lora=lora, shared_prefix=fixed,
                              continued_rows=fixed)
         seqs = []

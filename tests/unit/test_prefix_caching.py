@@ -14,12 +14,12 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from asyncgrpo.server.context_attention import MAX_RUNS
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
 from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
+from asyncgrpo.server.step_graphs import StepGraphs
 
 MAX_LEN = 256
 BS = 16
@@ -48,8 +48,8 @@ class Harness:
                                admission_interval=admission_interval)
         # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
         # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
-        graphs = DecodeGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB,
-                              max_prompt_rows) if shared_prefix else None
+        graphs = StepGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB,
+                            max_prompt_rows) if shared_prefix else None
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
         # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
         # at most that many rows take the fixed-shape path (`runner.prompt_rows`) with all chunks as rows

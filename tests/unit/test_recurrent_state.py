@@ -17,7 +17,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from test_tree_deltanet import HYBRIDS, tiny_hybrid  # tests/unit is on the path (pytest's rootdir imports)
 
 from asyncgrpo.packing.deltanet import deltanet_layers
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import prepare_model
@@ -25,6 +24,7 @@ from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.weights import WeightLoader
 
 MAX_LEN = 256
@@ -56,8 +56,8 @@ def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_to
     sched = Scheduler(BlockPool(num_blocks, enable_caching=False), 16, max_num_seqs, max_num_batched_tokens, MAX_LEN)
     recurrent = RecurrentState.for_model(model, max_num_seqs, CPU)
     assert recurrent is not None
-    graphs = DecodeGraphs(model, cache, CPU, max_num_seqs, sched.max_blocks, False, text.vocab_size,
-                          recurrent=recurrent) if fixed else None
+    graphs = StepGraphs(model, cache, CPU, max_num_seqs, sched.max_blocks, False, text.vocab_size,
+                        recurrent=recurrent) if fixed else None
     runner = ModelRunner(model, cache, CPU, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
     warm_up(runner, sched)
     return sched, runner

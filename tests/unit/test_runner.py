@@ -8,12 +8,12 @@ import copy
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 
 MAX_LEN = 64
 
@@ -30,7 +30,7 @@ def _model():
 def _engine(model, static: bool):
     cache = PagedKVCache(2, 40, 16, 2, 16, torch.float32, torch.device("cpu"))
     sched = Scheduler(BlockPool(40), 16, 8, 4096, MAX_LEN)
-    graphs = DecodeGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, False, 101) if static else None
+    graphs = StepGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, False, 101) if static else None
     runner = ModelRunner(model, cache, torch.device("cpu"), 101, sched.block_table, graphs)
     warm_up(runner, sched)
     return sched, runner

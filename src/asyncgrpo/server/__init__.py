@@ -19,7 +19,8 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     decode_kernels.py     its Triton kernels (per-sequence, shared-prefix, merge) and their launch
     shared_prefix.py      decode sequences whose first blocks are the same (a GRPO group's prompt),
                           read once per group by decode attention
-    decode_graphs.py      fixed-shape decode steps replayed as CUDA graphs
+    step_graphs.py        fixed-shape steps replayed as CUDA graphs: decode rows, short prompt chunks
+                          as rows, a hybrid's recurrent state slots, LoRA slots
     fused_layers.py / fused_norm.py  Llama-family attention/MLP blocks and RMSNorm as fused kernels,
                           each used only after a load-time accuracy check
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)

@@ -37,7 +37,6 @@ from asyncgrpo.server import protocol as P
 from asyncgrpo.server import responses as R
 from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.control import ControlRoutes
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.engine import Engine, warm_up
 from asyncgrpo.server.holding import HoldingRoutes
 from asyncgrpo.server.kv_cache import PagedKVCache
@@ -50,6 +49,7 @@ from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         self.lora_lock = asyncio.Lock()  # one adapter load or unload at a time
         graphs = None
         if served.device.type == "cuda" and not args.enforce_eager:
-            graphs = DecodeGraphs(
+            graphs = StepGraphs(
                 served.model, self.cache, served.device, args.max_num_seqs, self.scheduler.max_blocks, True,
                 served.vocab_size, lora=self.lora, recurrent=self.recurrent,
             )

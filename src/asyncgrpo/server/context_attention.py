@@ -39,7 +39,7 @@ from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, SharedPrefixes, Sh
 
 # chunks of at most this many shared-prefix runs take the rows layout (see above)
 MAX_RUNS = 4
-# in a step that replays a graph (`decode_graphs.py`) every chunk is rows, and a chunk of r runs reads
+# in a step that replays a graph (`step_graphs.py`) every chunk is rows, and a chunk of r runs reads
 # its context about r times: a step whose chunks would read more cached tokens than this in all (about
 # 30 GB of keys and values per step at 0.6B, less where the runs of a chunk meet in the L2 cache) runs
 # eagerly instead, its long chunks padded

@@ -98,7 +98,7 @@ def decode_attention(
 def triton_works_on(device: torch.device, dtype: torch.dtype, windowed: bool = False, capped: bool = False) -> bool:
     """Whether the Triton kernel's variant (with a sliding window, with a soft-cap) compiles on this
     device and matches the gather path on random input (once per device, dtype and variant; call it
-    outside CUDA-graph capture: `DecodeGraphs` checks its model's variants before it captures any)."""
+    outside CUDA-graph capture: `StepGraphs` checks its model's variants before it captures any)."""
     return _triton_matches_gather(device, dtype, shared_pass=False, windowed=windowed, capped=capped)
 
 

@@ -125,7 +125,7 @@ class ServedLora:
 
     @contextlib.contextmanager
     def fixed_step(self, onehot: torch.Tensor) -> Iterator[None]:
-        """Around a forward pass of fixed shapes (a CUDA graph's, `decode_graphs.py`): every slot's
+        """Around a forward pass of fixed shapes (a CUDA graph's, `step_graphs.py`): every slot's
         columns, `onehot` [N, S] a buffer rewritten with `slot_onehot` before each replay."""
         self._mask = onehot.repeat_interleave(self.max_rank, 1)
         self._cols = slice(0, self.max_loras * self.max_rank)

@@ -12,7 +12,7 @@ through a prefill of its context from token 0 (prompt, plus the output so far af
 whose first chunk writes the slot completely, and gives the row back when it finishes, is aborted or
 preempted. So nothing is carried over in a freed slot and nothing needs clearing. (Prefix caching
 never applies to these models: a cached prefix would need the state after it.) One more slot,
-`scratch_row`, takes what the padded rows of a CUDA graph's decode step write (`decode_graphs.py`).
+`scratch_row`, takes what the padded rows of a CUDA graph's decode step write (`step_graphs.py`).
 
 One server step is the runner's flat row: decode tokens first, one per sequence, then prompt chunks
 (chunked prefill: a chunk that does not start at token 0 continues from the slot, as a decode does).

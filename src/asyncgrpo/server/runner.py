@@ -4,7 +4,7 @@ Builds the flat step (decode tokens first, then the chunks of prompts to prefill
 the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model with the paged
 attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
 per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
-transfer per step. With CUDA graphs (`decode_graphs.py`), decode steps replay one, and so do steps
+transfer per step. With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps
 whose prompt chunks are all short (`prompt_rows`: every chunk token a row of the decode attention);
 other steps run the eager forward.
 
@@ -26,7 +26,6 @@ import torch
 from asyncgrpo.server.attention_math import attention_variants
 from asyncgrpo.server.context_attention import ROW_STEP_READS, row_step_reads, rows_sharing
 from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
-from asyncgrpo.server.decode_graphs import DecodeGraphs
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
@@ -42,17 +41,19 @@ from asyncgrpo.server.sampling import (
 )
 from asyncgrpo.server.scheduler import Sequence
 from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
+from asyncgrpo.server.step_graphs import StepGraphs
 
 
 @dataclass
-class DecodeInputs:
-    """Host inputs of the decode part of a step, one entry per decode sequence (int64 arrays)."""
+class StepRows:
+    """Host inputs of a step's rows of the paged decode attention, one entry per row (int64 arrays):
+    a decode sequence's new token (`decode_inputs`), or a prompt chunk's token (`prompt_rows`)."""
 
-    token_ids: np.ndarray  # [Bd] last token of each sequence
-    positions: np.ndarray  # [Bd] its position
-    slots: np.ndarray  # [Bd] flat cache row its keys/values go to
-    context_lens: np.ndarray  # [Bd] cached tokens incl. the new one
-    block_tables: np.ndarray  # [Bd, nb] blocks; nb covers the longest sequence
+    token_ids: np.ndarray  # [B] each row's token (a decode sequence's last one)
+    positions: np.ndarray  # [B] its position
+    slots: np.ndarray  # [B] flat cache row its keys/values go to
+    context_lens: np.ndarray  # [B] cached tokens it sees, itself included
+    block_tables: np.ndarray  # [B, nb] its sequence's blocks; nb covers the longest
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
     lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
@@ -61,20 +62,20 @@ class DecodeInputs:
 
 def decode_inputs(
     last_tokens: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, block_table: np.ndarray, block_size: int
-) -> DecodeInputs:
+) -> StepRows:
     """Inputs of decode sequences from their last token, length (incl. that token) and block-table row."""
     positions = num_tokens - 1
     num_blocks = -(-int(num_tokens.max()) // block_size)
     tables = block_table[rows, :num_blocks]
     blocks = tables[np.arange(len(rows)), positions // block_size]
-    return DecodeInputs(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables)
+    return StepRows(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables)
 
 
 def prompt_rows(
-    dec: DecodeInputs | None, prefill: list[Sequence], block_table: np.ndarray, block_size: int, members: int,
+    dec: StepRows | None, prefill: list[Sequence], block_table: np.ndarray, block_size: int, members: int,
     null_block: int,
-) -> DecodeInputs:
-    """A step as rows of the decode attention (`decode_graphs.py`): the decode rows `dec` (None: none),
+) -> StepRows:
+    """A step as rows of the decode attention (`step_graphs.py`): the decode rows `dec` (None: none),
     then a row per token of each prompt chunk, which sees its sequence's tokens up to itself. Runs of up
     to `members` rows of a chunk read its blocks before them once (`context_attention.rows_sharing`);
     the rows that sample are the decode rows and the last row of each chunk that ends its prompt."""
@@ -93,10 +94,10 @@ def prompt_rows(
     sample_rows = np.concatenate([np.arange(nd), nd + np.cumsum(lens)[ends] - 1])
     shared = rows_sharing(lens.tolist(), starts.tolist(), seq_tables, block_size, members, null_block)
     if dec is None:
-        return DecodeInputs(ids, positions, slots, positions + 1, tables, shared, sample_rows)
+        return StepRows(ids, positions, slots, positions + 1, tables, shared, sample_rows)
     dec_tables = np.full((nd, num_blocks), null_block, dtype=np.int64)  # entries past a context are not read
     dec_tables[:, : dec.block_tables.shape[1]] = dec.block_tables
-    return DecodeInputs(
+    return StepRows(
         np.concatenate([dec.token_ids, ids]),
         np.concatenate([dec.positions, positions]),
         np.concatenate([dec.slots, slots]),
@@ -186,7 +187,7 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int,
         block_table: np.ndarray,
-        graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
         recurrent: RecurrentState | None = None,
         lora: ServedLora | None = None,
         shared_prefix: bool | None = None,
@@ -268,12 +269,12 @@ class ModelRunner:
         else:
             logits = self._forward(dec, prefill, rows[: len(decode)])
         logits = self._process(logits.float(), seqs, rows, positions)
-        # non_blocking: the decode graph may still be running; a plain copy would wait for it
+        # non_blocking: the step's graph may still be running; a plain copy would wait for it
         floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
         ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
         return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
 
-    def _forward(self, dec: DecodeInputs | None, prefill: list[Sequence], decode_rows: np.ndarray) -> torch.Tensor:
+    def _forward(self, dec: StepRows | None, prefill: list[Sequence], decode_rows: np.ndarray) -> torch.Tensor:
         """Eager flat step: any mix of decode tokens (of the scheduler rows `decode_rows`) and prompt
         chunks. Returns logits [B, V]."""
         bs = self.cache.block_size
@@ -338,7 +339,7 @@ class ModelRunner:
         starts = np.fromiter((s.prefill_start for s in prefill), np.int64, len(prefill))
         return row_step_reads(lens, starts, self.row_members) <= ROW_STEP_READS
 
-    def _shared_prefixes(self, decode: list[Sequence], dec: DecodeInputs) -> SharedPrefixes | None:
+    def _shared_prefixes(self, decode: list[Sequence], dec: StepRows) -> SharedPrefixes | None:
         """The groups of the decode sequences that share their first blocks, found again only when the
         decode set (or a released block) changed since the last step without prefills: blocks shared at
         admission stay shared and in place while the sequences run."""

@@ -44,7 +44,7 @@ from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
 if TYPE_CHECKING:
     from asyncgrpo.server.lora import ServedLora
-    from asyncgrpo.server.runner import DecodeInputs
+    from asyncgrpo.server.runner import StepRows
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def block_bucket(n: int, max_blocks: int) -> int:
     return min(b, max_blocks)
 
 
-class DecodeGraphs:
+class StepGraphs:
     """Static buffers + captured graphs for steps of rows (engine thread only)."""
 
     def __init__(
@@ -129,7 +129,7 @@ class DecodeGraphs:
         self._floats = torch.zeros(3, ns, dtype=torch.float32, device=device)
         self._ints = torch.zeros(2, ns, dtype=torch.int64, device=device)
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+    def run(self, inputs: StepRows) -> torch.Tensor:
         """One step of B rows. Returns the logits of the rows that sample ([S, V]: every row of a decode
         step, `inputs.sample_rows` of one with prompt rows)."""
         b, nb = inputs.block_tables.shape
