@@ -14,6 +14,7 @@ import torch
 from asyncgrpo.server.attention_math import attend
 from asyncgrpo.server.context_attention import (
     MAX_RUNS,
+    chunk_positions,
     continued_attention,
     continued_layout,
     continued_rows,
@@ -161,3 +162,8 @@ def test_pad_indices_move_packed_tokens_to_a_padded_layout_and_back():
     assert unpad.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
     packed = np.arange(100, 108)
     assert (packed[pad].reshape(3, 4).reshape(-1)[unpad] == packed).all()
+
+
+def test_chunk_positions_lay_each_chunks_positions_end_to_end():
+    assert chunk_positions([3, 1, 2], [0, 7, 32]).tolist() == [0, 1, 2, 7, 32, 33]
+    assert chunk_positions([], []).tolist() == []

@@ -204,7 +204,6 @@ def test_a_graphs_warm_up_leaves_the_rows_deltanet_state_alone():
 
     dec = decode_inputs(np.array([s.last_token() for s in plan.decode]), np.array(nums), np.array(rows),
                         sched.block_table, 16)
-    dec.state_rows = np.array(rows)
     graphs.run(dec)  # writes the static inputs and runs the step (the state of `rows` advances) ...
     advanced = {i: (c.clone(), d.clone()) for (i, c), d in zip(state.conv.items(), state.delta.values())}
     for i, (c, d) in before.items():  # ... restore, then the warm-up alone

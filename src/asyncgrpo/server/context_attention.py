@@ -46,6 +46,13 @@ MAX_RUNS = 4
 ROW_STEP_READS = 1 << 18
 
 
+def chunk_positions(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """[sum(lens)] int64: the position of every token of chunks of `lens` tokens after `starts`, chunk
+    after chunk."""
+    lens, starts = np.asarray(lens, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+
+
 def row_step_reads(lens: np.ndarray, starts: np.ndarray, members: int) -> int:
     """Cached tokens the rows of chunks (`lens` new tokens after `starts`) read at most, in runs of
     `members` rows: each run up to its chunk's end."""
@@ -212,10 +219,10 @@ def continued_rows(
 ) -> ContinuedRows:
     """Rows layout of sequences computing tokens [start, start + len) over their blocks `tables`; runs of
     up to `members` rows of one sequence share its cached blocks (`rows_sharing`; < 2: none)."""
-    ends = [s + n for s, n in zip(starts, lens)]
-    padded = padded_tables(tables, np.asarray(ends, dtype=np.int64), block_size, null_block)
+    ends = np.asarray(starts, dtype=np.int64) + np.asarray(lens, dtype=np.int64)
+    padded = padded_tables(tables, ends, block_size, null_block)
     seq_of_row = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device, non_blocking=True)
-    context = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in zip(starts, ends)])
+    context = chunk_positions(lens, starts) + 1
     shared = rows_sharing(lens, starts, padded, block_size, members, null_block)
     return ContinuedRows(
         lens=list(lens),

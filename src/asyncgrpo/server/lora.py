@@ -16,8 +16,9 @@ two matmuls per target whatever mix of adapters the batch holds (never one forwa
 step that uses no adapter skips them, and the matmuls only span the slots between the lowest and the
 highest one in use (in a CUDA graph's step, whose shapes are fixed, they span every slot and M is
 expanded from a static one-hot buffer: `fixed_step`). Zero rows and zero mask entries add exact
-zeros, so a token's delta is its own adapter's. Where `fuse_layers` joined projections (q/k/v, gate/up) into one matmul, the fused forward
-calls `JoinedDelta` on the joined output; other targets get a wrapped forward.
+zeros, so a token's delta is its own adapter's. Where `fuse_layers` joined projections (q/k/v,
+gate/up) into one matmul, the fused forward calls `JoinedDelta` on the joined output; other targets
+get a wrapped forward.
 
 The slot bookkeeping (`AdapterRegistry`) lives in the event loop: a request takes a reference on its
 adapter for as long as it runs, and an unloaded adapter's slot is reused only once its last request

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.context_attention import ROW_STEP_READS, row_step_reads, rows_sharing
+from asyncgrpo.server.context_attention import ROW_STEP_READS, chunk_positions, row_step_reads, rows_sharing
 from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
@@ -54,10 +54,10 @@ class StepRows:
     slots: np.ndarray  # [B] flat cache row its keys/values go to
     context_lens: np.ndarray  # [B] cached tokens it sees, itself included
     block_tables: np.ndarray  # [B, nb] its sequence's blocks; nb covers the longest
+    seq_rows: np.ndarray  # [B] its sequence's scheduler row (the slot of its DeltaNet state, its LoRA slot)
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
     lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
-    state_rows: np.ndarray | None = None  # each row's scheduler row: its DeltaNet state slot (hybrids)
 
 
 def decode_inputs(
@@ -68,7 +68,7 @@ def decode_inputs(
     num_blocks = -(-int(num_tokens.max()) // block_size)
     tables = block_table[rows, :num_blocks]
     blocks = tables[np.arange(len(rows)), positions // block_size]
-    return StepRows(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables)
+    return StepRows(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables, rows)
 
 
 def prompt_rows(
@@ -85,16 +85,18 @@ def prompt_rows(
     num_blocks = -(-int((starts + lens).max()) // block_size)
     if dec is not None:
         num_blocks = max(num_blocks, dec.block_tables.shape[1])
-    seq_tables = block_table[[s.row for s in prefill], :num_blocks]
-    positions = np.concatenate([np.arange(st, st + n) for st, n in zip(starts.tolist(), lens.tolist())])
+    chunk_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
+    seq_tables = block_table[chunk_rows, :num_blocks]
+    positions = chunk_positions(lens, starts)
     tables = np.repeat(seq_tables, lens, axis=0)
+    seq_rows = np.repeat(chunk_rows, lens)
     slots = tables[np.arange(len(positions)), positions // block_size] * block_size + positions % block_size
     ids = np.concatenate([np.asarray(s.all_tokens()[s.prefill_start : s.prefill_end], np.int64) for s in prefill])
     ends = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), bool, len(prefill))
     sample_rows = np.concatenate([np.arange(nd), nd + np.cumsum(lens)[ends] - 1])
     shared = rows_sharing(lens.tolist(), starts.tolist(), seq_tables, block_size, members, null_block)
     if dec is None:
-        return StepRows(ids, positions, slots, positions + 1, tables, shared, sample_rows)
+        return StepRows(ids, positions, slots, positions + 1, tables, seq_rows, shared, sample_rows)
     dec_tables = np.full((nd, num_blocks), null_block, dtype=np.int64)  # entries past a context are not read
     dec_tables[:, : dec.block_tables.shape[1]] = dec.block_tables
     return StepRows(
@@ -103,6 +105,7 @@ def prompt_rows(
         np.concatenate([dec.slots, slots]),
         np.concatenate([dec.context_lens, positions + 1]),
         np.concatenate([dec_tables, tables]),
+        np.concatenate([dec.seq_rows, seq_rows]),
         SharedPrefixes.concat(dec.shared, nd, shared, len(ids)),
         sample_rows,
     )
@@ -256,13 +259,8 @@ class ModelRunner:
             if prefill:
                 dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.row_members,
                                   self.cache.scratch_block)
-            if self.recurrent is not None:  # decode only (`_fits_rows`)
-                dec.state_rows = rows[: len(decode)]
             if self.lora is not None:
-                slots = self.params.lora_slot
-                lens = [s.prefill_end - s.prefill_start for s in prefill]
-                dec.lora_slots = np.concatenate([slots[rows[: len(decode)]],
-                                                 np.repeat(slots[[s.row for s in prefill]], lens)])
+                dec.lora_slots = self.params.lora_slot[dec.seq_rows]
             logits = self.graphs.run(dec)
             if not self._needs_processing(rows, positions):
                 return self._to_host(self.graphs.sample(logits, plan, self.token_hashes), plan)

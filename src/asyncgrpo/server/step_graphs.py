@@ -166,7 +166,7 @@ class StepGraphs:
             self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
         if self.recurrent is not None:
             rows = np.full(bp, self.recurrent.scratch_row, dtype=np.int64)
-            rows[:b] = inputs.state_rows
+            rows[:b] = inputs.seq_rows
             self._state_rows[:bp].copy_(torch.from_numpy(rows), non_blocking=True)
         adapters = inputs.lora_slots is not None and bool((inputs.lora_slots >= 0).any())
         if adapters:  # graphs without adapter rows skip the LoRA matmuls
