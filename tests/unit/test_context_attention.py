@@ -161,7 +161,7 @@ def test_pad_indices_move_packed_tokens_to_a_padded_layout_and_back():
     assert pad.tolist() == [0, 1, 2, 0, 3, 0, 0, 0, 4, 5, 6, 7]
     assert unpad.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
     packed = np.arange(100, 108)
-    assert (packed[pad].reshape(3, 4).reshape(-1)[unpad] == packed).all()
+    assert (packed[pad][unpad] == packed).all()  # to the padded layout and back
 
 
 def test_chunk_positions_lay_each_chunks_positions_end_to_end():
