@@ -48,7 +48,8 @@ from asyncgrpo.server.loading import load_served_model, resolve_device
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.sampling import sample
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
 BLOCK_SIZE = 16

@@ -60,6 +60,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--enforce-eager", action="store_true", help="Never replay steps as CUDA graphs (CUDA only)."
     )
     p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Plan and launch each step before the previous one's tokens reach the host, so that the host's "
+        "work overlaps the device's, as vLLM's flag (default: on with CUDA, off on CPU, where the device is "
+        "the host). A sequence that ends with a stop token costs one dropped row in the next step.",
+    )
+    p.add_argument(
         "--return-sampling-mask",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -22,7 +22,8 @@ from asyncgrpo.server.loading import prepare_model
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests

@@ -16,7 +16,8 @@ from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
 pytestmark = [

@@ -132,7 +132,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def main(model_dir, tmp_path_factory):
-    server = Server(model_dir, tmp_path_factory.mktemp("logs") / "main.log",
+    # asynchronous steps, the default on CUDA (`small` steps synchronously, the default on CPU)
+    server = Server(model_dir, tmp_path_factory.mktemp("logs") / "main.log", "--async-scheduling",
                     "--return-sampling-mask", "--max-model-len", "256", "--max-num-seqs", "64")
     yield server
     server.stop()
@@ -248,6 +249,7 @@ def test_description_routes(main, fixtures):
     assert cc["block_size"] == 16 and cc["kv_cache_size_tokens"] == 64 * 256
     assert cc["num_gpu_blocks"] * 16 == cc["kv_cache_size_tokens"]
     assert info["vllm_config"]["parallel_config"]["tensor_parallel_size"] == 1
+    assert info["vllm_config"]["scheduler_config"]["async_scheduling"] is True
     assert main.call("GET", "/weight_info") == (200, {"weight_version": "default"})
     assert main.call("GET", "/is_paused") == (200, {"is_paused": False})
     assert main.call("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})[0] == 404
@@ -572,6 +574,7 @@ def test_api_key_guards_every_route_but_health(small):
     assert small.call("POST", "/pause?mode=keep")[0] == 401 and small.call("GET", "/metrics")[0] == 401
     status, info = small.call("GET", "/server_info?config_format=json", headers=AUTH)
     assert status == 200 and info["vllm_config"]["model_config"]["return_sampling_mask"] is False
+    assert info["vllm_config"]["scheduler_config"]["async_scheduling"] is False  # the default on CPU
     # without the mask flag greedy and top_k-free requests are fine, and no masks come back
     status, body = small.gen(PROMPT, headers=AUTH, temperature=0.0, max_tokens=3, ignore_eos=True)
     assert status == 200 and body["choices"][0]["sampling_mask"] is None

@@ -147,7 +147,7 @@ def test_a_step_of_decode_rows_and_prompt_rows_in_the_kernels():
     their first blocks, then every token of a fresh prompt, of a group member's last block and of a next
     turn as rows whose runs read their sequence's blocks before them once; equals the gather, row by row."""
     from asyncgrpo.server.runner import decode_inputs, prompt_rows
-    from asyncgrpo.server.scheduler import SeqParams, Sequence
+    from asyncgrpo.server.sequence import SeqParams, Sequence
 
     g = torch.Generator().manual_seed(5)
     num_blocks, width, members = 60, 10, 4

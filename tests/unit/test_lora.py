@@ -119,7 +119,8 @@ def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
     from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
     from asyncgrpo.server.prefix_cache import BlockPool
     from asyncgrpo.server.runner import ModelRunner
-    from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+    from asyncgrpo.server.scheduler import Scheduler
+    from asyncgrpo.server.sequence import SeqParams, Sequence
     from asyncgrpo.server.step_graphs import StepGraphs
 
     for name, seed in (("a", 1), ("b", 2)):

@@ -17,7 +17,8 @@ from asyncgrpo.server.context_attention import MAX_RUNS
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 from asyncgrpo.server.step_graphs import StepGraphs
 
@@ -267,10 +268,10 @@ def test_steps_with_prompt_chunks_as_graph_rows_match_an_uncached_server(model):
     kinds = []  # per fixed-shape step with prompt chunks: whether its rows had shared-prefix groups
     run = rows.runner.graphs.run
 
-    def counting_run(inputs):
+    def counting_run(inputs, pending=None):
         if inputs.sample_rows is not None:
             kinds.append(inputs.shared is not None)
-        return run(inputs)
+        return run(inputs, pending)
 
     rows.runner.graphs.run = counting_run
     first = rows.run([(_prompt(50, 3 * BS + 5), 1), (_prompt(51, 30), 2)], max_tokens=10)
@@ -294,7 +295,7 @@ def test_a_step_whose_rows_would_read_too_much_runs_eagerly(model, monkeypatch):
     h = Harness(model, caching=True, shared_prefix=True, continued_rows=True, max_prompt_rows=64)
     seen = []
     run = h.runner.graphs.run
-    h.runner.graphs.run = lambda inputs: seen.append(inputs.sample_rows is not None) or run(inputs)
+    h.runner.graphs.run = lambda inputs, pending=None: seen.append(inputs.sample_rows is not None) or run(inputs, pending)
     monkeypatch.setattr(runner_module, "ROW_STEP_READS", 30)
     h.run([(_prompt(70, 20), 0)], max_tokens=3)  # 2 runs x 20 > 30: the prompt's step is eager
     monkeypatch.setattr(runner_module, "ROW_STEP_READS", 40)

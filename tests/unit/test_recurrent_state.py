@@ -23,7 +23,8 @@ from asyncgrpo.server.loading import prepare_model
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.weights import WeightLoader
 

@@ -12,7 +12,8 @@ from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
 MAX_LEN = 64

@@ -27,7 +27,8 @@ from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 
 VOCAB, BS, MAX_LEN = 97, 16, 256
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

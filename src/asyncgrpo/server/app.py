@@ -48,7 +48,8 @@ from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
 
@@ -150,6 +151,8 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
             self.recurrent, self.lora,
         )
+        self.async_scheduling = (served.device.type == "cuda" if args.async_scheduling is None
+                                 else args.async_scheduling)
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)
         self._init_started: float | None = None  # monotonic start of the weight-transfer init in progress
         self.leases = Leases(args.trainer_lease)
@@ -176,7 +179,8 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
         # requests
         gc.collect()
         gc.freeze()
-        self.engine = Engine(self.runner, self.scheduler, loop, on_update=self._on_engine_update)
+        self.engine = Engine(self.runner, self.scheduler, loop, on_update=self._on_engine_update,
+                             async_scheduling=self.async_scheduling)
         self.engine.start()
 
     def _on_engine_update(self, engine: Engine) -> None:

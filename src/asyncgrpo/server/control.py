@@ -109,7 +109,7 @@ class ControlRoutes:
             },
             "scheduler_config": {
                 "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-                "admission_interval": a.admission_interval,
+                "admission_interval": a.admission_interval, "async_scheduling": self.async_scheduling,
                 "policy": "fcfs",
             },
             "device_config": device_config(s.device),

@@ -4,7 +4,7 @@
     ---------------------------                     -------------
     submit(seqs, sink) ----- command queue ----->   waiting queue
     pause/resume/abort/call -------------------->   applied between two steps
-                                                    schedule -> forward -> sample -> stop rules
+                                                    schedule -> launch -> (previous step) record
     sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (streamed tokens, finished sequences)
 
 Only the engine thread touches sequences' mutable state while they run; a sink receives
@@ -13,6 +13,20 @@ side may read `output[first:end]` safely. Pause modes follow vLLM 0.33 (protocol
 keep freezes everything (new requests queue), abort ends in-flight requests with `abort`, wait
 drains running work before the pause completes. `call(fn)` runs fn in the engine thread between
 steps (weight loading), so the model never changes under a forward pass.
+
+Asynchronous scheduling (`async_scheduling`, on by default on CUDA, as vLLM's `--async-scheduling`):
+the thread plans and launches step N + 1 before it waits for step N's tokens, so its host work
+(planning, building inputs, recording tokens, handing them out) runs while the device computes
+instead of between two device steps:
+
+    synchronous    plan N | launch N | wait N | record N | plan N+1 | launch N+1 | wait N+1 ...
+    asynchronous   plan N+1 | launch N+1 | wait N | record N | plan N+2 | launch N+2 | wait N+1 ...
+
+Step N + 1 reads the tokens step N sampled on the device (`Sequence.pending`, see scheduler.py).
+What it costs: a sequence that step N ends with a stop token was launched in step N + 1 too, whose
+token for it is dropped (one wasted row); sequences that end by length are known to end at launch
+and are not planned again. A step whose logits processing needs the ids on the host (repetition
+penalty) and every command but `add` first record the step in flight.
 """
 
 from __future__ import annotations
@@ -27,7 +41,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import Sequence
+from asyncgrpo.server.step_output import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +83,7 @@ class Engine:
         scheduler: Scheduler,
         loop: asyncio.AbstractEventLoop,
         on_update: Callable[[Engine], None] | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -81,6 +98,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="asyncgrpo-engine", daemon=True)
         self._stopping = False
         self.dead: str | None = None  # traceback text once the thread died
+        # plan and launch step N + 1 before recording step N (CUDA: the host's work overlaps the device's)
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[LaunchedStep, list[Sequence]] | None = None  # launched, not recorded
 
     # ---- loop-side API (call from the asyncio loop) -------------------------------------------
     def start(self) -> None:
@@ -193,6 +213,8 @@ class Engine:
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
+        if kind != "add":  # every other command sees (and may change) sequences and weights at rest
+            self._drain()
         if kind == "add":
             for s in cmd[1]:
                 self.scheduler.add(s)
@@ -266,52 +288,83 @@ class Engine:
 
     def _run_step(self) -> None:
         start = time.perf_counter()
+        if self._in_flight is not None and self.runner.needs_known_tokens(self.scheduler.running):
+            self._drain()  # before planning: what the step in flight ends must not be planned again
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         planned = time.perf_counter()
         self.stats.schedule_s += planned - start
-        if plan.size == 0:
+        if plan.size == 0:  # what runs ends with the step in flight (or waits for blocks)
+            self._drain()
             self._notify()
             return
         seqs = plan.sampled
+        prompt_tokens = sum(len(s.prompt) for s in seqs if not s.output and not s.pending)
         try:
-            out = self.runner.step(plan.decode, plan.prefill)
+            launched = self.runner.launch(plan.decode, plan.prefill)
         except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
-            msg = traceback.format_exc()
-            logger.error("forward pass failed; failing %d sequences:\n%s", plan.size, msg)
-            # blocks registered for this step may hold partial KV: nobody may find them again
-            self.scheduler.invalidate_prefix_cache()
-            events = []
-            for seq in plan.decode + plan.prefill:
-                self.scheduler.remove(seq)
-                seq.error = "internal error in the forward pass; see the server log"
-                events.append((seq, len(seq.output), len(seq.output), True))
-            self._deliver(events)
+            self._drain()
+            self._fail_step(plan.decode + plan.prefill, traceback.format_exc())
             return
         ran = time.perf_counter()
         self.stats.forward_s += ran - planned
         self.stats.num_steps += 1
         self.stats.num_prefill_steps += bool(plan.prefill)
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
-        self.stats.prompt_tokens += sum(len(s.prompt) for s in seqs if not s.output)
-        self.stats.generation_tokens += len(seqs)
-        out.record(seqs, self.weight_version)
+        self.stats.prompt_tokens += prompt_tokens
+        previous, self._in_flight = self._in_flight, (launched, seqs)
+        if previous is not None:
+            self._finish(*previous)
+        if not self.async_scheduling:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Record the step in flight, if any."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._finish(*step)
+
+    def _finish(self, launched: LaunchedStep, seqs: list[Sequence]) -> None:
+        """Wait for a launched step's tokens, record them and hand them to the HTTP side."""
+        start = time.perf_counter()
+        try:
+            out = launched.result()
+        except Exception:  # noqa: BLE001 -- an error of the device surfaces at the copy
+            self._fail_step(seqs, traceback.format_exc())
+            return
+        recorded = out.record(seqs, self.weight_version)
+        self.stats.generation_tokens += len(recorded)
         events = []
-        for seq in seqs:
+        for seq in recorded:
             finished = seq.finished
             if finished:
                 self.scheduler.remove(seq)
+            else:
+                self.scheduler.recorded(seq)
             if finished or seq.sink.stream:  # a non-streaming request only needs its final event
                 end = len(seq.output)
                 events.append((seq, end - 1, end, finished))
         self._deliver(events)
         self._notify()
-        self.stats.record_s += time.perf_counter() - ran
+        self.stats.record_s += time.perf_counter() - start
+
+    def _fail_step(self, seqs: list[Sequence], trace: str) -> None:
+        logger.error("a step failed on the device; failing its %d sequences:\n%s", len(seqs), trace)
+        # blocks registered for this step may hold partial KV: nobody may find them again
+        self.scheduler.invalidate_prefix_cache()
+        events = []
+        for seq in seqs:
+            if seq.finished:
+                continue
+            self.scheduler.remove(seq)
+            seq.error = "internal error in the forward pass; see the server log"
+            events.append((seq, len(seq.output), len(seq.output), True))
+        self._deliver(events)
 
 
 def warm_up(runner: ModelRunner, scheduler: Scheduler, num_tokens: int = 3) -> None:
     """Run a short request through prefill and decode before serving (first-call kernel set-up)."""
-    from asyncgrpo.server.scheduler import SeqParams
+    from asyncgrpo.server.sequence import SeqParams
 
     params = SeqParams(
         temperature=1.0, top_k=2, top_p=0.9, min_p=0.0, seed=0, max_tokens=num_tokens, min_tokens=0,

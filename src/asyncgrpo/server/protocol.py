@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncgrpo.server.scheduler import SeqParams
+from asyncgrpo.server.sequence import SeqParams
 
 VERSION = "0.33.0+embedded"
 PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."

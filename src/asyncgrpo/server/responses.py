@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncgrpo.server.protocol import NEG_INF_SENTINEL, VERSION
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.sequence import Sequence
 
 
 def clamp_logprob(x: float) -> float:

@@ -3,8 +3,9 @@
 Builds the flat step (decode tokens first, then the chunks of prompts to prefill, each after what
 the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model with the paged
 attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
-per-request logits processors and `sampling.sample`, and brings the results to the host in ONE
-transfer per step. With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps
+per-request logits processors and `sampling.sample`, and queues the results' way to the host in ONE
+transfer per step (`step_output.py`): `launch` returns before the device is done, so the engine may
+plan and launch the next step meanwhile, whose decode rows read their last tokens on the device. With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps
 whose prompt chunks are all short (`prompt_rows`: every chunk token a row of the decode attention);
 other steps run the eager forward.
 
@@ -17,7 +18,6 @@ step gathers them by row.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +39,10 @@ from asyncgrpo.server.sampling import (
     seed_hash,
     token_hash,
 )
-from asyncgrpo.server.scheduler import Sequence
+from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 from asyncgrpo.server.step_graphs import StepGraphs
+from asyncgrpo.server.step_output import LaunchedStep, StepOutput
 
 
 @dataclass
@@ -109,42 +110,6 @@ def prompt_rows(
         SharedPrefixes.concat(dec.shared, nd, shared, len(ids)),
         sample_rows,
     )
-
-
-@dataclass
-class StepOutput:
-    """Host copy of what one step sampled; entry i belongs to the step's i-th sequence."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]] | None  # [B][K], K = the largest `logprobs` of the step
-    top_logprobs: list[list[float]] | None
-    candidate_ids: list[list[int]] | None  # [B][W] candidate ids ascending, padded with -1
-
-    @classmethod
-    def unpack(cls, arr: np.ndarray, k: int, w: int) -> StepOutput:
-        """From the host copy of `sampling.pack`'s [B, 3 + 2k + w] array."""
-        return cls(
-            token_ids=arr[:, 0].astype(np.int64).tolist(),
-            logprobs=arr[:, 1].tolist(),
-            ranks=arr[:, 2].astype(np.int64).tolist(),
-            top_ids=arr[:, 3 : 3 + k].astype(np.int64).tolist() if k else None,
-            top_logprobs=arr[:, 3 + k : 3 + 2 * k].tolist() if k else None,
-            candidate_ids=arr[:, 3 + 2 * k : 3 + 2 * k + w].astype(np.int64).tolist() if w else None,
-        )
-
-    def record(self, seqs: list[Sequence], version: str) -> None:
-        """Append entry i to seqs[i] (token, log-prob, rank, top list, candidate set); the stop rules
-        of `Sequence.append` apply."""
-        for i, seq in enumerate(seqs):
-            seq.append(self.token_ids[i], self.logprobs[i], self.ranks[i], version)
-            k = seq.params.logprobs
-            if k:
-                seq.top_ids.extend(self.top_ids[i][:k])
-                seq.top_logprobs.extend(self.top_logprobs[i][:k])
-            if seq.params.want_mask:
-                seq.masks.append([t for t in self.candidate_ids[i] if t >= 0])
 
 
 class RowParams:
@@ -229,11 +194,23 @@ class ModelRunner:
         self.row_members = self.shared_members if continued_rows else 0
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
         self.wait_s = 0.0  # seconds the host waited for the device's step outputs
+        self._last_sampled: torch.Tensor | None = None  # [B] token ids the last launch sampled (device)
+
+    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
+        """`launch` a step and wait for what it sampled."""
+        return self.launch(decode, prefill).result()
+
+    def needs_known_tokens(self, seqs: list[Sequence]) -> bool:
+        """Whether a step over some of `seqs` may need the ids of pending tokens on the host (a repetition
+        penalty reads every token of its sequence): the step in flight must be recorded first."""
+        return bool(self.params.penalised.any()) and any(s.pending and self.params.penalised[s.row] for s in seqs)
 
     @torch.inference_mode()
-    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
-        """Run one forward pass over `decode` + `prefill` (in that order) and sample for decode and
-        the prefills whose chunk reaches their last token (the scheduler's `StepPlan.sampled`)."""
+    def launch(self, decode: list[Sequence], prefill: list[Sequence]) -> LaunchedStep:
+        """Queue one forward pass over `decode` + `prefill` (in that order) and the sampling of decode and
+        the prefills whose chunk reaches their last token (the scheduler's `StepPlan.sampled`), whose
+        tokens become pending (`Sequence.launch`). A decode sequence's own pending token, sampled by the
+        previous launch, is read on the device, so this may run before that step's output is recorded."""
         if prefill:
             self.params.admit(prefill)  # again at every chunk: cheap, and rows never change mid-prompt
             # a prefilled sequence may be a preempted one back on other blocks: find the groups again
@@ -242,17 +219,18 @@ class ModelRunner:
         seqs = decode + done
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        dec = None
+        dec, pending = None, None
         if decode:
             nd = len(decode)
             # last_token: a prompt whose last chunk stopped one token short computes it as a decode
-            last = np.fromiter((s.last_token() for s in decode), dtype=np.int64, count=nd)
+            last = np.fromiter((0 if s.pending else s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
             if self.shared_members:
                 dec.shared = self._shared_prefixes(decode, dec)
+            pending = self._pending_tokens(decode)
         if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
-            self._forward(dec, prefill, rows[: len(decode)])
-            return StepOutput([], [], [], None, None, None)
+            self._forward(dec, prefill, rows[: len(decode)], pending)
+            return LaunchedStep(None, None, 0, 0)
         positions = num_tokens - self.params.prompt_len[rows]  # index of the token being drawn
         plan = self._plan(rows, positions)
         if self.graphs is not None and (not prefill or self._fits_rows(prefill)):
@@ -261,20 +239,42 @@ class ModelRunner:
                                   self.cache.scratch_block)
             if self.lora is not None:
                 dec.lora_slots = self.params.lora_slot[dec.seq_rows]
-            logits = self.graphs.run(dec)
+            logits = self.graphs.run(dec, pending)
+            packed = None
             if not self._needs_processing(rows, positions):
-                return self._to_host(self.graphs.sample(logits, plan, self.token_hashes), plan)
+                packed = self.graphs.sample(logits, plan, self.token_hashes)
         else:
-            logits = self._forward(dec, prefill, rows[: len(decode)])
-        logits = self._process(logits.float(), seqs, rows, positions)
-        # non_blocking: the step's graph may still be running; a plain copy would wait for it
-        floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
-        ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
-        return self._to_host(pack(sample(logits, plan.batch(floats, ints, self.token_hashes))), plan)
+            logits = self._forward(dec, prefill, rows[: len(decode)], pending)
+            packed = None
+        if packed is None:
+            logits = self._process(logits.float(), seqs, rows, positions)
+            # non_blocking: the step's graph may still be running; a plain copy would wait for it
+            floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
+            ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
+            packed = pack(sample(logits, plan.batch(floats, ints, self.token_hashes)))
+        self._last_sampled = packed[:, 0].long()  # the next launch reads its pending tokens here
+        for i, seq in enumerate(seqs):
+            seq.launch(i)
+        return LaunchedStep.queue(packed, plan, self._waited)
 
-    def _forward(self, dec: StepRows | None, prefill: list[Sequence], decode_rows: np.ndarray) -> torch.Tensor:
-        """Eager flat step: any mix of decode tokens (of the scheduler rows `decode_rows`) and prompt
-        chunks. Returns logits [B, V]."""
+    def _waited(self, seconds: float) -> None:
+        self.wait_s += seconds
+
+    def _pending_tokens(self, decode: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(decode rows, their tokens on the device) for the sequences whose last token is pending:
+        sampled by the previous launch, at its `sample_index` row."""
+        rows = [i for i, s in enumerate(decode) if s.pending]
+        if not rows:
+            return None
+        assert all(decode[i].pending == 1 for i in rows), "one step in flight at most"
+        src = np.fromiter((decode[i].sample_index for i in rows), np.int64, len(rows))
+        index = torch.from_numpy(np.stack([np.asarray(rows, np.int64), src])).to(self.device, non_blocking=True)
+        return index[0], self._last_sampled.index_select(0, index[1])
+
+    def _forward(self, dec: StepRows | None, prefill: list[Sequence], decode_rows: np.ndarray,
+                 pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Eager flat step: any mix of decode tokens (of the scheduler rows `decode_rows`, `pending` their
+        tokens still on the device) and prompt chunks. Returns logits [B, V]."""
         bs = self.cache.block_size
         ids, pos, slots = ([dec.token_ids], [dec.positions], [dec.slots]) if dec else ([], [], [])
         prefill_lens, starts = [], []
@@ -290,6 +290,8 @@ class ModelRunner:
         # non_blocking: a plain host->device copy would wait for all queued device work first
         flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
         flat = flat.to(self.device, non_blocking=True)
+        if pending is not None:
+            flat[0].index_copy_(0, *pending)
         num_decode = 0 if dec is None else len(dec.token_ids)
         ends = num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1
         sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
@@ -357,6 +359,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits processors before temperature: repetition penalty and the min_tokens ban."""
         pen_rows = np.flatnonzero(self.params.penalised[rows]).tolist()
+        assert not any(seqs[i].pending for i in pen_rows), "a penalty needs every token on the host"
         if pen_rows:
             rows_idx, cols = [], []
             for i in pen_rows:
@@ -392,11 +395,3 @@ class ModelRunner:
             mask_width=mask_width,
             all_top_k=bool((top_k > 0).all()),
         )
-
-    def _to_host(self, packed: torch.Tensor, plan: SamplingPlan) -> StepOutput:
-        """One device->host transfer of everything the step produced (the host waits for the device
-        here: `wait_s` sums that wait, the rest of a step is host work)."""
-        start = time.perf_counter()
-        host = packed.cpu().numpy()
-        self.wait_s += time.perf_counter() - start
-        return StepOutput.unpack(host, plan.num_top_logprobs, plan.mask_width)

@@ -26,6 +26,14 @@ A sequence's state is `num_computed`, the tokens whose KV the planned steps put 
 prefill entry of a step computes tokens [prefill_start, prefill_end) and samples only when that
 reaches the last token (`StepPlan.sampled`). Stop rules live in `Sequence.append`.
 
+Asynchronous steps (engine.py): the next step is planned while the last one runs, so a sequence may
+have a `pending` token, sampled on the device and not recorded yet. Planning needs only how many
+tokens a sequence has, not their ids, so a pending token counts in `num_tokens` (the next step
+computes its KV, its id taken on the device); a pending token that ends the sequence by length stops
+it from being planned again, and one that turns out to be a stop token makes the next step's sample
+for it dropped. Hashing a block needs its ids: a block that ends in a pending token is registered
+when the token is recorded (`recorded`).
+
 Prefix caching (`prefix_cache.BlockPool`): an admitted sequence takes the longest cached prefix of
 its tokens (whole blocks, at most all tokens but the last, which must be computed to sample) and is
 prefilled from there. Blocks are registered under their hash when the step that computes them is
@@ -58,111 +66,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo.server.prefix_cache import ROOT_HASH, BlockPool, extend_block_hashes
-
-
-@dataclass(frozen=True)
-class SeqParams:
-    """Validated sampling parameters of one sequence (one child of a request)."""
-
-    temperature: float
-    top_k: int  # 0 = off
-    top_p: float
-    min_p: float
-    seed: int
-    max_tokens: int  # already clamped to max_model_len - prompt_len where the route requires it
-    min_tokens: int
-    stop_token_ids: frozenset[int]
-    eos_token_id: int | None  # primary EOS (stop_reason None); None with ignore_eos
-    extra_eos_ids: frozenset[int]  # other EOS ids of the generation config (stop_reason = id)
-    logprobs: int | None  # top-K log-probs per token, None = none
-    want_mask: bool
-    repetition_penalty: float = 1.0
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """Every id that may end the sequence (banned before min_tokens)."""
-        ids = set(self.stop_token_ids) | set(self.extra_eos_ids)
-        if self.eos_token_id is not None:
-            ids.add(self.eos_token_id)
-        return frozenset(ids)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One generated continuation; output lists only grow, finished sequences never change."""
-
-    seq_id: int
-    request_key: str
-    index: int  # choice index inside its request
-    prompt: list[int]
-    params: SeqParams
-    max_model_len: int
-    output: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of each output token
-    ranks: list[int] = field(default_factory=list)
-    # top-K lists, flat: K = params.logprobs entries per output token, best first
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-    masks: list[list[int]] = field(default_factory=list)  # candidate ids of each token (want_mask)
-    spans: list[list] = field(default_factory=list)  # [version, start, end]
-    blocks: list[int] = field(default_factory=list)  # its block table: block of tokens [i * bs, (i + 1) * bs)
-    released: int = 0  # leading blocks released as out of every layer's window (null in `blocks`)
-    block_hashes: list[bytes] = field(default_factory=list)  # of the first full blocks of all_tokens()
-    cache_epoch: int = -1  # BlockPool.epoch at admission: blocks of another epoch are never registered
-    num_computed: int = 0  # tokens whose KV is in the cache once the planned steps ran
-    prefill_start: int = 0  # while prefilling: this step computes tokens [prefill_start, prefill_end)
-    prefill_end: int = 0
-    row: int = -1  # row of the scheduler's block table while running
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    sink: object = None  # set by the engine: where outputs are delivered
-    lora_slot: int = -1  # slot of its LoRA adapter (server/lora.py), -1: the base model
-    hash_root: bytes = ROOT_HASH  # first parent of its block hashes (an adapter's own, see lora.py)
-
-    num_tokens: int = field(init=False)  # len(prompt) + len(output), kept by append
-
-    def __post_init__(self) -> None:
-        self.num_tokens = len(self.prompt) + len(self.output)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def last_token(self) -> int:
-        return self.output[-1] if self.output else self.prompt[-1]
-
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    def top(self, i: int) -> tuple[list[int], list[float]]:
-        """Top-K ids and log-probs of output token i (K = params.logprobs)."""
-        k = self.params.logprobs or 0
-        return self.top_ids[i * k : (i + 1) * k], self.top_logprobs[i * k : (i + 1) * k]
-
-    def append(self, token: int, logprob: float, rank: int, version: str) -> None:
-        """Record a sampled token (its log-prob and rank) and apply vLLM's stop rules (EOS, stop ids,
-        lengths)."""
-        n = len(self.output)
-        self.output.append(token)
-        self.logprobs.append(logprob)
-        self.ranks.append(rank)
-        self.num_tokens += 1
-        if self.spans and self.spans[-1][0] == version:
-            self.spans[-1][2] = n + 1
-        else:
-            self.spans.append([version, n, n + 1])
-        p = self.params
-        if n + 1 >= p.min_tokens:
-            if p.eos_token_id is not None and token == p.eos_token_id:
-                self.finish_reason = "stop"
-                return
-            if token in p.stop_token_ids or token in p.extra_eos_ids:
-                self.finish_reason, self.stop_reason = "stop", token
-                return
-        if n + 1 >= p.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish_reason = "length"
+from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
+from asyncgrpo.server.sequence import Sequence
 
 
 @dataclass
@@ -279,13 +184,21 @@ class Scheduler:
         self.pool.invalidate()
 
     def _register(self, seq: Sequence, first_block: int, num_computed: int) -> None:
-        """Register seq's full blocks from `first_block` up to `num_computed` tokens (planned this step)."""
-        end = num_computed // self.block_size
+        """Register seq's full blocks from `first_block` up to `num_computed` tokens (planned this step)
+        whose tokens are known (a block ending in a pending token is registered when it is recorded)."""
+        end = min(num_computed, seq.num_known) // self.block_size
         if end <= first_block or seq.cache_epoch != self.pool.epoch or not self.pool.enable_caching:
             return
         hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, end, seq.hash_root)
         for i in range(first_block, end):
             self.pool.register(seq.blocks[i], hashes[i])
+
+    def recorded(self, seq: Sequence) -> None:
+        """A running sequence's pending token was recorded: register the block it completes, if a planned
+        step computes its KV (what `schedule` left for later, the token being unknown then)."""
+        known = seq.num_known
+        if known % self.block_size == 0 and known <= seq.num_computed:
+            self._register(seq, known // self.block_size - 1, known)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of seq's tokens, leaving at least its last token to compute
@@ -320,7 +233,8 @@ class Scheduler:
         if self.window is not None:
             for s in self.running:
                 self._release_skipped(s)
-        growing = [s for s in self.running if s.num_computed >= len(s.blocks) * bs]
+        # (a sequence whose pending token ends it by length computes nothing more: it leaves when recorded)
+        growing = [s for s in self.running if s.num_computed >= len(s.blocks) * bs and not s.ends_by_length]
         while len(growing) > self.pool.num_free:
             victim = self.running[-1]
             self.preempt(victim)
@@ -329,7 +243,7 @@ class Scheduler:
                 growing.pop()
         for s in growing:
             self._grow(s, 1)
-        decode = [s for s in self.running if s.num_computed == s.num_tokens - 1]
+        decode = [s for s in self.running if s.num_computed == s.num_tokens - 1 and not s.ends_by_length]
         for s in decode:
             s.num_computed = s.num_tokens
             if s.num_tokens % bs == 0:  # this step computes token num_tokens - 1, the last of its block
@@ -340,7 +254,7 @@ class Scheduler:
         for s in self.running:
             if budget <= 0:
                 break
-            if s.num_computed < s.num_tokens:  # not decoding: a prompt whose chunks are not done
+            if s.num_computed < s.num_tokens - s.pending:  # not decoding: a prompt whose chunks are not done
                 budget -= self._plan_chunk(s, budget)
                 prefill.append(s)
         # 3. admit FCFS while slots, blocks and the token budget allow (in a step that would decode
@@ -349,8 +263,8 @@ class Scheduler:
         self._steps_without_admission = self._steps_without_admission + 1 if hold and self.waiting else 0
         while not hold and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            if preempted and seq in preempted:
-                break  # do not re-admit what this step just evicted
+            if (preempted and seq in preempted) or seq.pending:
+                break  # do not re-admit what this step just evicted, nor what has tokens on the device
             hit = self._cached_prefix(seq)
             held = [b for b in hit if b != self.null_block]
             # blocks for the whole prompt, or with a window for its first chunk only (see _plan_chunk)

@@ -20,7 +20,8 @@ import torch
 
 from asyncgrpo.server.loading import ModelLoadError
 from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler, SeqParams, Sequence
+from asyncgrpo.server.scheduler import Scheduler
+from asyncgrpo.server.sequence import SeqParams, Sequence
 
 logger = logging.getLogger(__name__)
 

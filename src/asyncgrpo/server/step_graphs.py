@@ -129,9 +129,10 @@ class StepGraphs:
         self._floats = torch.zeros(3, ns, dtype=torch.float32, device=device)
         self._ints = torch.zeros(2, ns, dtype=torch.int64, device=device)
 
-    def run(self, inputs: StepRows) -> torch.Tensor:
-        """One step of B rows. Returns the logits of the rows that sample ([S, V]: every row of a decode
-        step, `inputs.sample_rows` of one with prompt rows)."""
+    def run(self, inputs: StepRows, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One step of B rows (`pending`: rows whose token is on the device, and those tokens). Returns the
+        logits of the rows that sample ([S, V]: every row of a decode step, `inputs.sample_rows` of one
+        with prompt rows)."""
         b, nb = inputs.block_tables.shape
         bp = batch_bucket(b)
         nbp = block_bucket(nb, self.max_blocks)
@@ -148,6 +149,8 @@ class StepGraphs:
         table = np.full((bp, nbp), self.cache.scratch_block, dtype=np.int64)
         table[:b, :nb] = inputs.block_tables
         self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
+        if pending is not None:
+            self._vec[0].index_copy_(0, *pending)
         self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
         gp = 0  # group entries of the graph: a bucket of the step's, 0 without shared blocks
         if inputs.shared is not None:
