@@ -61,14 +61,18 @@ class _Sink:
 class Server:
     """An engine thread over a scheduler and model runner, driven from an asyncio loop."""
 
-    def __init__(self, model, async_scheduling: bool, num_blocks: int = 64, fixed_shape: bool = False) -> None:
-        cpu = torch.device("cpu")
-        cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
-        self.sched = Scheduler(BlockPool(num_blocks, True), BS, 8, 4096, MAX_LEN)
-        # fixed_shape: the static path CUDA graphs replay (decode steps and steps of short chunks as rows)
-        graphs = StepGraphs(model, cache, cpu, 8, self.sched.max_blocks, False, VOCAB, 64) if fixed_shape else None
-        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs,
-                                  shared_prefix=fixed_shape, continued_rows=fixed_shape)
+    def __init__(self, model, async_scheduling: bool, num_blocks: int = 64, fixed_shape: bool = False,
+                 served: tuple[Scheduler, ModelRunner] | None = None) -> None:
+        """served: a (scheduler, runner) pair built elsewhere, instead of one over `model`."""
+        if served is None:
+            cpu = torch.device("cpu")
+            cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
+            sched = Scheduler(BlockPool(num_blocks, True), BS, 8, 4096, MAX_LEN)
+            # fixed_shape: the static path CUDA graphs replay (decode steps and steps of short chunks as rows)
+            graphs = StepGraphs(model, cache, cpu, 8, sched.max_blocks, False, VOCAB, 64) if fixed_shape else None
+            served = sched, ModelRunner(model, cache, cpu, VOCAB, sched.block_table, graphs,
+                                        shared_prefix=fixed_shape, continued_rows=fixed_shape)
+        self.sched, self.runner = served
         self.async_scheduling = async_scheduling
         self.launches_reading_pending = 0  # launches whose decode rows took a token from the device
         launch = self.runner.launch
@@ -117,8 +121,8 @@ class Server:
         return seqs, stats
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def _prompt(seed: int, n: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _assert_same(a_seqs: list[Sequence], b_seqs: list[Sequence]) -> None:
@@ -181,3 +185,23 @@ def test_an_abort_while_a_step_is_in_flight(model):
     (a, _), (b, _) = on.run([wave], abort_after_events=12), off.run([wave])
     assert a[0].finish_reason == "abort" and len(a[0].output) < 60
     _assert_same(a[1:], b[1:])  # the others are untouched
+
+
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "fixed-shape"])
+def test_a_deltanet_hybrid(fixed_shape):
+    """Each sequence's recurrent state advances once per recorded token, also where a stop token
+    dropped a row of the next step (which advanced a state whose row is then given to a new sequence)."""
+    from test_recurrent_state import sensitive_hybrid, serve
+
+    model = sensitive_hybrid("qwen3_5_text")
+
+    def wave(done):
+        vocab = model.config.vocab_size  # stop tokens: a thirtieth of it
+        return [(_prompt(30 + i, 9 + 5 * i, vocab), {"stop_token_ids": frozenset(range(2, 2 + vocab // 30))})
+                for i in range(10)]
+
+    on = Server(None, True, served=serve(copy.deepcopy(model), max_num_seqs=4, fixed=fixed_shape))
+    off = Server(None, False, served=serve(copy.deepcopy(model), max_num_seqs=4, fixed=fixed_shape))
+    (a, _), (b, _) = on.run([wave]), off.run([wave])
+    _assert_same(a, b)
+    assert {s.finish_reason for s in a} == {"stop", "length"} and on.launches_reading_pending > 0

@@ -35,6 +35,7 @@ import torch
 
 from asyncgrpo.server.attention_math import attend, in_window
 from asyncgrpo.server.decode_attention import decode_attention
+from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, SharedPrefixes, SharedPrefixTensors
 
 # chunks of at most this many shared-prefix runs take the rows layout (see above)
@@ -124,15 +125,15 @@ def continued_layout(
     slots[p[None, :] >= ctx[:, None]] = scratch_slot
     # padded queries (i >= len_b) see a few padded keys too, which keeps their rows finite (then dropped);
     # the mask is built on the device from the positions (a host-built one would be B x Lmax x Smax bytes)
-    query_pos = torch.from_numpy(starts[:, None] + np.arange(lmax)[None, :]).to(device, non_blocking=True)
+    query_pos = to_device(starts[:, None] + np.arange(lmax)[None, :], device)
     mask = torch.arange(smax, device=device)[None, None, :] <= query_pos[:, :, None]
     pad, unpad = pad_indices(lens)
     return ContinuedPrefill(
         lens=list(lens),
-        context_slots=torch.from_numpy(slots.reshape(-1)).to(device, non_blocking=True),
+        context_slots=to_device(slots.reshape(-1), device),
         mask=mask[:, None],
-        pad_index=torch.from_numpy(pad).to(device, non_blocking=True),
-        unpad_index=torch.from_numpy(unpad).to(device, non_blocking=True),
+        pad_index=to_device(pad, device),
+        unpad_index=to_device(unpad, device),
         query_pos=query_pos,
     )
 
@@ -221,14 +222,14 @@ def continued_rows(
     up to `members` rows of one sequence share its cached blocks (`rows_sharing`; < 2: none)."""
     ends = np.asarray(starts, dtype=np.int64) + np.asarray(lens, dtype=np.int64)
     padded = padded_tables(tables, ends, block_size, null_block)
-    seq_of_row = torch.from_numpy(np.repeat(np.arange(len(lens)), lens)).to(device, non_blocking=True)
+    seq_of_row = to_device(np.repeat(np.arange(len(lens)), lens), device)
     context = chunk_positions(lens, starts) + 1
     shared = rows_sharing(lens, starts, padded, block_size, members, null_block)
     return ContinuedRows(
         lens=list(lens),
         # a row per token, expanded on the device (at long contexts the rows' tables are large)
-        block_tables=torch.from_numpy(padded).to(device, non_blocking=True).index_select(0, seq_of_row),
-        context_lens=torch.from_numpy(context).to(device, non_blocking=True),
+        block_tables=to_device(padded, device).index_select(0, seq_of_row),
+        context_lens=to_device(context, device),
         shared=None if shared is None else shared.to(device),
     )
 

@@ -43,6 +43,7 @@ from asyncgrpo.server.context_attention import (
     rows_attention,
 )
 from asyncgrpo.server.decode_attention import decode_attention
+from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.shared_prefix import SharedPrefixes, SharedPrefixTensors
 
 ATTENTION_NAME = "asyncgrpo_paged"
@@ -122,8 +123,8 @@ def build_metadata(
     cached blocks once; the rest (all of them with < 2) are padded (`continued_layout`)."""
     block_tables = context_lens = pad_index = unpad_index = continued = rows = None
     if len(decode_lens):
-        block_tables = decode_tables.to(device, non_blocking=True)
-        context_lens = torch.as_tensor(decode_lens, dtype=torch.int64).to(device, non_blocking=True)
+        block_tables = to_device(decode_tables, device)
+        context_lens = to_device(np.asarray(decode_lens, dtype=np.int64), device)
     prefill_lens = list(prefill_lens)
     num_fresh = len(prefill_lens)
     if prefill_starts is not None:
@@ -141,11 +142,11 @@ def build_metadata(
         prefill_lens = prefill_lens[:num_fresh]
     if len(prefill_lens) > 1:
         pad, unpad = pad_indices(prefill_lens)
-        pad_index = torch.from_numpy(pad).to(device, non_blocking=True)
-        unpad_index = torch.from_numpy(unpad).to(device, non_blocking=True)
+        pad_index = to_device(pad, device)
+        unpad_index = to_device(unpad, device)
     return AttentionMetadata(
         cache=cache,
-        slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device, non_blocking=True),
+        slot_mapping=to_device(np.asarray(slot_mapping, dtype=np.int64), device),
         num_decode=len(decode_lens),
         block_tables=block_tables,
         context_lens=context_lens,

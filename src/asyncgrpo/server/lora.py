@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.lora_files import AdapterWeights
 from asyncgrpo.server.prefix_cache import ROOT_HASH
 
@@ -107,8 +108,8 @@ class ServedLora:
         if used.size:
             lo, hi = int(used.min()), int(used.max())
             some = next(iter(self.stacks.values())).a
-            onehot = torch.from_numpy(self.slot_onehot(token_slots, lo, hi - lo + 1))
-            self._mask = onehot.to(some.device, non_blocking=True).to(some.dtype).repeat_interleave(self.max_rank, 1)
+            onehot = to_device(self.slot_onehot(token_slots, lo, hi - lo + 1), some.device)
+            self._mask = onehot.to(some.dtype).repeat_interleave(self.max_rank, 1)
             self._cols = slice(lo * self.max_rank, (hi + 1) * self.max_rank)
         try:
             yield

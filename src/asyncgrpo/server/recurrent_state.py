@@ -50,6 +50,7 @@ from asyncgrpo.packing.deltanet import (
     deltanet_projections,
 )
 from asyncgrpo.packing.recurrent import causal_conv1d_at
+from asyncgrpo.server.host_copy import to_device
 
 __all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]
 
@@ -96,7 +97,7 @@ class RecurrentState:
         position each starts at (> 0: it continues the sequence's state; None: all start at 0)."""
         starts = [0] * len(prefill_lens) if prefill_starts is None else list(prefill_starts)
         carried = np.array([True] * num_decode + [start > 0 for start in starts], dtype=bool)
-        return RecurrentStep(self, torch.from_numpy(np.ascontiguousarray(rows)).to(self.device, non_blocking=True),
+        return RecurrentStep(self, to_device(rows, self.device),
                              num_decode, list(prefill_lens), carried)
 
     def decode_step(self, rows: torch.Tensor) -> RecurrentStep:
@@ -181,7 +182,7 @@ class RecurrentStep:
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device, non_blocking=True)
+    return to_device(np.ascontiguousarray(array, dtype=np.int64), device)
 
 
 def served_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, step: RecurrentStep) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from asyncgrpo.server.attention_math import attention_variants
 from asyncgrpo.server.context_attention import ROW_STEP_READS, chunk_positions, row_step_reads, rows_sharing
 from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
+from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
@@ -248,9 +249,8 @@ class ModelRunner:
             packed = None
         if packed is None:
             logits = self._process(logits.float(), seqs, rows, positions)
-            # non_blocking: the step's graph may still be running; a plain copy would wait for it
-            floats = torch.from_numpy(plan.floats).to(self.device, non_blocking=True)
-            ints = torch.from_numpy(plan.ints).to(self.device, non_blocking=True)
+            floats = to_device(plan.floats, self.device)
+            ints = to_device(plan.ints, self.device)
             packed = pack(sample(logits, plan.batch(floats, ints, self.token_hashes)))
         self._last_sampled = packed[:, 0].long()  # the next launch reads its pending tokens here
         for i, seq in enumerate(seqs):
@@ -268,7 +268,7 @@ class ModelRunner:
             return None
         assert all(decode[i].pending == 1 for i in rows), "one step in flight at most"
         src = np.fromiter((decode[i].sample_index for i in rows), np.int64, len(rows))
-        index = torch.from_numpy(np.stack([np.asarray(rows, np.int64), src])).to(self.device, non_blocking=True)
+        index = to_device(np.stack([np.asarray(rows, np.int64), src]), self.device)
         return index[0], self._last_sampled.index_select(0, index[1])
 
     def _forward(self, dec: StepRows | None, prefill: list[Sequence], decode_rows: np.ndarray,
@@ -287,9 +287,7 @@ class ModelRunner:
             slots.append(self.block_table[s.row, p // bs] * bs + p % bs)
             prefill_lens.append(end - start)
             starts.append(start)
-        # non_blocking: a plain host->device copy would wait for all queued device work first
-        flat = torch.from_numpy(np.stack([np.concatenate(ids), np.concatenate(pos)]))
-        flat = flat.to(self.device, non_blocking=True)
+        flat = to_device(np.stack([np.concatenate(ids), np.concatenate(pos)]), self.device)
         if pending is not None:
             flat[0].index_copy_(0, *pending)
         num_decode = 0 if dec is None else len(dec.token_ids)
@@ -322,7 +320,7 @@ class ModelRunner:
                 input_ids=flat[0][None],
                 position_ids=flat[1][None],
                 use_cache=False,
-                logits_to_keep=torch.from_numpy(last).to(self.device, non_blocking=True),
+                logits_to_keep=to_device(last, self.device),
                 kv_meta=meta,
                 **extra,
             )

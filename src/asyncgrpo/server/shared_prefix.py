@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncgrpo.server.host_copy import to_device
+
 # a group's part is worth a separate pass from this many shared blocks on
 MIN_SHARED_BLOCKS = 4
 # query rows one program of the shared pass holds in its tile (members x query heads per kv head)
@@ -56,8 +58,8 @@ class SharedPrefixes:
         return self.groups.shape[0]
 
     def to(self, device: torch.device) -> SharedPrefixTensors:
-        return SharedPrefixTensors(torch.from_numpy(self.lens).to(device, non_blocking=True),
-                                   torch.from_numpy(self.groups).to(device, non_blocking=True))
+        return SharedPrefixTensors(to_device(self.lens, device),
+                                   to_device(self.groups, device))
 
     @staticmethod
     def concat(first: SharedPrefixes | None, num_first: int, second: SharedPrefixes | None,

@@ -37,6 +37,7 @@ import torch
 
 from asyncgrpo.server.attention_math import attention_variants
 from asyncgrpo.server.decode_attention import check_decode_variants
+from asyncgrpo.server.host_copy import copy_into
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
@@ -148,10 +149,10 @@ class StepGraphs:
             host[4, :num_sampled] = inputs.sample_rows
         table = np.full((bp, nbp), self.cache.scratch_block, dtype=np.int64)
         table[:b, :nb] = inputs.block_tables
-        self._vec[:, :bp].copy_(torch.from_numpy(host), non_blocking=True)
+        copy_into(self._vec[:, :bp], host)
         if pending is not None:
             self._vec[0].index_copy_(0, *pending)
-        self._tables[:bp, :nbp].copy_(torch.from_numpy(table), non_blocking=True)
+        copy_into(self._tables[:bp, :nbp], table)
         gp = 0  # group entries of the graph: a bucket of the step's, 0 without shared blocks
         if inputs.shared is not None:
             g, width = inputs.shared.groups.shape
@@ -165,17 +166,17 @@ class StepGraphs:
             groups = np.full((gp, self._groups.shape[1]), -1, dtype=np.int64)
             groups[:, 0] = 0
             groups[:g] = inputs.shared.groups
-            self._shared_lens[:bp].copy_(torch.from_numpy(lens), non_blocking=True)
-            self._groups[:gp].copy_(torch.from_numpy(groups), non_blocking=True)
+            copy_into(self._shared_lens[:bp], lens)
+            copy_into(self._groups[:gp], groups)
         if self.recurrent is not None:
             rows = np.full(bp, self.recurrent.scratch_row, dtype=np.int64)
             rows[:b] = inputs.seq_rows
-            self._state_rows[:bp].copy_(torch.from_numpy(rows), non_blocking=True)
+            copy_into(self._state_rows[:bp], rows)
         adapters = inputs.lora_slots is not None and bool((inputs.lora_slots >= 0).any())
         if adapters:  # graphs without adapter rows skip the LoRA matmuls
             slots = np.full(bp, -1, dtype=np.int64)
             slots[:b] = inputs.lora_slots
-            self._slots[:bp].copy_(torch.from_numpy(self.lora.slot_onehot(slots)), non_blocking=True)
+            copy_into(self._slots[:bp], self.lora.slot_onehot(slots))
         key = ("forward", bp, nbp, gp, adapters)
         return self._replay(key, lambda: self._forward(bp, nbp, gp, adapters))[:num_sampled]
 
@@ -192,8 +193,8 @@ class StepGraphs:
         floats[:, :b] = plan.floats
         ints = np.zeros((2, bp), dtype=np.int64)
         ints[:, :b] = plan.ints
-        self._floats[:, :bp].copy_(torch.from_numpy(floats), non_blocking=True)
-        self._ints[:, :bp].copy_(torch.from_numpy(ints), non_blocking=True)
+        copy_into(self._floats[:, :bp], floats)
+        copy_into(self._ints[:, :bp], ints)
         key = ("sample", bp, plan.num_sorted, plan.num_top_logprobs, plan.mask_width, plan.all_top_k)
         return self._replay(key, lambda: self._sample(bp, plan, token_hashes))[:b]
 
