@@ -120,6 +120,7 @@ def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
     """Wrap the parts of ModelRunner.step with host timers: how long the host spends in each
     (launches are asynchronous, so `to_host` also holds the wait for the device)."""
     from asyncgrpo.server import runner as runner_module
+    from asyncgrpo.server import step_output
 
     parts: dict[str, list[float]] = {}
 
@@ -129,6 +130,7 @@ def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
             out = fn(*a, **kw)
             parts.setdefault(name, []).append(time.perf_counter() - t)
             return out
+        wrapper.__wrapped__ = fn
         return wrapper
 
     if runner.graphs is not None:
@@ -136,7 +138,9 @@ def time_parts(runner: ModelRunner) -> dict[str, list[float]]:
         runner.graphs.sample = timed("sample_launch", runner.graphs.sample)
     runner._plan = timed("plan", runner._plan)
     runner_module.sample = timed("sample_launch", runner_module.sample)  # steps that sample eagerly
-    runner._to_host = timed("to_host", runner._to_host)
+    # a class attribute: wrap the original, not the wrapper of an earlier call
+    result = step_output.LaunchedStep.result
+    step_output.LaunchedStep.result = timed("to_host", getattr(result, "__wrapped__", result))
     return parts
 
 

@@ -17,10 +17,14 @@ Every step is put in one class, and each class gets its count and per-step times
     prefill    prompt chunks only (likewise)
 
     schedule   host: the scheduler's plan
-    launch     host: ModelRunner.step up to the device->host copy (inputs, Python, kernel launches)
-    wait       host: the device->host copy, i.e. waiting for the device to finish the step
+    launch     host: ModelRunner.launch (inputs, Python, kernel launches)
+    wait       host: waiting for the step's output to reach the host (LaunchedStep.result)
     device     CUDA events around the step (device time from its first launch to its output)
     record     host: appending the step's tokens, releasing finished sequences
+
+With `--scheduling async` (the server's default on CUDA) a step is launched before the previous one
+is recorded, as the engine does: its `wait` and `record` are the previous step's, and a step whose
+`wait` is still near zero is host-bound even with the host's work overlapped.
 
 A step whose `wait` is near zero is host-bound (the device idles while Python launches); one whose
 `launch` is small against `device` is device-bound. `--profile` also runs the torch profiler over one
@@ -87,38 +91,33 @@ def kernel_category(name: str) -> str:
 
 
 class StepTimer:
-    """Host and device times of ModelRunner.step, split at the device->host copy (`_to_host`)."""
+    """Host and device times of a step: `ModelRunner.launch` (host), then `LaunchedStep.result` (the wait
+    for the device), and CUDA events around it."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.cuda = runner.device.type == "cuda"
         self.launch = self.wait = 0.0
         self._events = None
-        to_host = runner._to_host
-
-        def timed_to_host(*a, **kw):
-            t = time.perf_counter()
-            if self.cuda:
-                self._events[1].record()
-            out = to_host(*a, **kw)
-            self.wait = time.perf_counter() - t
-            return out
-
-        runner._to_host = timed_to_host
 
     def step(self, runner: ModelRunner, decode, prefill):
         if self.cuda:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
-        self.wait = 0.0
         t = time.perf_counter()
-        out = runner.step(decode, prefill)
-        self.launch = time.perf_counter() - t - self.wait
+        launched = runner.launch(decode, prefill)
+        if self.cuda:
+            self._events[1].record()
+        t2 = time.perf_counter()
+        self.launch = t2 - t
+        out = launched.result()
+        self.wait = time.perf_counter() - t2
         return out
 
     def device_s(self) -> float:
-        """Device span of the last step that sampled (0 without CUDA or when nothing was sampled)."""
-        if not self.cuda or self.wait == 0.0:
+        """Device span of the last step (0 without CUDA)."""
+        if not self.cuda or self._events is None:
             return 0.0
+        self._events[1].synchronize()
         return self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
@@ -176,8 +175,10 @@ def max_len_of(args) -> int:
     return args.prompt_len + args.turns * (args.max_tokens + args.turn_tokens) + 16
 
 
-def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) -> dict:
-    """One run of the workload through fresh scheduler/runner state; per-class step times."""
+def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, asynchronous: bool = False) -> dict:
+    """One run of the workload through fresh scheduler/runner state; per-class step times. asynchronous:
+    each step is launched before the previous one is recorded (`wait` and `record` are the previous
+    step's, `device` is not measured, and there is no profile)."""
     max_len = max_len_of(args)
     # room for every sequence at full length, or with caching for each distinct prompt once
     num_tokens = args.concurrency * max_len
@@ -202,8 +203,23 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) ->
     profiles: dict[str, dict] = {}
     tokens = {"prefilled": 0, "generated": 0}
     step = 0
+    in_flight = None  # asynchronous: (launched step, its sampled sequences, its step number)
+
+    def finish(launched, sampled, at: int) -> float:
+        """Record a launched step's tokens (the engine's `_finish`); returns the wait for the device."""
+        t = time.perf_counter()
+        out = launched.result()
+        waited = time.perf_counter() - t
+        for s in out.record(sampled, "v"):
+            if s.finished:
+                scheduler.remove(s)
+                work.finished(s, at, max_len)
+            else:
+                scheduler.recorded(s)
+        return waited
+
     start = time.perf_counter()
-    while scheduler.has_work() or work.pending:
+    while scheduler.has_work() or work.pending or in_flight:
         for s in work.due(step):
             scheduler.add(s)
         t0 = time.perf_counter()
@@ -211,6 +227,24 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool) ->
         t1 = time.perf_counter()
         kind = step_class(plan)
         if plan.size == 0:
+            if in_flight:
+                finish(*in_flight)
+                in_flight = None
+            step += 1
+            continue
+        if asynchronous:  # the engine's loop with --async-scheduling: launch, then record the previous step
+            launched = runner.launch(plan.decode, plan.prefill)
+            t2 = time.perf_counter()
+            waited = finish(*in_flight) if in_flight else 0.0
+            in_flight = (launched, plan.sampled, step)
+            t3 = time.perf_counter()
+            tokens["prefilled"] += sum(s.prefill_end - s.prefill_start for s in plan.prefill)
+            tokens["generated"] += len(plan.sampled)
+            rec = steps[kind]
+            for name, value in zip(PHASES, (t1 - t0, t2 - t1, waited, 0.0, t3 - t2 - waited)):
+                rec[name].append(value)
+            rec["wall"].append(t3 - t0)
+            rec["batch"].append(plan.size)
             step += 1
             continue
         if profile and kind not in profiles and step > 2:
@@ -312,6 +346,9 @@ def main() -> None:
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="CUDA graphs for decode-only steps.")
     p.add_argument("--shared-prefix", default="on,off",
                    help="Comma-separated: decode attention reads a group's shared prompt once (on) or per sequence (off).")
+    p.add_argument("--scheduling", default="sync,async",
+                   help="Comma-separated: each step recorded before the next is planned (sync), or the next "
+                   "launched first, as `asyncgrpo serve --async-scheduling` (async).")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args()
@@ -323,13 +360,16 @@ def main() -> None:
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
                                                     "device_name": device_slug(args.device)},
                      "command": command_line(), "versions": package_versions(), "runs": {}}
-    for mode in args.shared_prefix.split(","):
-        shared = mode == "on"
-        run_workload(served, args, seed=1, profile=False, shared_prefix=shared)  # graph captures, kernel builds
-        r = run_workload(served, args, seed=0, profile=args.profile, shared_prefix=shared)
-        results["runs"][f"shared_prefix_{mode}"] = r
-        print(f"shared prefix {mode}: {r['generated_tokens_per_s']:.0f} generated tok/s in {r['seconds']:.2f} s "
-              f"(prefix hits {r['prefix_hit_frac']:.2f})", flush=True)
+    modes = [(shared, sched) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")]
+    for mode, scheduling in modes:
+        shared, asynchronous = mode == "on", scheduling == "async"
+        # the first run captures the graphs and builds the kernels
+        run_workload(served, args, seed=1, profile=False, shared_prefix=shared, asynchronous=asynchronous)
+        r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, shared_prefix=shared,
+                         asynchronous=asynchronous)
+        results["runs"][f"shared_prefix_{mode}" + ("_async" if asynchronous else "")] = r
+        print(f"shared prefix {mode}, {scheduling}: {r['generated_tokens_per_s']:.0f} generated tok/s in "
+              f"{r['seconds']:.2f} s (prefix hits {r['prefix_hit_frac']:.2f})", flush=True)
         for kind, s in r["steps"].items():
             ms = s["median_ms"]
             print(f"  {kind:<8} {s['steps']:5d} steps {s['total_s']:7.2f} s  median batch {s['median_batch']:5.0f}  "

@@ -62,15 +62,17 @@ class Server:
     """An engine thread over a scheduler and model runner, driven from an asyncio loop."""
 
     def __init__(self, model, async_scheduling: bool, num_blocks: int = 64, fixed_shape: bool = False,
-                 served: tuple[Scheduler, ModelRunner] | None = None) -> None:
-        """served: a (scheduler, runner) pair built elsewhere, instead of one over `model`."""
+                 served: tuple[Scheduler, ModelRunner] | None = None, device: str = "cpu") -> None:
+        """served: a (scheduler, runner) pair built elsewhere, instead of one over `model`. device: CUDA
+        captures and replays the fixed-shape steps as graphs."""
         if served is None:
-            cpu = torch.device("cpu")
-            cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
+            device = torch.device(device)
+            cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, device)
             sched = Scheduler(BlockPool(num_blocks, True), BS, 8, 4096, MAX_LEN)
             # fixed_shape: the static path CUDA graphs replay (decode steps and steps of short chunks as rows)
-            graphs = StepGraphs(model, cache, cpu, 8, sched.max_blocks, False, VOCAB, 64) if fixed_shape else None
-            served = sched, ModelRunner(model, cache, cpu, VOCAB, sched.block_table, graphs,
+            graphs = StepGraphs(model, cache, device, 8, sched.max_blocks, device.type == "cuda", VOCAB,
+                                64) if fixed_shape else None
+            served = sched, ModelRunner(model, cache, device, VOCAB, sched.block_table, graphs,
                                         shared_prefix=fixed_shape, continued_rows=fixed_shape)
         self.sched, self.runner = served
         self.async_scheduling = async_scheduling
