@@ -51,6 +51,7 @@ from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
+from asyncgrpo.server.text_routes import TextRoutes
 from asyncgrpo.server.weights import WeightLoader, WeightTransfer, WeightTransferError
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class _Sink:
             self.done.set_result(None)
 
 
-class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
+class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
     def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
         self.args = args
         self.served = served
@@ -273,28 +274,6 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
     async def metrics_route(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        self.resolve_model(body.get("model"))
-        ids = self._encode(body.get("prompt"), bool(body.get("add_special_tokens", True)))
-        return _json({"count": len(ids), "max_model_len": self.spec.max_model_len, "tokens": ids, "token_strs": None})
-
-    async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        self.resolve_model(body.get("model"))
-        ids = P.token_id_list(body.get("tokens"), self.spec, "tokens")
-        return _json({"prompt": self._tokenizer().decode(ids)})
-
-    def _tokenizer(self):
-        if self.served.tokenizer is None:
-            raise P.ApiError(400, "this model has no tokenizer; send token ids")
-        return self.served.tokenizer
-
-    def _encode(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            raise P.ApiError(400, "prompt must be a string", param="prompt")
-        return list(self._tokenizer()(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-
     # ---- generation -------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self._accepting()
@@ -398,17 +377,3 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes):
             bool(body.get("return_token_ids", False)), bool(body.get("return_weight_versions", False)),
         )
         return _json(out)
-
-    def _prompts(self, prompt: Any) -> list[list[int]]:
-        """str | list[int] | list[str] | list[list[int]] -> token-id prompts (none of them empty)."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-            texts = [prompt] if isinstance(prompt, str) else prompt
-            prompts = [self._encode(p) for p in texts]
-            for i, ids in enumerate(prompts):
-                if not ids:  # nothing to condition on: vLLM refuses it too
-                    where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
-                    raise P.ApiError(400, f"{where} is empty (it encodes to no token); send some text", param="prompt")
-            return prompts
-        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-            return [P.token_id_list(p, self.spec, "prompt") for p in prompt]
-        return [P.token_id_list(prompt, self.spec, "prompt")]
