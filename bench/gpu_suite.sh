@@ -12,7 +12,8 @@
 #   hybrid       bench/packing.py on the Qwen3.5-2B shape, fla-core's kernel against the PyTorch delta rule
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_mps  the same under an MPS daemon
-#   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B)
+#   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
+#                synchronous and asynchronous scheduling side by side
 #   decode       bench/decode_step.py: one decode step and one layer's attention, plain and with a window
 #                and soft-cap, Triton kernel against the gather path (0.6B, B = 256)
 #
@@ -68,7 +69,7 @@ for name in "$@"; do
     engine)
         python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
         section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
-            --shape group --concurrency 256 --prompt-len 2048 --group-size 8 --max-tokens 256 --profile \
+            --shape group --concurrency 256 --prompt-len 2048 --group-size 8 --max-tokens 256 --shared-prefix on --profile \
             --output "$OUT/engine_phases_group.json"
         section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
