@@ -2,13 +2,18 @@
 that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
 
     serve.py              the `asyncgrpo serve` process: load, self-check, listen, stop on a signal
-    app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes
+    app.py / control.py   HTTP routes (aiohttp), thin; control.py holds the RL/dev routes, text_routes.py
+                          /tokenize, /detokenize and completion prompts
     protocol.py           request validation (vLLM shapes)
     responses.py          response bodies and their log-probs (vLLM shapes)
-    engine.py             engine thread: commands, pause modes, delivery to the event loop
-    scheduler.py          admission, chunked prefill, prefix reuse, preemption, stop rules; blocks
-                          behind the window of a model windowed on every layer are released
-    runner.py             one step -> one forward pass -> sampled tokens (one host transfer)
+    engine.py             engine thread: commands, pause modes, delivery to the event loop; each step
+                          launched before the previous one is recorded (--async-scheduling)
+    scheduler.py          admission, chunked prefill, prefix reuse, preemption; blocks behind the
+                          window of a model windowed on every layer are released
+    sequence.py           one generated continuation: its tokens (some still on the device), stop rules
+    runner.py             one step -> one forward pass -> sampled tokens, queued for the host
+    step_output.py        a step's sampled tokens on their way to the host (one transfer) and into sequences
+    host_copy.py          step inputs to the device through page-locked memory, without waiting for it
     kv_cache.py           paged K/V pools and the attention function registered with transformers
     prefix_cache.py       block pool: reference counts, content-addressed full blocks, LRU eviction
     context_attention.py  chunks that continue after cached tokens attend over the paged cache
