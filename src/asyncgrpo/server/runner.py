@@ -5,9 +5,10 @@ the cache holds: a cached prefix or earlier chunks), runs the Hugging Face model
 attention (`kv_cache.py`), keeps only the last position of each sampled sequence for the LM head, applies the
 per-request logits processors and `sampling.sample`, and queues the results' way to the host in ONE
 transfer per step (`step_output.py`): `launch` returns before the device is done, so the engine may
-plan and launch the next step meanwhile, whose decode rows read their last tokens on the device. With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps
-whose prompt chunks are all short (`prompt_rows`: every chunk token a row of the decode attention);
-other steps run the eager forward.
+plan and launch the next step meanwhile, whose decode rows read their last tokens on the device.
+With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps whose prompt chunks
+are all short (`prompt_rows`: every chunk token a row of the decode attention); other steps run the
+eager forward.
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
