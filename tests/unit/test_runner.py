@@ -97,3 +97,35 @@ def test_rows_taken_over_by_new_sequences_sample_with_their_own_parameters():
         assert all(t >= 50 for t in s.output[:3]) and 4 <= len(s.output) <= 6
         assert all(r <= 2 for r in s.ranks) and len(s.top_ids) == len(s.output) and s.masks == []
     assert all(len(s.top_ids) == 3 * len(s.output) and len(s.masks) == len(s.output) for s in first)
+
+
+def test_repetition_penalty_and_min_tokens_ban_against_the_models_logits():
+    """The logits processors of a step (repetition penalty over prompt + output, stop ids banned before
+    min_tokens) give the log-probs of the model's own logits processed by a plain loop."""
+    model = _model()
+    sched, runner = _engine(model, static=False)
+    stops = frozenset({5, 17, 60})
+    params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3, max_tokens=4, min_tokens=3,
+                       stop_token_ids=stops, eos_token_id=None, extra_eos_ids=frozenset(), logprobs=5,
+                       want_mask=False, repetition_penalty=1.7)
+    seq = Sequence(0, "r0", 0, [7, 8, 9, 7, 30, 31], params, MAX_LEN)
+    sched.add(seq)
+    while not seq.finished:
+        _step(sched, runner)
+    reference = _model()  # the same weights, attending by itself
+    reference.set_attn_implementation("eager")
+    for i in range(len(seq.output)):
+        context = seq.prompt + seq.output[:i]
+        with torch.no_grad():
+            logits = reference(torch.tensor([context])).logits[0, -1].double()
+        for t in set(context):  # vLLM's penalty: divide a positive logit, multiply a negative one
+            logits[t] = logits[t] / 1.7 if logits[t] > 0 else logits[t] * 1.7
+        if i < 3:
+            logits[sorted(stops)] = float("-inf")
+        ref = torch.log_softmax(logits, -1)
+        assert seq.output[i] not in stops or i >= 3
+        torch.testing.assert_close(torch.tensor(seq.logprobs[i], dtype=torch.float64), ref[seq.output[i]],
+                                   atol=1e-4, rtol=0)
+        top_ids, top_lps = seq.top(i)
+        assert top_ids == ref.topk(5).indices.tolist()
+        torch.testing.assert_close(torch.tensor(top_lps, dtype=torch.float64), ref.topk(5).values, atol=1e-4, rtol=0)

@@ -366,19 +366,18 @@ class ModelRunner:
                 rows_idx.extend([i] * len(toks))
                 cols.extend(toks)
             seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen[torch.tensor(rows_idx, device=self.device), torch.tensor(cols, device=self.device)] = True
-            penalty = torch.tensor([s.params.repetition_penalty for s in seqs], device=self.device)
+            index = to_device(np.array([rows_idx, cols], dtype=np.int64), self.device)
+            seen[index[0], index[1]] = True
+            penalty = to_device(np.array([s.params.repetition_penalty for s in seqs], np.float32), self.device)
             logits = apply_repetition_penalty(logits, seen, penalty)
         rows_idx, cols = [], []
         for i in np.flatnonzero(positions < self.params.min_tokens[rows]).tolist():
             banned = [t for t in seqs[i].params.stop_ids if t < self.vocab_size]
             rows_idx.extend([i] * len(banned))
             cols.extend(banned)
-        if rows_idx:
-            logits = logits.index_put(
-                (torch.tensor(rows_idx, device=self.device), torch.tensor(cols, device=self.device)),
-                torch.tensor(float("-inf"), device=self.device),
-            )
+        if rows_idx:  # (a fill on the device: a host scalar would be a copy that waits for it)
+            index = to_device(np.array([rows_idx, cols], dtype=np.int64), self.device)
+            logits = logits.index_put((index[0], index[1]), torch.full((), float("-inf"), device=self.device))
         return logits
 
     def _plan(self, rows: np.ndarray, positions: np.ndarray) -> SamplingPlan:
