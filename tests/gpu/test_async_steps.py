@@ -9,6 +9,7 @@ groups, next turns).
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,30 @@ def test_asynchronous_steps_on_the_gpu(model, fixed_shape):
     assert on.launches_reading_pending > 10
     if fixed_shape:
         assert on.runner.graphs.use_graphs and on.runner.graphs._graphs, "the steps replayed captured graphs"
+
+
+def test_decode_steps_are_launched_without_waiting_for_the_device(model):
+    """A decode step that replays captured graphs queues its inputs, replays and output copy without any
+    call that waits for the device (PyTorch's sync debug mode flags them), so that it can be launched
+    while the step before it runs."""
+    on = Server(model, True, fixed_shape=True, device="cuda")
+    graphs, launch = on.runner.graphs, on.runner.launch
+    flagged = []
+
+    def checked(decode, prefill):
+        before = len(graphs._graphs)  # a capture synchronises on purpose: only replays are checked
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = launch(decode, prefill)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if not prefill and len(graphs._graphs) == before:
+            flagged.extend(str(w.message) for w in caught)
+        return out
+
+    on.runner.launch = checked
+    on.run([_first_wave, _next_turns])
+    assert on.launches_reading_pending > 10
+    assert not flagged, flagged[:3]
