@@ -121,6 +121,9 @@ async def server_wave(
             # where the engine thread's step time went (the model runner's step waits for the device)
             "mean_phase_ms": {k: 1e3 * (v - before["step_phase_seconds"][k]) / max(steps, 1)
                               for k, v in after["step_phase_seconds"].items()},
+            # CUDA graphs captured during the wave (shapes the warm-up did not meet), and their cost
+            "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
+            "graph_capture_seconds": after.get("graph_capture_seconds", 0.0) - before.get("graph_capture_seconds", 0.0),
         }
     return result
 
@@ -276,7 +279,8 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
                 e = r["engine"]
                 line = (f"; engine {e['steps']} steps ({e['prefill_steps']} with prefill), busy "
                         f"{e['busy_frac']:.0%}, {e['mean_step_ms']:.2f} ms/step ("
-                        + ", ".join(f"{k} {v:.2f}" for k, v in e["mean_phase_ms"].items()) + ")")
+                        + ", ".join(f"{k} {v:.2f}" for k, v in e["mean_phase_ms"].items())
+                        + f"; {e['graph_captures']} graphs captured in {e['graph_capture_seconds']:.2f} s)")
             print(f"  {label:<15} logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s "
                   f"(first wave {first['tokens_per_s']:.1f}){line}", flush=True)
     return results

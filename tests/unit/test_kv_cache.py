@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.decode_kernels import choose_splits
+from asyncgrpo.server.decode_kernels import choose_splits, one_split_programs
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -120,6 +120,11 @@ def test_small_decode_batches_split_the_context_across_programs():
     assert choose_splits(num_programs=128, max_context=512, tile=64, num_sms=132) == (3, 192)
     assert choose_splits(num_programs=2048, max_context=512, tile=64, num_sms=132) == (1, 512)
     assert choose_splits(num_programs=8, max_context=16, tile=64, num_sms=132) == (1, 64)
+    # from one_split_programs on, no context is split, however long: a graph of such a step can take the
+    # whole block table (StepGraphs.wide_from); one program fewer and long contexts are split
+    for context in (16, 512, 32768):
+        assert choose_splits(one_split_programs(132), context, 64, 132)[0] == 1
+    assert choose_splits(one_split_programs(132) - 1, 32768, 64, 132)[0] == 2
 
 
 def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -53,8 +54,10 @@ def _step(sched, runner) -> None:
             sched.remove(s)
 
 
-def _run(model, static: bool) -> list[Sequence]:
+def _run(model, static: bool, wide: bool = False) -> list[Sequence]:
     sched, runner = _engine(model, static)
+    if wide:  # every step's graph takes the whole block table (columns past its contexts hold stale blocks)
+        runner.graphs.wide_from = 1
     seqs = [Sequence(i, f"r{i}", 0, list(range(3 + i, 10 + 2 * i)), _params(i, 12 + 3 * i), MAX_LEN)
             for i in range(5)]
     steps = 0
@@ -68,10 +71,11 @@ def _run(model, static: bool) -> list[Sequence]:
     return seqs
 
 
-def test_static_decode_path_matches_eager_path():
+@pytest.mark.parametrize("wide", [False, True], ids=["table-buckets", "whole-table"])
+def test_static_decode_path_matches_eager_path(wide):
     model = _model()
     eager = _run(model, static=False)
-    static = _run(model, static=True)
+    static = _run(model, static=True, wide=wide)
     for a, b in zip(eager, static):
         assert a.output == b.output and len(a.output) == a.params.max_tokens
         assert a.masks == b.masks

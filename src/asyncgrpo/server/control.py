@@ -116,13 +116,16 @@ class ControlRoutes:
             "lora_config": self.lora_config(),
             "weight_transfer_config": {"backend": "nccl" if s.device.type == "cuda" else "gloo"},
         }
-        st = self.engine.stats
+        st, graphs = self.engine.stats, self.runner.graphs
         embedded = {
             "device": str(s.device), "num_steps": st.num_steps, "max_num_seqs_per_step": st.max_batch_seqs,
             "num_prefill_steps": st.num_prefill_steps, "step_seconds": st.step_s,
+            # device_wait: inside forward with synchronous steps, inside record with asynchronous ones
             "step_phase_seconds": {"schedule": st.schedule_s, "forward": st.forward_s, "record": st.record_s,
-                                   "device_wait": self.runner.wait_s},  # part of forward
+                                   "device_wait": self.runner.wait_s},
             "num_preemptions": st.num_preemptions,
+            "graph_captures": 0 if graphs is None else graphs.num_captures,  # each one stalled a step
+            "graph_capture_seconds": 0.0 if graphs is None else graphs.capture_s,
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
         }

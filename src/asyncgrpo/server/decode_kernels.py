@@ -221,11 +221,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def one_split_programs(num_sms: int) -> int:
+    """Programs (sequences x kv heads) from which `choose_splits` never splits a context."""
+    return 2 * num_sms
+
+
 def choose_splits(num_programs: int, max_context: int, tile: int, num_sms: int) -> tuple[int, int]:
     """(number of splits, tokens per split) of each sequence's context: enough programs to give every
     multiprocessor about two, each split a whole number of tiles (host-side: fixed for a graph)."""
     tiles = -(-max_context // tile)
-    splits = max(1, min(tiles, -(-2 * num_sms // num_programs)))
+    splits = max(1, min(tiles, -(-one_split_programs(num_sms) // num_programs)))
     split_len = -(-tiles // splits) * tile
     return -(-max_context // split_len), split_len
 

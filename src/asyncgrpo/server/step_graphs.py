@@ -1,10 +1,11 @@
 """Steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
 
 A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32 up to
-256 and of 128 above), its block tables to a power-of-two number of blocks and its groups of rows
-sharing their first blocks (`shared_prefix.py`) to a power-of-two number of group entries (0: none);
-every input lives in a static device buffer, so each (batch, block, group) bucket is captured once
-and replayed: the ~30 kernels per layer of the Hugging Face forward cost one launch. Padded rows read
+256 and of 128 above), its block tables to a power-of-two number of blocks (from the bucket where the
+decode attention no longer splits contexts, about 2 x multiprocessors / kv heads rows, the whole
+table: one graph for every context length) and its groups of rows sharing their first blocks
+(`shared_prefix.py`) to a power-of-two number of group entries (0: none); every input lives in a
+static device buffer, so each (batch, block, group) bucket is captured once and replayed: the ~30 kernels per layer of the Hugging Face forward cost one launch. Padded rows read
 and write the cache's scratch block and their logits are dropped; padded group entries have no members.
 
 A row is one query of the paged decode attention: a token, its position, the cache slot its keys go
@@ -30,13 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.decode_attention import check_decode_variants
+from asyncgrpo.server.decode_attention import check_decode_variants, triton_works_on
+from asyncgrpo.server.decode_kernels import one_split_programs
 from asyncgrpo.server.host_copy import copy_into
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
@@ -102,8 +105,16 @@ class StepGraphs:
         self.max_blocks = max_blocks
         self.use_graphs = use_graphs
         self.max_prompt_rows = max_prompt_rows
+        # batch buckets from which a step's graph takes the whole block table, whatever its contexts: None
+        # (every bucket keys graphs by a power-of-two table width too), see `_table_width`
+        self.wide_from: int | None = None
         if device.type == "cuda":  # the decode attention variants the layers use, checked before any capture
-            check_decode_variants(device, cache.k[0].dtype, attention_variants(model))
+            variants = attention_variants(model)
+            check_decode_variants(device, cache.k[0].dtype, variants)
+            d = cache.head_dim
+            if d >= 16 and d & (d - 1) == 0 and all(triton_works_on(device, cache.k[0].dtype, *v) for v in variants):
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                self.wide_from = -(-one_split_programs(sms) // cache.num_kv_heads)
         self._num_sampled = batch_bucket(max_num_seqs)  # rows that sample: at most one per sequence
         n = batch_bucket(max_num_seqs + max_prompt_rows)
         # rows: input ids, positions, cache slots, context lengths, rows the LM head keeps (sampled first)
@@ -122,6 +133,8 @@ class StepGraphs:
         self._groups: torch.Tensor | None = None
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._full = False  # MAX_GRAPHS reached (and said so)
+        self.num_captures = 0  # graphs captured so far and the seconds it took (/server_info reports them: a
+        self.capture_s = 0.0  # capture mid-run stalls the step that meets a new shape)
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._scratch_slot = cache.scratch_block * cache.block_size
         # sampling inputs: float32 logits, then rows (temperature, top_p, min_p) and (top_k, row hash)
@@ -136,7 +149,8 @@ class StepGraphs:
         with prompt rows)."""
         b, nb = inputs.block_tables.shape
         bp = batch_bucket(b)
-        nbp = block_bucket(nb, self.max_blocks)
+        width = block_bucket(nb, self.max_blocks)  # the columns written; those past them are never read
+        nbp = self._table_width(bp, width)
         # padded rows: token 0 at position 0, written to and read from the scratch block
         host = np.empty((5, bp), dtype=np.int64)
         host[:4, b:] = np.array([[0], [0], [self._scratch_slot], [1]])
@@ -147,12 +161,12 @@ class StepGraphs:
             num_sampled = len(inputs.sample_rows)
             assert num_sampled <= self._num_sampled, "at most one sampled row per sequence"
             host[4, :num_sampled] = inputs.sample_rows
-        table = np.full((bp, nbp), self.cache.scratch_block, dtype=np.int64)
+        table = np.full((bp, width), self.cache.scratch_block, dtype=np.int64)
         table[:b, :nb] = inputs.block_tables
         copy_into(self._vec[:, :bp], host)
         if pending is not None:
             self._vec[0].index_copy_(0, *pending)
-        copy_into(self._tables[:bp, :nbp], table)
+        copy_into(self._tables[:bp, :width], table)
         gp = 0  # group entries of the graph: a bucket of the step's, 0 without shared blocks
         if inputs.shared is not None:
             g, width = inputs.shared.groups.shape
@@ -179,6 +193,14 @@ class StepGraphs:
             copy_into(self._slots[:bp], self.lora.slot_onehot(slots))
         key = ("forward", bp, nbp, gp, adapters)
         return self._replay(key, lambda: self._forward(bp, nbp, gp, adapters))[:num_sampled]
+
+    def _table_width(self, bp: int, width: int) -> int:
+        """Block-table columns a step of `bp` rows attends through (a graph's input shape, in its key).
+        The decode attention splits a row's context so that every multiprocessor has work, by the
+        table's width; from `wide_from` rows on it never splits, so the graph takes the whole table and
+        serves every context length: fewer graphs, fewer mid-run captures as contexts grow. Smaller
+        steps take the power-of-two `width` that covers their contexts, which sizes their splits."""
+        return self.max_blocks if self.wide_from is not None and bp >= self.wide_from else width
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
         """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
@@ -256,6 +278,7 @@ class StepGraphs:
         return out.logits[0]
 
     def _capture(self, key: tuple, fn) -> None:
+        start = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -268,6 +291,8 @@ class StepGraphs:
             out = fn()
         self._pools.setdefault(kind, graph.pool())
         self._graphs[key] = (graph, out)
+        self.num_captures += 1
+        self.capture_s += time.perf_counter() - start
         logger.info("captured a graph %s (%d graphs)", key, len(self._graphs))
 
     def _warm_up(self, key: tuple, fn) -> None:
