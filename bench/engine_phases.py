@@ -39,8 +39,9 @@ the Python functions with the most own time (`host_functions`), which is where a
     python bench/engine_phases.py --random-qwen3 tiny --device cpu --shape group --concurrency 256 \\
         --prompt-len 256 --group-size 8 --max-tokens 16          # host overhead per step on CPU
 
-Each configuration runs twice (the first run captures the graphs and compiles the kernels) and the
-second is reported. `--shared-prefix off` serves decode attention without reading a group's shared
+Each configuration runs twice over one KV cache and one set of step graphs, as a server serves two
+waves of requests: the first run captures the graphs and compiles the kernels, the second is reported
+(with the graphs it still had to capture: shapes the first run did not meet). `--shared-prefix off` serves decode attention without reading a group's shared
 prompt once for all its members (`decode_attention.py`), for a side-by-side. Writes
 bench/results/engine_phases_<shape>_<device>.json.
 """
@@ -175,10 +176,9 @@ def max_len_of(args) -> int:
     return args.prompt_len + args.turns * (args.max_tokens + args.turn_tokens) + 16
 
 
-def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, asynchronous: bool = False) -> dict:
-    """One run of the workload through fresh scheduler/runner state; per-class step times. asynchronous:
-    each step is launched before the previous one is recorded (`wait` and `record` are the previous
-    step's, `device` is not measured, and there is no profile)."""
+def engine_state(served, args) -> tuple[PagedKVCache, StepGraphs | None]:
+    """The KV cache and the step graphs, kept from one run to the next (the graphs replay on the cache's
+    tensors), as a server keeps them from one wave of requests to the next."""
     max_len = max_len_of(args)
     # room for every sequence at full length, or with caching for each distinct prompt once
     num_tokens = args.concurrency * max_len
@@ -188,11 +188,23 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, as
     num_blocks = num_tokens // BLOCK_SIZE + 64
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
+    graphs = StepGraphs(served.model, cache, served.device, args.concurrency, -(-max_len // BLOCK_SIZE),
+                        served.device.type == "cuda", served.vocab_size) if args.graphs == "on" else None
+    return cache, graphs
+
+
+def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, asynchronous: bool = False,
+                 state: tuple[PagedKVCache, StepGraphs | None] | None = None) -> dict:
+    """One run of the workload through a fresh scheduler and model runner over `state` (`engine_state`;
+    None: a new one); per-class step times. asynchronous: each step is launched before the previous one
+    is recorded (`wait` and `record` are the previous step's, `device` is not measured, no profile)."""
+    max_len = max_len_of(args)
+    cache, graphs = engine_state(served, args) if state is None else state
+    captures_before = 0 if graphs is None else graphs.num_captures
     scheduler = Scheduler(BlockPool(cache.num_blocks, args.caching == "on"), BLOCK_SIZE, args.concurrency,
                           args.max_num_batched_tokens, max_len, admission_interval=args.admission_interval)
+    assert graphs is None or graphs.max_blocks == scheduler.max_blocks
     cuda = served.device.type == "cuda"
-    graphs = StepGraphs(served.model, cache, served.device, args.concurrency, scheduler.max_blocks, cuda,
-                        served.vocab_size) if args.graphs == "on" else None
     runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs,
                          shared_prefix=shared_prefix)
     timer = StepTimer(runner)
@@ -282,6 +294,7 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, as
         }
     return {"seconds": wall, "tokens": tokens, "generated_tokens_per_s": tokens["generated"] / wall,
             "steps": summary, "profiles": profiles,
+            "graph_captures": 0 if graphs is None else graphs.num_captures - captures_before,
             "prefix_hit_frac": scheduler.pool.stats.hits / max(scheduler.pool.stats.queries, 1)}
 
 
@@ -363,13 +376,18 @@ def main() -> None:
     modes = [(shared, sched) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")]
     for mode, scheduling in modes:
         shared, asynchronous = mode == "on", scheduling == "async"
-        # the first run captures the graphs and builds the kernels
-        run_workload(served, args, seed=1, profile=False, shared_prefix=shared, asynchronous=asynchronous)
+        # the first run captures the graphs and builds the kernels; the second replays them
+        state = engine_state(served, args)
+        first = run_workload(served, args, seed=1, profile=False, shared_prefix=shared, asynchronous=asynchronous,
+                             state=state)
         r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, shared_prefix=shared,
-                         asynchronous=asynchronous)
+                         asynchronous=asynchronous, state=state)
+        r["first_run"] = {k: first[k] for k in ("seconds", "generated_tokens_per_s", "graph_captures")}
         results["runs"][f"shared_prefix_{mode}" + ("_async" if asynchronous else "")] = r
         print(f"shared prefix {mode}, {scheduling}: {r['generated_tokens_per_s']:.0f} generated tok/s in "
-              f"{r['seconds']:.2f} s (prefix hits {r['prefix_hit_frac']:.2f})", flush=True)
+              f"{r['seconds']:.2f} s (prefix hits {r['prefix_hit_frac']:.2f}; {r['graph_captures']} graphs "
+              f"captured, {first['graph_captures']} in the first run at {first['generated_tokens_per_s']:.0f} "
+              "tok/s)", flush=True)
         for kind, s in r["steps"].items():
             ms = s["median_ms"]
             print(f"  {kind:<8} {s['steps']:5d} steps {s['total_s']:7.2f} s  median batch {s['median_batch']:5.0f}  "

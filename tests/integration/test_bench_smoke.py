@@ -64,6 +64,7 @@ def test_engine_phases_on_cpu(tmp_path):
         assert run["steps"]["decode"]["steps"] == 3
         assert set(run["steps"]["decode"]["median_ms"]) == {"schedule", "launch", "wait", "device", "record", "wall"}
         assert bool(run["profiles"]) != name.endswith("_async")  # the profile runs synchronously
+        assert run["graph_captures"] == run["first_run"]["graph_captures"] == 0  # no CUDA graphs on CPU
         if run["profiles"]:
             assert run["profiles"]["decode"]["top_level_aten_ops"] > 0
 
