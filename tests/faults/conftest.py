@@ -37,7 +37,8 @@ def call(url: str, method: str, path: str, body: Any = None, headers: dict | Non
 def server(tmp_path_factory):
     """One server shared by the pipeline fault tests (the trainer pushes weights into it)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(MODEL, log_path=log) as s:
+    # asynchronous steps, as on CUDA: weight pushes land between steps while others are in flight
+    with EmbeddedServer(MODEL, log_path=log, extra_args=["--async-scheduling"]) as s:
         yield s
 
 

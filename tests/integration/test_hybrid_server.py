@@ -65,8 +65,9 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
+    # asynchronous steps, as on CUDA: each sequence's DeltaNet state advances once per recorded token
     with EmbeddedServer(checkpoint, log_path=log, extra_args=["--dtype", "float32", "--max-model-len", "256",
-                                                              "--max-num-seqs", "8"]) as running:
+                                                              "--max-num-seqs", "8", "--async-scheduling"]) as running:
         yield running
 
 

@@ -107,7 +107,9 @@ def adapters(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256"]
+    # asynchronous steps, as on CUDA: adapter loads and unloads wait for the step in flight
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256",
+            "--async-scheduling"]
     with EmbeddedServer(TINY, log_path=log, device=DEVICE, extra_args=args) as s:
         yield s
 
