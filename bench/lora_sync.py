@@ -15,8 +15,8 @@ Per server (the embedded server, started here; with `--vllm-url` also a running 
                    transfer / resume seconds and bytes, after one unreported warm-up sync
 
 The embedded server runs twice: without LoRA (base generation and merged sync, what a run without
-adapter serving does) and with --enable-lora (base vs adapter generation, adapter sync; decode steps
-run eagerly there). vLLM runs as it was started: the adapter phases need --enable-lora
+adapter serving does) and with --enable-lora (base vs adapter generation, adapter sync; on CUDA its
+steps replay graphs with the adapters' deltas). vLLM runs as it was started: the adapter phases need --enable-lora
 --max-lora-rank 32 --max-loras 4 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, the merged one a
 --weight-transfer-config (`ipc` when vLLM shares this process's GPU, with
 VLLM_ALLOW_INSECURE_SERIALIZATION=1); a phase it cannot run is recorded with the reason. The merged
