@@ -28,9 +28,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def model():
-    from test_async_scheduling import model as cpu_model
+    from test_prefix_caching import tiny_qwen3
 
-    return cpu_model.__wrapped__().to("cuda")
+    return tiny_qwen3().to("cuda")
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True], ids=["eager", "graphs"])

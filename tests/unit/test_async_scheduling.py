@@ -14,33 +14,26 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from test_prefix_caching import BS, MAX_LEN, VOCAB, tiny_qwen3
 
 from asyncgrpo.server.engine import Engine
-from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
+from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
-MAX_LEN = 256
-BS = 16
-VOCAB = 101
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3()
+
+
 PARAMS = SeqParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.0, seed=0, max_tokens=24, min_tokens=0,
                    # ~8% of the vocabulary: some sequences stop after a few tokens
                    stop_token_ids=frozenset(range(40, 48)), eos_token_id=None, extra_eos_ids=frozenset(),
                    logprobs=3, want_mask=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    model = Qwen3ForCausalLM(copy.deepcopy(config)).eval()
-    model.set_attn_implementation(register_attention())
-    return model
 
 
 class _Sink:

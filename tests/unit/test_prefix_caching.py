@@ -27,14 +27,19 @@ BS = 16
 VOCAB = 101
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_qwen3() -> Qwen3ForCausalLM:
+    """A tiny random Qwen3 (seed 0) attending through the server's paged KV cache."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
     model = Qwen3ForCausalLM(copy.deepcopy(config)).eval()
     model.set_attn_implementation(register_attention())
     return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3()
 
 
 class Harness:
