@@ -200,3 +200,35 @@ def test_a_deltanet_hybrid(fixed_shape):
     (a, _), (b, _) = on.run([wave]), off.run([wave])
     _assert_same(a, b)
     assert {s.finish_reason for s in a} == {"stop", "length"} and on.launches_reading_pending > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_request_mixes(model, seed):
+    """Random mixes of the parameters that change when a sequence ends or what a step must know (stop
+    tokens, lengths, min_tokens, penalties, greedy rows, top lists, masks), prompts that share blocks and
+    a pool small enough to preempt: asynchronous and synchronous steps give the same results, and every
+    sequence's lists agree in length."""
+    rng = torch.Generator().manual_seed(seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=rng))
+
+    shared = _prompt(1000 + seed, 20)
+    requests = []
+    for i in range(14):
+        prompt = (shared if draw(2) else []) + _prompt(2000 + 50 * seed + i, 1 + draw(30))
+        params = {"max_tokens": 1 + draw(40), "min_tokens": draw(6), "logprobs": draw(4) or None,
+                  "want_mask": bool(draw(2)), "stop_token_ids": frozenset(range(40, 40 + draw(12)))}
+        if draw(4) == 0:
+            params["repetition_penalty"] = 1.2
+        if draw(4) == 0:
+            params.update(temperature=0.0, top_k=0, top_p=1.0, want_mask=False)
+        requests.append((prompt, params))
+    on, off = Server(model, True, num_blocks=16), Server(model, False, num_blocks=16)
+    (a, a_stats), (b, _) = on.run([lambda done: requests]), off.run([lambda done: requests])
+    _assert_same(a, b)
+    for s in a:
+        n, k = len(s.output), s.params.logprobs or 0
+        assert n == len(s.logprobs) == len(s.ranks) and len(s.top_ids) == len(s.top_logprobs) == k * n
+        assert len(s.masks) == (n if s.params.want_mask else 0) and 1 <= n <= s.params.max_tokens
+        assert s.finish_reason == "length" or (s.output[-1] in s.params.stop_token_ids and n >= s.params.min_tokens)
