@@ -5,6 +5,8 @@ time, switching between them, so a decode step of the server never runs during a
 trainer. "mps" starts an NVIDIA Multi-Process Service daemon for the run: every process that
 initialises CUDA afterwards (this one, the embedded server, the rollout process) submits its work
 through one MPS server, and kernels of different processes run on the GPU at the same time.
+"in-process" runs the embedded server inside the trainer's process (`asyncgrpo.server.serve.ServerThread`,
+its engine on a CUDA stream of its own): one context, whose streams the GPU may run side by side.
 
     with gpu_sharing("mps", Path("/tmp/run")) as info:   # before the first CUDA call of this process
         ...
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-SHARING_MODES = ("time-slicing", "mps")
+SHARING_MODES = ("time-slicing", "mps", "in-process")
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
@@ -30,7 +32,7 @@ def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
     entered before this process initialises CUDA (the environment decides which server a context joins)."""
     if mode not in SHARING_MODES:
         raise ValueError(f"GPU sharing mode must be one of {SHARING_MODES}, got {mode!r}")
-    if mode == "time-slicing":
+    if mode in ("time-slicing", "in-process"):  # in-process: the caller runs the server in its own process
         yield {"mode": mode}
         return
     control = shutil.which(MPS_CONTROL)

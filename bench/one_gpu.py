@@ -26,6 +26,7 @@ process with the JSON saying where it stopped, so a killed or stuck run still le
     python bench/one_gpu.py --shape 0.6b 1.7b --max-seconds 60     # one H200: embedded server, IPC sync
     python bench/one_gpu.py --shape tiny                           # CPU smoke run, under a minute
     python bench/one_gpu.py --shape 0.6b --sharing mps             # the same with an MPS daemon (gpu_sharing.py)
+    python bench/one_gpu.py --shape 0.6b --sharing in-process      # the server inside the trainer's process
 
 Against a running vLLM 0.33 (its ipc weight-transfer backend) on the same GPU, with the same weights:
 
@@ -230,8 +231,10 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
 
 def run_shape(bench: Bench, shape: str) -> None:
     """Checkpoint, prompts, server, then the interleaved runs and their comparison."""
-    from asyncgrpo.launch import EmbeddedServer
+    from asyncgrpo.cli import serve_arguments
+    from asyncgrpo.launch import EmbeddedServer, free_port
     from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.server.serve import ServerThread
 
     args = bench.args
     preset = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in PRESETS[shape].items()}
@@ -259,16 +262,26 @@ def run_shape(bench: Bench, shape: str) -> None:
                       "--max-model-len", str(preset["max_model_len"]), "--max-num-seqs", str(args.max_num_seqs)]
         if bench.device == "cuda":
             serve_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        log = Path(args.work_dir) / f"server-{shape}.log"
-        shape_result["server_log"] = str(log)
-        print(f"[{shape}] starting the embedded server on {bench.device} (log: {log})", flush=True)
-        server = EmbeddedServer(str(model_dir), device=bench.device, extra_args=serve_args, log_path=log,
-                                startup_timeout_s=args.server_start_timeout)
-        url = server.start().url
-        server_tree = _process_tree(server.process.pid)
+        if args.sharing == "in-process":  # the server's threads in this process: its memory counts as ours
+            print(f"[{shape}] starting the embedded server in this process on {bench.device}", flush=True)
+            server = ServerThread(serve_arguments(str(model_dir), "--device", bench.device, "--port",
+                                                  str(free_port()), *serve_args))
+            url = server.start(timeout_s=args.server_start_timeout).url
+            shape_result["server_log"] = None
 
-        def is_server(pid: int) -> bool:
-            return pid in server_tree
+            def is_server(pid: int) -> bool:
+                return False
+        else:
+            log = Path(args.work_dir) / f"server-{shape}.log"
+            shape_result["server_log"] = str(log)
+            print(f"[{shape}] starting the embedded server on {bench.device} (log: {log})", flush=True)
+            server = EmbeddedServer(str(model_dir), device=bench.device, extra_args=serve_args, log_path=log,
+                                    startup_timeout_s=args.server_start_timeout)
+            url = server.start().url
+            server_tree = _process_tree(server.process.pid)
+
+            def is_server(pid: int) -> bool:
+                return pid in server_tree
         shape_result["server_args"] = serve_args
     shape_result["server_start_s"] = time.perf_counter() - t0
     shape_result["server_config"] = server_cache_config(url)
@@ -284,7 +297,7 @@ def run_shape(bench: Bench, shape: str) -> None:
                 train_once(bench, shape, preset, setting, repeat, url, model_dir, rows, is_server)
         shape_result["comparison"] = compare_settings(shape_result["runs"])
     except BaseException:
-        if server is not None:
+        if server is not None and shape_result["server_log"]:
             shape_result["server_log_tail"] = _tail(Path(shape_result["server_log"]))
         raise
     finally:
@@ -335,7 +348,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="Default: the shape's preset.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
     p.add_argument("--sharing", choices=SHARING_MODES, default="time-slicing",
-                   help="How the processes share the GPU: CUDA's time-slicing, or an MPS daemon for the run.")
+                   help="How trainer and server share the GPU: two processes time-sliced by CUDA, two processes "
+                   "under an MPS daemon, or the embedded server inside the trainer's process (its own stream).")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
@@ -369,9 +383,12 @@ def run_bench(args: argparse.Namespace, sharing: dict) -> None:
 
     slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-") \
         if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    suffix = ("_vllm" if args.server == "vllm" else "") + ("_mps" if args.sharing == "mps" else "")
+    suffix = ("_vllm" if args.server == "vllm" else "") + {"mps": "_mps", "in-process": "_inprocess"}.get(args.sharing, "")
     output = Path(args.output or Path(__file__).parent / "results" / f"one_gpu_{slug}{suffix}.json")
     bench = Bench(args, output)
+    if args.sharing == "in-process" and (bench.device != "cuda" or args.server != "embedded"):
+        raise SystemExit("--sharing in-process runs the embedded server inside this process and moves weights by CUDA "
+                         f"IPC: it needs --server embedded on CUDA (got --server {args.server} on {bench.device})")
     bench.result["sharing"] = sharing
     print(f"one_gpu: {', '.join(args.shape)} on {bench.result['device']}, {args.server} server; "
           f"JSON -> {output}", flush=True)

@@ -161,12 +161,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_demo(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def serve_arguments(model: str, *flags: str) -> argparse.Namespace:
+    """The arguments `asyncgrpo serve MODEL FLAGS...` would run with (a bad flag exits, as on the command line)."""
+    return _parser().parse_args(["serve", model, *flags])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -1,7 +1,7 @@
 """CUDA IPC weight sync into the embedded server on the trainer's own GPU (one GPU is enough).
 
-The server runs as `asyncgrpo serve --device cuda:0` in a subprocess; this process is the trainer on
-cuda:0. The transport is chosen as the trainer chooses it (equal GPU UUIDs -> "ipc"), the weights
+The server runs as `asyncgrpo serve --device cuda:0` in a subprocess, or inside this process
+(`ServerThread`); this process is the trainer on cuda:0. The transport is chosen as the trainer chooses it (equal GPU UUIDs -> "ipc"), the weights
 are pushed with JSON handles, and after each push:
   - the server's /weight_checksum equals the trainer's weights (every byte of every parameter),
   - the server reports the pushed version,
@@ -32,14 +32,23 @@ from test_weight_sync import _processed_logprobs, _tiny_qwen3
 PROMPT = [1, 5, 9, 17, 33]
 
 
-@pytest.fixture(scope="module")
-def gpu_server(tmp_path_factory):
-    from asyncgrpo.launch import EmbeddedServer
+@pytest.fixture(scope="module", params=["own-process", "in-process"])
+def gpu_server(request, tmp_path_factory):
+    """The server as its own process, or inside this one (`ServerThread`: the trainer's buffer is read
+    directly, CUDA cannot open a handle in the process that made it)."""
+    from asyncgrpo.cli import serve_arguments
+    from asyncgrpo.launch import EmbeddedServer, free_port
+    from asyncgrpo.server.serve import ServerThread
 
     model_dir = tmp_path_factory.mktemp("tiny_qwen3_gpu")
     model = _tiny_qwen3(model_dir)
     args = ["--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"]
     # a cold start compiles the Triton kernels and captures the CUDA graphs: allow minutes
+    if request.param == "in-process":
+        server = ServerThread(serve_arguments(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
+        with server:
+            yield model, server.url
+        return
     with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log",
                         startup_timeout_s=300) as server:
         yield model, server.url

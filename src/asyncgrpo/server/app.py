@@ -172,7 +172,8 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
         app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in routes])
         return app
 
-    def start_engine(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start_engine(self, loop: asyncio.AbstractEventLoop, stream=None) -> None:
+        """Warm up and start the engine thread (`stream`: its CUDA stream; None: the default one)."""
         self.stopping = asyncio.Event()  # set on SIGTERM / SIGINT: handlers stop waiting on blocked threads
         warm_up(self.runner, self.scheduler)
         # what start-up built (modules, model, tokenizer) lives as long as the server: keep it out of
@@ -181,7 +182,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
         gc.collect()
         gc.freeze()
         self.engine = Engine(self.runner, self.scheduler, loop, on_update=self._on_engine_update,
-                             async_scheduling=self.async_scheduling)
+                             async_scheduling=self.async_scheduling, stream=stream)
         self.engine.start()
 
     def _on_engine_update(self, engine: Engine) -> None:

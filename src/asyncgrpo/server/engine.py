@@ -40,6 +40,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
+
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import Sequence
@@ -84,7 +86,10 @@ class Engine:
         loop: asyncio.AbstractEventLoop,
         on_update: Callable[[Engine], None] | None = None,
         async_scheduling: bool = False,
+        stream=None,
     ) -> None:
+        """stream: a CUDA stream the engine thread runs its steps on (a server inside a trainer's process,
+        whose kernels may then run beside the trainer's); None: the default stream."""
         self.runner = runner
         self.scheduler = scheduler
         self.loop = loop
@@ -101,6 +106,7 @@ class Engine:
         # plan and launch step N + 1 before recording step N (CUDA: the host's work overlaps the device's)
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[LaunchedStep, list[Sequence]] | None = None  # launched, not recorded
+        self._stream = stream
 
     # ---- loop-side API (call from the asyncio loop) -------------------------------------------
     def start(self) -> None:
@@ -181,6 +187,9 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            if self._stream is not None:  # (the current stream is per thread) after the start-up work
+                self._stream.wait_stream(torch.cuda.default_stream(self._stream.device))
+                torch.cuda.set_stream(self._stream)
             while not self._stopping:
                 if self.pause_mode == "wait" and not self.scheduler.has_work():
                     if self._wait_futures and self._clear_after_wait:

@@ -15,6 +15,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -23,21 +25,30 @@ from asyncgrpo.server.app import BLOCK_SIZE, Server
 from asyncgrpo.server.loading import ModelLoadError, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.self_check import check_engine
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 logger = logging.getLogger(__name__)
 
 
-async def _serve(args: argparse.Namespace, server: Server) -> None:
+async def _serve(args: argparse.Namespace, server: Server, stop: asyncio.Event | None = None,
+                 listening: Callable[[], None] | None = None, engine_stream=None) -> None:
+    """Serve until `stop` is set (None: until SIGINT or SIGTERM, in the main thread); `listening` is
+    called once the port is open; `engine_stream`: the CUDA stream of the engine thread."""
     loop = asyncio.get_running_loop()
-    server.start_engine(loop)
+    server.start_engine(loop, engine_stream)
     watchdog = asyncio.ensure_future(server.watch_leases())
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     logger.info("embedded server for %s listening on http://%s:%d", server.name, args.host, args.port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    if listening is not None:
+        listening()
     await stop.wait()
     logger.info("shutting down")
     server.stopping.set()
@@ -61,6 +72,21 @@ def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 
     return watch_parent(parent_pid, gone, interval_s)
 
 
+def build_server(args: argparse.Namespace) -> Server:
+    """Load the model, size the KV cache, build the server and check its engine against the model (a
+    user error is a `ModelLoadError`)."""
+    device = resolve_device(args.device)
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+    served = load_served_model(args.model, device, args.dtype, args.max_model_len)
+    kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
+                                args.gpu_memory_utilization, args.max_num_batched_tokens)
+    server = Server(args, served, kv_tokens)
+    check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
+                 device=served.device, name=args.model)
+    return server
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli`)."""
     logging.basicConfig(
@@ -69,17 +95,75 @@ def main(args: argparse.Namespace) -> int:
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
     try:
-        device = resolve_device(args.device)
-        if args.max_num_batched_tokens is None:
-            args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
-        served = load_served_model(args.model, device, args.dtype, args.max_model_len)
-        kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
-                                    args.gpu_memory_utilization, args.max_num_batched_tokens)
-        server = Server(args, served, kv_tokens)
-        check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
-                     device=served.device, name=args.model)
+        server = build_server(args)
     except ModelLoadError as exc:  # the user's input: the message says what to change, a traceback would not
         logger.error("%s", exc)
         return 2
     asyncio.run(_serve(args, server))
     return 0
+
+
+class ServerThread:
+    """The embedded server inside this process: its HTTP loop in a thread, its engine thread on a CUDA
+    stream of its own (CUDA), so that its kernels may run beside this process's (a trainer's) on one
+    GPU instead of taking turns with another process's. Weights still move through the weight-transfer
+    routes (CUDA IPC on one GPU, which recognises its own process's buffer).
+
+    >>> with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", "8000")) as server:
+    ...     ...  # http://127.0.0.1:8000 answers
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.server: Server | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    def start(self, timeout_s: float = 60.0) -> Self:
+        self.server = build_server(self.args)
+        self.server.transfer.in_process = True
+        stream = None
+        if self.server.served.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.server.served.device)  # start-up work done before another stream reads it
+            stream = torch.cuda.Stream(self.server.served.device)
+
+        async def run() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            await _serve(self.args, self.server, self._stop, self._ready.set, stream)
+
+        def target() -> None:
+            try:
+                asyncio.run(run())
+            except BaseException as exc:  # reported to the thread that waits for start-up
+                self.error = exc
+                self._ready.set()
+                raise
+
+        self._thread = threading.Thread(target=target, name="asyncgrpo-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.error is not None:
+            raise RuntimeError(f"the in-process embedded server did not start: {self.error!r}")
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -86,6 +86,7 @@ class WeightTransfer:
         self.loader = loader
         self.timeout_s = timeout_s  # bounds joining the group and every receive (--weight-transfer-timeout)
         self.receiver = None
+        self.in_process = False  # the server runs inside the trainer's process (serve.ServerThread)
         self.active = False
         self._last_info: dict | None = None
 
@@ -104,6 +105,12 @@ class WeightTransfer:
         if self.receiver is not None:
             self.receiver.shutdown()
             self.receiver = None
+        if self.in_process and init_info.get("backend") != "ipc":
+            raise WeightTransferError(
+                "this server runs inside the trainer's process, which cannot also be the other rank of a "
+                f"{'gloo' if self.device.type == 'cpu' else 'NCCL'} group: it takes weights over CUDA IPC only (trainer "
+                "and server on one GPU); put the trainer on the server's GPU, or start the server as its own "
+                "process (asyncgrpo serve)")
         if init_info.get("backend") == "ipc":  # the trainer shares this GPU (asyncgrpo.sync.ipc)
             if self.device.type != "cuda":
                 raise WeightTransferError(

@@ -21,6 +21,7 @@ import base64
 import binascii
 import logging
 import pickle
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,11 @@ class IpcBuffer:
         )
 
 
+# buffers this process exported, by handle: CUDA cannot open a handle in the process that made it, and
+# a server inside the trainer's process (`server.serve.ServerThread`) reads the trainer's buffer itself
+_EXPORTED: dict[bytes, weakref.ref] = {}
+
+
 def share_buffer(buffer: torch.Tensor) -> IpcBuffer:
     """Export a whole CUDA uint8 buffer (its storage must start at the allocation the caller keeps
     alive until the server released it)."""
@@ -119,11 +125,18 @@ def share_buffer(buffer: torch.Tensor) -> IpcBuffer:
     (_, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
         buffer.untyped_storage()._share_cuda_()
     )
+    for key in [k for k, ref in _EXPORTED.items() if ref() is None]:
+        del _EXPORTED[key]
+    _EXPORTED[handle] = weakref.ref(buffer)
     return IpcBuffer(gpu_uuid(buffer.device), handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
 
 
 def open_buffer(shared: IpcBuffer, device: torch.device) -> torch.Tensor:
-    """Map the trainer's buffer into this process as a flat uint8 tensor on `device` (same GPU)."""
+    """Map the trainer's buffer into this process as a flat uint8 tensor on `device` (same GPU); a
+    buffer this process exported itself is that buffer."""
+    exported = _EXPORTED.get(shared.storage_handle)
+    if exported is not None and exported() is not None:
+        return exported()
     torch.cuda._lazy_init()
     index = torch.device(device).index
     index = index if index is not None else torch.cuda.current_device()

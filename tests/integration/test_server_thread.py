@@ -1,0 +1,50 @@
+"""The embedded server inside this process (`ServerThread`, for one GPU shared with a trainer): it serves
+over HTTP like `asyncgrpo serve`, its engine runs in this process, it refuses a weight transfer that
+would need this process to be the other rank of a collective group, and it stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from asyncgrpo.cli import serve_arguments
+from asyncgrpo.launch import free_port
+from asyncgrpo.server.serve import ServerThread
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_server_thread_serves_refuses_collectives_and_stops():
+    port = free_port()
+    args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(port), "--max-model-len", "256",
+                           "--async-scheduling")
+    with ServerThread(args) as running:
+        assert running.url == f"http://127.0.0.1:{port}"
+        assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
+        status, body = _post(running.url + "/inference/v1/generate",
+                             {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
+                                                                            "temperature": 1.0, "seed": 3}})
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 5
+        status, body = _post(running.url + "/init_weight_transfer_engine",
+                             {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
+                                            "rank_offset": 1, "world_size": 2}})
+        assert status == 500 and "inside the trainer's process" in json.dumps(body)
+    assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        raise AssertionError("the port still answers after stop()")
+    except (urllib.error.URLError, ConnectionError):
+        pass
