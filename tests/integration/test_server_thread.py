@@ -12,19 +12,11 @@ import urllib.request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from test_hybrid_server import post  # one HTTP POST helper for the integration tests
+
 from asyncgrpo.cli import serve_arguments
 from asyncgrpo.launch import free_port
 from asyncgrpo.server.serve import ServerThread
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def test_a_server_thread_serves_refuses_collectives_and_stops():
@@ -34,11 +26,11 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
     with ServerThread(args) as running:
         assert running.url == f"http://127.0.0.1:{port}"
         assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
-        status, body = _post(running.url + "/inference/v1/generate",
+        status, body = post(running, "/inference/v1/generate",
                              {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
                                                                             "temperature": 1.0, "seed": 3}})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 5
-        status, body = _post(running.url + "/init_weight_transfer_engine",
+        status, body = post(running, "/init_weight_transfer_engine",
                              {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
                                             "rank_offset": 1, "world_size": 2}})
         assert status == 500 and "inside the trainer's process" in json.dumps(body)
