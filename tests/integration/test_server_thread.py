@@ -27,12 +27,12 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
         assert running.url == f"http://127.0.0.1:{port}"
         assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
         status, body = post(running, "/inference/v1/generate",
-                             {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
-                                                                            "temperature": 1.0, "seed": 3}})
+                            {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
+                                                                           "temperature": 1.0, "seed": 3}})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 5
         status, body = post(running, "/init_weight_transfer_engine",
-                             {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
-                                            "rank_offset": 1, "world_size": 2}})
+                            {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
+                                           "rank_offset": 1, "world_size": 2}})
         assert status == 500 and "inside the trainer's process" in json.dumps(body)
     assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
     try:
