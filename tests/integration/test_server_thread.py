@@ -12,11 +12,15 @@ import urllib.request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest
+import torch
 from test_hybrid_server import post  # one HTTP POST helper for the integration tests
 
 from asyncgrpo.cli import serve_arguments
 from asyncgrpo.launch import free_port
 from asyncgrpo.server.serve import ServerThread
+from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.weight_push import make_transport
 
 
 def test_a_server_thread_serves_refuses_collectives_and_stops():
@@ -34,6 +38,13 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
                             {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
                                            "rank_offset": 1, "world_size": 2}})
         assert status == 500 and "inside the trainer's process" in json.dumps(body)
+        # a trainer in this process picks gloo for a CPU server: it fails at start with the server's reason
+        link = ServerLink(running.url, timeout_s=5)  # (its own rendezvous, left waiting, ends in 5 s)
+        try:
+            with pytest.raises(RuntimeError, match="inside the trainer's process.*CUDA IPC only"):
+                make_transport(link, torch.device("cpu"), link.connect().device).init()
+        finally:
+            link.close()
     assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
