@@ -36,3 +36,25 @@ def test_activation_estimate_grows_with_the_step_and_the_vocabulary():
     assert step_activation_bytes(16384, 256, 1024, 151_936, 2) > base
     assert step_activation_bytes(8192, 256, 1024, 300_000, 2) > base
     assert base == 8192 * 1024 * 2 * 16 + 256 * 151_936 * 8
+
+
+def test_what_the_process_held_before_loading_is_not_the_servers(monkeypatch):
+    """A server inside a trainer's process (`ServerThread`) sizes its share from its own memory: the
+    trainer's, reserved before the server loaded, does not shrink the KV cache."""
+    import types
+
+    import torch
+
+    from asyncgrpo.server.kv_cache import PagedKVCache
+    from asyncgrpo.server.loading import kv_cache_tokens
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)  # trainer 26, server 4
+    model = torch.nn.Module()
+    model.get_input_embeddings = lambda: torch.nn.Embedding(1, 64)
+    served = types.SimpleNamespace(device=torch.device("cuda"), attention_layers=list(range(4)), num_kv_heads=2,
+                                   head_dim=64, dtype=torch.bfloat16, max_model_len=1024, vocab_size=1000, model=model)
+    per_token = PagedKVCache.bytes_per_token(4, 2, 64, torch.bfloat16)
+    own = kv_cache_tokens(None, served, 100_000, 16, 0.5, 8192, reserved_before=26 * GIB)
+    counted_all = kv_cache_tokens(None, served, 100_000, 16, 0.5, 8192)
+    assert (own - counted_all) * per_token == pytest.approx(26 * GIB, abs=16 * per_token)

@@ -225,13 +225,16 @@ def gpu_kv_budget_bytes(total_bytes: int, utilization: float, used_bytes: int, a
 
 
 def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: int, block_size: int,
-                    gpu_memory_utilization: float | None = None, max_num_batched_tokens: int = 8192) -> int:
+                    gpu_memory_utilization: float | None = None, max_num_batched_tokens: int = 8192,
+                    reserved_before: int = 0) -> int:
     """KV-cache size in tokens (a multiple of block_size).
 
     Default: room for max_num_seqs full-length sequences, capped on CUDA at 80 % of the memory
     free after loading and on CPU at 30 % of the available RAM, less a hybrid's recurrent state
     (max_num_seqs slots, allocated beside the cache). With `gpu_memory_utilization` (CUDA only) the
-    cap is `gpu_kv_budget_bytes` instead, so a trainer on the same GPU keeps the rest.
+    cap is `gpu_kv_budget_bytes` instead, so a trainer on the same GPU keeps the rest; what this
+    process held before loading (`reserved_before`: a trainer's, for a server inside its process) is
+    not the server's.
     """
     per_token = PagedKVCache.bytes_per_token(len(served.attention_layers), served.num_kv_heads, served.head_dim,
                                              served.dtype)
@@ -247,8 +250,8 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
             hidden = served.model.get_input_embeddings().embedding_dim
             activations = step_activation_bytes(max_num_batched_tokens, max_num_seqs, hidden, served.vocab_size,
                                                 served.dtype.itemsize)
-            budget = gpu_kv_budget_bytes(total, gpu_memory_utilization, torch.cuda.memory_reserved(served.device),
-                                         activations)
+            budget = gpu_kv_budget_bytes(total, gpu_memory_utilization,
+                                         torch.cuda.memory_reserved(served.device) - reserved_before, activations)
         elif served.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(served.device)
             budget = int(0.8 * free)

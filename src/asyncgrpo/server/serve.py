@@ -2,6 +2,8 @@
 
     load (loading.py) -> Server (app.py) -> self-check (self_check.py) -> listen -> SIGTERM/SIGINT -> stop
 
+`ServerThread` runs the same server inside another process (a trainer's, on one GPU), in threads.
+
 A user error found while loading (a bad flag, a missing model, a model the engine would serve
 wrongly) is a `ModelLoadError`: its message is logged without a traceback and the exit status is 2.
 """
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from aiohttp import web
 
 from asyncgrpo.parent_watch import watch_parent
@@ -78,9 +81,13 @@ def build_server(args: argparse.Namespace) -> Server:
     device = resolve_device(args.device)
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+    reserved_before = 0  # what this process already holds is not the server's (a trainer's, in-process)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(device)
     served = load_served_model(args.model, device, args.dtype, args.max_model_len)
     kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
-                                args.gpu_memory_utilization, args.max_num_batched_tokens)
+                                args.gpu_memory_utilization, args.max_num_batched_tokens, reserved_before)
     server = Server(args, served, kv_tokens)
     check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
                  device=served.device, name=args.model)
@@ -131,8 +138,6 @@ class ServerThread:
         self.server.transfer.in_process = True
         stream = None
         if self.server.served.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(self.server.served.device)  # start-up work done before another stream reads it
             stream = torch.cuda.Stream(self.server.served.device)
 
