@@ -77,7 +77,7 @@ for name in "$@"; do
             --output "$OUT/engine_phases_group.json"
         section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
-            --shared-prefix off --profile --output "$OUT/engine_phases_turns.json" ;;
+            --shared-prefix on,off --profile --output "$OUT/engine_phases_turns.json" ;;
     decode)
         section decode python bench/decode_step.py --random-qwen3 0.6b --device cuda --batch 256 --prompt-len 128 \
             --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 --output "$OUT/decode_step.json" ;;
