@@ -82,9 +82,8 @@ def decode_attention(
     once per group (Triton), or through the group's first table (`decode_attention_shared_gather`, plain
     layers elsewhere). Windowed layers read each sequence's own blocks: the window bounds what they read,
     and the members of a group, at different lengths, see different windows."""
-    d = q.shape[-1]
     windowed, capped = window is not None, bool(softcap)
-    if q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_works_on(q.device, q.dtype, windowed, capped):
+    if q.is_cuda and triton_serves(q.device, q.dtype, q.shape[-1], windowed, capped):
         if windowed or (shared is not None and not shared_pass_works_on(q.device, q.dtype, capped)):
             shared = None
         return decode_attention_triton(q, k_pool, v_pool, block_tables, context_lens, scale, shared=shared,
@@ -92,6 +91,12 @@ def decode_attention(
     if not windowed and not capped and shared is not None:
         return decode_attention_shared_gather(q, k_pool, v_pool, block_tables, context_lens, scale, shared)
     return decode_attention_gather(q, k_pool, v_pool, block_tables, context_lens, scale, window, softcap)
+
+
+def triton_serves(device: torch.device, dtype: torch.dtype, head_dim: int, windowed: bool = False,
+                  capped: bool = False) -> bool:
+    """Whether `decode_attention` runs the Triton kernel for this variant (else the gather path)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works_on(device, dtype, windowed, capped)
 
 
 @functools.cache

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.decode_attention import check_decode_variants, triton_works_on
+from asyncgrpo.server.decode_attention import check_decode_variants, triton_serves
 from asyncgrpo.server.decode_kernels import one_split_programs
 from asyncgrpo.server.host_copy import copy_into
 from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
@@ -111,8 +111,7 @@ class StepGraphs:
         if device.type == "cuda":  # the decode attention variants the layers use, checked before any capture
             variants = attention_variants(model)
             check_decode_variants(device, cache.k[0].dtype, variants)
-            d = cache.head_dim
-            if d >= 16 and d & (d - 1) == 0 and all(triton_works_on(device, cache.k[0].dtype, *v) for v in variants):
+            if all(triton_serves(device, cache.k[0].dtype, cache.head_dim, *v) for v in variants):
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
                 self.wide_from = -(-one_split_programs(sms) // cache.num_kv_heads)
         self._num_sampled = batch_bucket(max_num_seqs)  # rows that sample: at most one per sequence
