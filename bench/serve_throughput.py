@@ -51,6 +51,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
 import torch
 from provenance import command_line, package_versions
 from random_qwen3 import SHAPES, build_random_qwen3
@@ -66,11 +67,12 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0, group_size: int
 
 async def server_wave(
     url: str, model: str | None, prompts, max_tokens, top_k, logprobs, seed0=0, turns: int = 1,
-    turn_tokens=None, probe=None,
+    turn_tokens=None, probe=None, log_steps: bool = False,
 ) -> dict:
     """All prompts at once; with turns > 1 each prompt starts a conversation whose next turn extends the
     previous prompt and completion with turn_tokens[i][t] (a list per prompt and turn). `probe(url)`:
-    the server's engine counters (`engine_counters`), read around the timed part when given."""
+    the server's engine counters (`engine_counters`), read around the timed part when given (with every
+    step of the timed part one by one when `log_steps`)."""
     import aiohttp
 
     sampling = {"temperature": 1.0, "top_k": top_k, "max_tokens": max_tokens, "ignore_eos": True}
@@ -113,8 +115,10 @@ async def server_wave(
     tokens = sum(counts)
     result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
     if before is not None:  # the embedded server: how its engine thread spent the timed part
-        after = probe(url)
+        after = probe(url, steps=RECENT_STEPS)
         steps, busy = after["num_steps"] - before["num_steps"], after["step_seconds"] - before["step_seconds"]
+        queries = after["prefix_cache"]["queries"] - before["prefix_cache"]["queries"]
+        hits = after["prefix_cache"]["hits"] - before["prefix_cache"]["hits"]
         result["engine"] = {
             "steps": steps, "prefill_steps": after["num_prefill_steps"] - before["num_prefill_steps"],
             "step_seconds": busy, "busy_frac": busy / elapsed, "mean_step_ms": 1e3 * busy / max(steps, 1),
@@ -124,8 +128,32 @@ async def server_wave(
             # CUDA graphs captured during the wave (shapes the warm-up did not meet), and their cost
             "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
             "graph_capture_seconds": after.get("graph_capture_seconds", 0.0) - before.get("graph_capture_seconds", 0.0),
+            "prefix_cache_hit_rate": hits / max(queries, 1),
+            "step_ms": step_summary(after["recent_steps"][-steps:] if steps else []),
         }
+        if log_steps:
+            result["engine"]["recent_steps"] = after["recent_steps"][-steps:] if steps else []
     return result
+
+
+RECENT_STEPS = 4096  # what the embedded server keeps
+
+
+def step_summary(records: list[dict]) -> dict:
+    """Quantiles of the steps' phases (ms), decode-only steps apart from those with prompt tokens: which
+    steps are slow, and whether launching, waiting for the device or attention reads (kv_tokens) grew."""
+    out = {}
+    for kind, rows in (("decode", [r for r in records if not r["prefill_tokens"]]),
+                       ("prefill", [r for r in records if r["prefill_tokens"]])):
+        if not rows:
+            continue
+        q = {}
+        for key in ("forward_ms", "record_ms", "wait_ms", "schedule_ms", "kv_tokens", "decode"):
+            v = np.sort(np.asarray([r[key] for r in rows], dtype=np.float64))
+            q[key] = {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)), "max": float(v[-1]),
+                      "sum": float(v.sum())}
+        out[kind] = {"steps": len(rows), "captures": sum(r["captured"] for r in rows), **q}
+    return out
 
 
 def hf_loop(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
@@ -170,14 +198,15 @@ def hf_generate(model, prompts, max_tokens, top_k, logprobs, device) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
-def engine_counters(url: str) -> dict | None:
+def engine_counters(url: str, steps: int = 0) -> dict | None:
     """The embedded server's engine counters (steps, steps with prefill, seconds inside steps) from
-    /server_info, or None for a server without them (vLLM)."""
+    /server_info, with its last `steps` steps one by one (`recent_steps`), or None for a server without
+    them (vLLM)."""
     import urllib.error
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{url}/server_info?config_format=json") as r:
+        with urllib.request.urlopen(f"{url}/server_info?config_format=json&steps={steps}") as r:
             return json.loads(r.read()).get("embedded")
     except urllib.error.HTTPError:  # vLLM serves /server_info only in its dev mode
         return None
@@ -270,7 +299,7 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
             first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape,
                                             probe=engine_counters))
             r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape,
-                                        probe=engine_counters))
+                                        probe=engine_counters, log_steps=args.log_steps))
             results[f"{k}:{c}"] = {**r, "first_wave_tokens_per_s": first["tokens_per_s"]}
             if "engine" in first:  # the same wave on other prompts, into a fresh server: compare the steps
                 results[f"{k}:{c}"]["first_wave_engine"] = first["engine"]
@@ -306,6 +335,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--loop-prompts", type=int, default=8, help="Prompts of the one-at-a-time generate loop.")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
+    p.add_argument("--log-steps", action="store_true",
+                   help="Keep every step of the embedded server's timed waves in the JSON (recent_steps).")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     cuda = args.device.startswith("cuda")

@@ -37,8 +37,16 @@ def test_serve_throughput_side_by_side_on_cpu(tmp_path):
 def test_serve_throughput_group_shape_on_cpu(tmp_path):
     out = tmp_path / "groups.json"
     _run("serve_throughput.py", "--concurrency", "4", "--prompt-len", "40", "--max-tokens", "3",
-         "--group-size", "2", "--skip-hf", "--output", str(out))
-    assert json.loads(out.read_text())["embedded"]["0:4"]["tokens"] == 4 * 3
+         "--group-size", "2", "--skip-hf", "--log-steps", "--output", str(out))
+    wave = json.loads(out.read_text())["embedded"]["0:4"]
+    assert wave["tokens"] == 4 * 3
+    # each prompt's second request finds its 2 full blocks (32 of 40 tokens) cached
+    engine = wave["engine"]
+    assert engine["prefix_cache_hit_rate"] == 2 * 32 / (4 * 40)
+    assert len(engine["recent_steps"]) == engine["steps"]
+    summary = engine["step_ms"]
+    assert summary["decode"]["steps"] + summary["prefill"]["steps"] == engine["steps"]
+    assert summary["decode"]["decode"]["max"] == 4 and summary["decode"]["kv_tokens"]["max"] == 4 * 42
 
 
 def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):

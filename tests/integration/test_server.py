@@ -402,6 +402,13 @@ def test_sixty_four_requests_share_one_forward_pass(main):
     assert parts <= info["embedded"]["step_seconds"] - before["step_seconds"]
     assert phases["device_wait"] <= phases["forward"]
     assert _metric(main, "asyncgrpo:max_num_seqs_per_step") == 64
+    # the same six steps one by one: the prefill of 64 x 3 prompt tokens, then decodes over 4..8 tokens
+    steps = main.call("GET", "/server_info?config_format=json&steps=6")[1]["embedded"]["recent_steps"]
+    assert [(r["decode"], r["prefill_tokens"], r["kv_tokens"]) for r in steps] == \
+        [(0, 192, 0)] + [(64, 0, 64 * n) for n in range(4, 9)]
+    assert all(r["forward_ms"] > 0 and 0 <= r["wait_ms"] <= r["record_ms"] for r in steps)
+    status, body = main.call("GET", "/server_info?steps=last")
+    assert status == 400 and "whole number" in body["error"]["message"]
 
 
 def _metric(server, name: str) -> float:

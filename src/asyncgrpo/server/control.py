@@ -8,6 +8,7 @@ errors are `{"error": "<text>"}` (400), weight-route errors vLLM's ErrorResponse
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -126,9 +127,16 @@ class ControlRoutes:
             "num_preemptions": st.num_preemptions,
             "graph_captures": 0 if graphs is None else graphs.num_captures,  # each one stalled a step
             "graph_capture_seconds": 0.0 if graphs is None else graphs.capture_s,
+            "prefix_cache": {"queries": self.scheduler.pool.stats.queries, "hits": self.scheduler.pool.stats.hits},
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
         }
+        steps = request.query.get("steps")
+        if steps is not None:  # the last N steps, oldest first (EngineStats.recent)
+            if not steps.isdigit():
+                raise P.ApiError(400, f"steps must be a whole number of recent steps to list, got {steps!r}")
+            recent = list(st.recent)[-int(steps):] if int(steps) else []
+            embedded["recent_steps"] = [dataclasses.asdict(r) for r in recent]
         fmt = request.query.get("config_format", "text")
         return _json({
             "vllm_config": config if fmt == "json" else json.dumps(config),

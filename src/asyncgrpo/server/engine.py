@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncgrpo.server.metrics import EngineStats, StepRecord
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import Sequence
@@ -58,24 +59,6 @@ class Sink(Protocol):
     stream: bool  # every step's new tokens; False: only the final event of each sequence
 
     def __call__(self, events: list[Event]) -> None: ...
-
-
-class EngineStats:
-    """Counters read by /metrics and /server_info (written by the engine thread)."""
-
-    def __init__(self) -> None:
-        self.num_steps = 0
-        self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards unless their chunks are short)
-        self.step_s = 0.0  # engine-thread seconds inside steps (the rest of its time it waits for work)
-        # ... split: planning (scheduler), the model runner's step (forward, sampling, the device->host
-        # copy that waits for the device), recording the tokens and handing them to the HTTP side
-        self.schedule_s = 0.0
-        self.forward_s = 0.0
-        self.record_s = 0.0
-        self.max_batch_seqs = 0
-        self.num_preemptions = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
 
 
 class Engine:
@@ -309,6 +292,7 @@ class Engine:
             return
         seqs = plan.sampled
         prompt_tokens = sum(len(s.prompt) for s in seqs if not s.output and not s.pending)
+        captures = self._captures()
         try:
             launched = self.runner.launch(plan.decode, plan.prefill)
         except Exception:  # noqa: BLE001 -- the failed sequences get a 500, the engine goes on
@@ -322,10 +306,20 @@ class Engine:
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, plan.size)
         self.stats.prompt_tokens += prompt_tokens
         previous, self._in_flight = self._in_flight, (launched, seqs)
+        waited = self.runner.wait_s
         if previous is not None:
             self._finish(*previous)
         if not self.async_scheduling:
             self._drain()
+        self.stats.recent.append(StepRecord(
+            start=start, decode=len(plan.decode), kv_tokens=self.runner.kv_tokens,
+            prefill_tokens=sum(s.prefill_end - s.prefill_start for s in plan.prefill),
+            schedule_ms=(planned - start) * 1e3, forward_ms=(ran - planned) * 1e3,
+            record_ms=(time.perf_counter() - ran) * 1e3, wait_ms=(self.runner.wait_s - waited) * 1e3,
+            captured=self._captures() > captures))
+
+    def _captures(self) -> int:
+        return 0 if self.runner.graphs is None else self.runner.graphs.num_captures
 
     def _drain(self) -> None:
         """Record the step in flight, if any."""

@@ -15,13 +15,15 @@ Gauges refresh when the engine steps or changes state (stale while paused, as in
 
 from __future__ import annotations
 
+import collections
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineStats", "ServerMetrics", "StepRecord"]
 
 
 class ServerMetrics:
@@ -111,3 +113,42 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineStats:
+    """Counters read by /metrics and /server_info (written by the engine thread)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_prefill_steps = 0  # steps with prompt chunks (eager forwards unless their chunks are short)
+        self.step_s = 0.0  # engine-thread seconds inside steps (the rest of its time it waits for work)
+        # ... split: planning (scheduler), the model runner's step (forward, sampling, the device->host
+        # copy that waits for the device), recording the tokens and handing them to the HTTP side
+        self.schedule_s = 0.0
+        self.forward_s = 0.0
+        self.record_s = 0.0
+        self.max_batch_seqs = 0
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        # the last steps, one StepRecord each (for finding which steps are slow: /server_info?steps=N)
+        self.recent: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
+
+
+RECENT_STEPS = 4096
+
+
+@dataclass
+class StepRecord:
+    """One step as the engine thread saw it (milliseconds; `record_ms` is that of the step recorded
+    after this one was launched: its predecessor with asynchronous scheduling, itself without)."""
+
+    start: float  # time.perf_counter() at the step's start
+    decode: int  # sequences decoding one token
+    prefill_tokens: int  # prompt tokens computed
+    kv_tokens: int  # context tokens the decode rows attend over (shared prefixes counted once)
+    schedule_ms: float
+    forward_ms: float  # launching the step (eager kernels or a graph replay; a capture when one ran)
+    record_ms: float
+    wait_ms: float  # of record_ms, waiting for the device's output
+    captured: bool  # a CUDA graph was captured in this step

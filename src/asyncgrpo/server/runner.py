@@ -62,6 +62,14 @@ class StepRows:
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
     lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
 
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens the attention reads for these rows, each group's shared part once."""
+        total = int(self.context_lens.sum())
+        if self.shared is not None:
+            total -= int(self.shared.lens.sum()) - int(self.shared.groups[:, 0].sum())
+        return total
+
 
 def decode_inputs(
     last_tokens: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, block_table: np.ndarray, block_size: int
@@ -196,6 +204,7 @@ class ModelRunner:
         self.row_members = self.shared_members if continued_rows else 0
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
         self.wait_s = 0.0  # seconds the host waited for the device's step outputs
+        self.kv_tokens = 0  # context tokens the last launch's decode rows attend over, shared parts once
         self._last_sampled: torch.Tensor | None = None  # [B] token ids the last launch sampled (device)
 
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
@@ -222,6 +231,7 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         dec, pending = None, None
+        self.kv_tokens = 0
         if decode:
             nd = len(decode)
             # last_token: a prompt whose last chunk stopped one token short computes it as a decode
@@ -229,6 +239,7 @@ class ModelRunner:
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
             if self.shared_members:
                 dec.shared = self._shared_prefixes(decode, dec)
+            self.kv_tokens = dec.kv_tokens
             pending = self._pending_tokens(decode)
         if not seqs:  # only chunks in the middle of prompts: their KV, nothing to sample
             self._forward(dec, prefill, rows[: len(decode)], pending)
