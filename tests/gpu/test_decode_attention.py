@@ -166,3 +166,47 @@ def test_groups_reading_shared_blocks_once_match_float64_reference(dtype, tol, h
         assert torch.isfinite(out).all()
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < tol, (seed, err)
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled so far for the decode attention's three JIT functions."""
+    from asyncgrpo.server.decode_kernels import _triton_kernels
+
+    return sum(len(binder[0]) for kernel in _triton_kernels() for binder in kernel.device_caches.values())
+
+
+def test_the_kernels_compiled_at_start_serve_every_step():
+    """`compile_decode_kernels` (run by the model runner at start) leaves nothing to compile mid-serving:
+    steps of any batch size, context width, split count and number of groups reuse its kernels."""
+    from asyncgrpo.server.decode_attention import compile_decode_kernels
+
+    heads, kv_heads, head_dim, block_size = 16, 8, 128, 16
+    members = max_members(heads, kv_heads)
+    g = torch.Generator().manual_seed(0)
+    num_blocks = 600
+    k_pool, v_pool = (torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=g)
+                      .to("cuda", torch.bfloat16) for _ in range(2))
+    compile_decode_kernels(k_pool, v_pool, num_blocks, heads, {(False, False)}, members)
+    compiled = _compiled_kernels()
+    for batch, prompt_blocks, group in [(1, 1, 1), (3, 5, 3), (8, 9, 8), (40, 4, 8), (64, 2, 2), (17, 30, 4)]:
+        # groups of `group` sequences sharing `prompt_blocks` blocks, then one or two blocks of their own
+        rows, next_block = [], 0
+        for i in range(batch):
+            if i % group == 0:
+                prompt = list(range(next_block, next_block + prompt_blocks))
+                next_block += prompt_blocks
+            own = 1 + i % 2
+            rows.append(prompt + list(range(next_block, next_block + own)))
+            next_block += own
+        width = max(map(len, rows))
+        tables = torch.tensor([r + [num_blocks] * (width - len(r)) for r in rows])
+        lens = torch.tensor([len(r) * block_size - 3 for r in rows])
+        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), block_size, members, null_block=num_blocks)
+        q = torch.randn(batch, heads, head_dim, generator=g).to("cuda", torch.bfloat16)
+        for num_splits in (None, 1, 5, 19):
+            for groups in (None, shared):
+                out = decode_attention_triton(q, k_pool, v_pool, tables.cuda(), lens.cuda(), head_dim**-0.5,
+                                              num_splits=num_splits,
+                                              shared=None if groups is None else groups.to(torch.device("cuda")))
+                assert torch.isfinite(out).all()
+    assert _compiled_kernels() == compiled

@@ -72,7 +72,8 @@ def test_windows_and_softcaps_match_the_gather(window, softcap):
                                      softcap)
     if window is not None:
         k_pool, v_pool, tables = _behind_windows_poisoned(k_pool, v_pool, tables, lens, window)
-    for tile, num_splits in [(16, 1), (16, 3), (32, 7)]:
+    # 21 splits: more partial results than the merge takes at once (16), some of them empty
+    for tile, num_splits in [(16, 1), (16, 3), (32, 7)] + [(16, 21)] * (window is None):
         out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=tile, num_splits=num_splits,
                                          window=window, softcap=softcap)
         assert _relative_error(out, ref) < 1e-5, (tile, num_splits)
@@ -112,7 +113,7 @@ def test_softcap_in_the_shared_prefix_pass():
     assert shared is not None and shared.num_groups == 3 and np.all(shared.lens[:-1] > 0)
     ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25,
                                       softcap=30.0)
-    for num_splits, num_shared_splits in [(1, 1), (2, 3)]:
+    for num_splits, num_shared_splits in [(1, 1), (2, 3), (3, 17)]:
         out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=16, num_splits=num_splits,
                                          shared=shared.to(torch.device("cpu")), num_shared_splits=num_shared_splits,
                                          softcap=30.0)

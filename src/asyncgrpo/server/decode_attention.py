@@ -126,6 +126,31 @@ def check_decode_variants(device: torch.device, dtype: torch.dtype, variants: se
             shared_pass_works_on(device, dtype, capped)
 
 
+def compile_decode_kernels(k_pool: torch.Tensor, v_pool: torch.Tensor, scratch_block: int, num_heads: int,
+                           variants: set[tuple[bool, bool]], shared_members: int) -> None:
+    """Launch each Triton decode-attention kernel the model's steps can run once, on the KV cache's scratch
+    block: one split and several, with the shared-prefix pass (groups of `shared_members`) and without,
+    for each (windowed, capped) variant of its layers. Their split counts are run-time arguments, so
+    these few compiled kernels serve every step, and none compiles (~1 s) in the middle of serving."""
+    device, dtype = k_pool.device, k_pool.dtype
+    _, block_size, _, head_dim = k_pool.shape
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.full((2, 2), scratch_block, dtype=torch.int64, device=device)
+    lens = torch.full((2,), block_size + 1, dtype=torch.int64, device=device)
+    for windowed, capped in sorted(variants):
+        if not triton_serves(device, dtype, head_dim, windowed, capped):
+            continue
+        options = {"window": block_size if windowed else None, "softcap": 30.0 if capped else None}
+        for num_splits in (1, 2):
+            decode_attention_triton(q, k_pool, v_pool, tables, lens, 1.0, num_splits=num_splits, **options)
+        if shared_members and not windowed and shared_pass_works_on(device, dtype, capped):
+            groups = torch.full((1, 1 + shared_members), -1, dtype=torch.int64, device=device)
+            groups[0, :3] = torch.tensor([block_size, 0, 1])
+            shared = SharedPrefixTensors(torch.full((2,), block_size, dtype=torch.int64, device=device), groups)
+            decode_attention_triton(q, k_pool, v_pool, tables, lens, 1.0, num_splits=1, shared=shared,
+                                    num_shared_splits=2, **options)
+
+
 def _triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass: bool, windowed: bool,
                            capped: bool) -> bool:
     if _triton_kernels() is None:

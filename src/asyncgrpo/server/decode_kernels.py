@@ -70,7 +70,10 @@ def _triton_kernels():
             m = m_new
         return m, l, acc
 
-    @triton.jit
+    # what varies from step to step (split counts and lengths, the block tables' width) is a run-time
+    # argument Triton does not specialise on: one compiled kernel serves every step (a compile in the
+    # middle of serving stalls a step for ~1 s); `compile_decode_kernels` launches each variant at start
+    @triton.jit(do_not_specialize=["stride_tb", "split_len", "num_splits", "shared_slots"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, out_ptr, part_ptr, stats_ptr,
         stride_qb, stride_qh,
@@ -81,9 +84,11 @@ def _triton_kernels():
         split_len,
         window,
         softcap,
+        num_splits,
+        shared_slots,
         NUM_HEADS: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        SHARED_SLOTS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        SHARED: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         WINDOWED: tl.constexpr,
@@ -93,14 +98,15 @@ def _triton_kernels():
         TILE: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        # a sequence's partial results: its NUM_SPLITS own splits, then SHARED_SLOTS of the shared pass
-        NUM_SLOTS: tl.constexpr = NUM_SPLITS + SHARED_SLOTS
+        # SPLIT: partial results, a sequence's `num_splits` own splits then `shared_slots` of the shared
+        # pass (SHARED), for the merge kernel; else the output itself (one split, no shared pass)
+        num_slots = num_splits + shared_slots
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         context = tl.load(lens_ptr + seq)
         shared = 0
-        if SHARED_SLOTS > 0:  # tokens before `shared` are the shared pass's (shared_prefix.py)
+        if SHARED:  # tokens before `shared` are the shared pass's (shared_prefix.py)
             shared = tl.load(shared_ptr + seq)
         first = shared  # the first key this pass reads; the splits divide [first, context)
         if WINDOWED:  # keys p - window < j <= p for the query at p = context - 1: blocks before are not read
@@ -117,25 +123,25 @@ def _triton_kernels():
                                 stride_kb, stride_kt, scale, softcap, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
                                 SOFTCAP)
         head_ok = (g < GROUP)[:, None]
-        if NUM_SLOTS == 1:
+        if not SPLIT:
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok)
         else:  # this split's unnormalised sum and its (max, sum of exp); an empty split leaves (-inf, 0)
-            part = (seq * NUM_HEADS + heads) * NUM_SLOTS + split
+            part = (seq * NUM_HEADS + heads) * num_slots + split
             tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok)
             tl.store(stats_ptr + part * 2, m, mask=g < GROUP)
             tl.store(stats_ptr + part * 2 + 1, l, mask=g < GROUP)
-            if SHARED_SLOTS > 0:  # noqa: SIM102 -- a compile-time switch around a run-time test
+            if SHARED:  # noqa: SIM102 -- a compile-time switch around a run-time test
                 if (split == 0) & (shared == 0):  # in no group: its shared slots stay empty
-                    for slot in tl.static_range(NUM_SPLITS, NUM_SLOTS):
-                        empty = (seq * NUM_HEADS + heads) * NUM_SLOTS + slot
+                    for slot in range(num_splits, num_slots):
+                        empty = (seq * NUM_HEADS + heads) * num_slots + slot
                         tl.store(part_ptr + empty[:, None] * HEAD_DIM + d[None, :],
                                  tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), mask=head_ok)
                         tl.store(stats_ptr + empty * 2, tl.full([GROUP_PAD], float("-inf"), tl.float32),
                                  mask=g < GROUP)
                         tl.store(stats_ptr + empty * 2 + 1, tl.zeros([GROUP_PAD], tl.float32), mask=g < GROUP)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_tb", "num_splits", "shared_slots"])
     def shared_prefix_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, groups_ptr, part_ptr, stats_ptr,
         stride_qb, stride_qh,
@@ -144,9 +150,9 @@ def _triton_kernels():
         stride_g,
         scale,
         softcap,
+        num_splits,
+        shared_slots,
         NUM_HEADS: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        SHARED_SLOTS: tl.constexpr,
         GROUP: tl.constexpr,
         MEMBERS: tl.constexpr,
         ROWS_PAD: tl.constexpr,
@@ -159,7 +165,7 @@ def _triton_kernels():
         # one program per (group entry, kv head, split of the shared tokens): the queries of every
         # member's GROUP heads of this kv head are the rows of one tile, so each K/V row is read once;
         # the entry's own length sets the splits (graph replays see other lengths than the capture)
-        NUM_SLOTS: tl.constexpr = NUM_SPLITS + SHARED_SLOTS
+        num_slots = num_splits + shared_slots
         entry = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -174,38 +180,49 @@ def _triton_kernels():
         leader = tl.load(row + 1)
         q = tl.load(q_ptr + seq[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=ok[:, None], other=0.0)
-        split_len = tl.cdiv(tl.cdiv(length, SHARED_SLOTS), TILE) * TILE
+        split_len = tl.cdiv(tl.cdiv(length, shared_slots), TILE) * TILE
         begin = split * split_len
         end = tl.minimum(length, begin + split_len)
         m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + leader * stride_tb, kv_head * stride_kh, begin, end,
                                 stride_kb, stride_kt, scale, softcap, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
                                 SOFTCAP)
-        part = (seq * NUM_HEADS + heads) * NUM_SLOTS + NUM_SPLITS + split
+        part = (seq * NUM_HEADS + heads) * num_slots + num_splits + split
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
         tl.store(stats_ptr + part * 2, m, mask=ok)
         tl.store(stats_ptr + part * 2 + 1, l, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_slots"])
     def merge_splits_kernel(
         part_ptr, stats_ptr, out_ptr,
         stride_ob, stride_oh,
+        num_slots,
         NUM_HEADS: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        SPLITS_PAD: tl.constexpr,
+        SLOTS_TILE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
+        # the flash-decoding merge of a (sequence, head)'s partial results, SLOTS_TILE slots at a time
+        # (any number of slots, one compiled kernel): out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - max m)
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        sp = tl.arange(0, SPLITS_PAD)
+        sp = tl.arange(0, SLOTS_TILE)
         d = tl.arange(0, HEAD_DIM)
-        part = (seq * NUM_HEADS + head) * NUM_SPLITS + sp
-        ok = sp < NUM_SPLITS
-        m = tl.load(stats_ptr + part * 2, mask=ok, other=float("-inf"))
-        l = tl.load(stats_ptr + part * 2 + 1, mask=ok, other=0.0)
-        weight = tl.exp(m - tl.max(m, axis=0))  # own split 0 is never empty, so the max is finite
-        acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-        out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        base = (seq * NUM_HEADS + head) * num_slots
+        m_run = tl.full([1], float("-inf"), tl.float32)
+        l_run = tl.zeros([1], tl.float32)
+        acc_run = tl.zeros([HEAD_DIM], tl.float32)
+        for first in range(0, num_slots, SLOTS_TILE):
+            ok = first + sp < num_slots
+            part = base + first + sp
+            m = tl.load(stats_ptr + part * 2, mask=ok, other=float("-inf"))
+            l = tl.load(stats_ptr + part * 2 + 1, mask=ok, other=0.0)
+            acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite from the first tile on: own split 0 is never empty
+            weight = tl.exp(m - m_new)
+            alpha = tl.exp(m_run - m_new)
+            l_run = l_run * alpha + tl.sum(l * weight, axis=0)
+            acc_run = acc_run * alpha + tl.sum(acc * weight[:, None], axis=0)
+            m_run = m_new
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, (acc_run / l_run).to(out_ptr.dtype.element_ty))
 
     return paged_decode_kernel, merge_splits_kernel, shared_prefix_kernel
 
@@ -306,7 +323,9 @@ def decode_attention_triton(
             shared.groups.stride(0),
             scale,
             softcap,
-            NUM_HEADS=h, NUM_SPLITS=num_splits, SHARED_SLOTS=shared_slots, GROUP=group, MEMBERS=members,
+            num_splits,
+            shared_slots,
+            NUM_HEADS=h, GROUP=group, MEMBERS=members,
             ROWS_PAD=max(16, 1 << (members * group - 1).bit_length()), **common,
         )
     attend[(bd, kvh, num_splits)](
@@ -320,17 +339,17 @@ def decode_attention_triton(
         split_len,
         window or 0,
         softcap,
+        num_splits,
+        shared_slots,
         NUM_HEADS=h,
-        NUM_SPLITS=num_splits,
-        SHARED_SLOTS=shared_slots,
+        SPLIT=num_slots > 1,
+        SHARED=shared_slots > 0,
         GROUP=group,
         GROUP_PAD=max(16, 1 << (group - 1).bit_length()),
         WINDOWED=window is not None,
         **common,
     )
     if num_slots > 1:
-        merge[(bd, h)](
-            part, stats, out, out.stride(0), out.stride(1),
-            NUM_HEADS=h, NUM_SPLITS=num_slots, SPLITS_PAD=max(2, 1 << (num_slots - 1).bit_length()), HEAD_DIM=d,
-        )
+        merge[(bd, h)](part, stats, out, out.stride(0), out.stride(1), num_slots, NUM_HEADS=h, SLOTS_TILE=16,
+                       HEAD_DIM=d)
     return out

@@ -26,7 +26,7 @@ import torch
 
 from asyncgrpo.server.attention_math import attention_variants
 from asyncgrpo.server.context_attention import ROW_STEP_READS, chunk_positions, row_step_reads, rows_sharing
-from asyncgrpo.server.decode_attention import shared_pass_works_on, triton_works_on
+from asyncgrpo.server.decode_attention import compile_decode_kernels, shared_pass_works_on, triton_works_on
 from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
 from asyncgrpo.server.lora import ServedLora
@@ -206,6 +206,9 @@ class ModelRunner:
         self.wait_s = 0.0  # seconds the host waited for the device's step outputs
         self.kv_tokens = 0  # context tokens the last launch's decode rows attend over, shared parts once
         self._last_sampled: torch.Tensor | None = None  # [B] token ids the last launch sampled (device)
+        if device.type == "cuda" and heads:
+            compile_decode_kernels(cache.k[0], cache.v[0], cache.scratch_block, heads, attention_variants(model),
+                                   self.shared_members)
 
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
         """`launch` a step and wait for what it sampled."""
