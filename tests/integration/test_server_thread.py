@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -39,7 +43,7 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
                                            "rank_offset": 1, "world_size": 2}})
         assert status == 500 and "inside the trainer's process" in json.dumps(body)
         # a trainer in this process picks gloo for a CPU server: it fails at start with the server's reason
-        link = ServerLink(running.url, timeout_s=5)  # (its own rendezvous, left waiting, ends in 5 s)
+        link = ServerLink(running.url, timeout_s=5)
         try:
             with pytest.raises(RuntimeError, match="inside the trainer's process.*CUDA IPC only"):
                 make_transport(link, torch.device("cpu"), link.connect().device).init()
@@ -51,3 +55,30 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
         raise AssertionError("the port still answers after stop()")
     except (urllib.error.URLError, ConnectionError):
         pass
+
+
+def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
+    """The trainer's side of a group the server refused to join waits for it until its timeout (60 s
+    here); the error reaches the trainer at once, and the process exits without waiting for that."""
+    script = textwrap.dedent("""
+        import torch
+        from asyncgrpo.cli import serve_arguments
+        from asyncgrpo.launch import free_port
+        from asyncgrpo.server.serve import ServerThread
+        from asyncgrpo.train.server_link import ServerLink
+        from asyncgrpo.train.weight_push import make_transport
+        with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:
+            link = ServerLink(running.url, timeout_s=60)
+            try:
+                make_transport(link, torch.device("cpu"), link.connect().device).init()
+            except RuntimeError as exc:
+                print("refused:", exc, flush=True)
+            finally:
+                link.close()
+    """)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "inside the trainer's process" in done.stdout
+    assert time.monotonic() - start < 40  # not the rendezvous' 60 s

@@ -10,46 +10,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
 from asyncgrpo.server.holding import trainer_id
+from asyncgrpo.sync import in_daemon_thread
 from asyncgrpo.sync.checksum import weights_checksum
 
 
 def _json(data, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
-
-
-def in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
-    """Run a blocking fn() on its own daemon thread; the returned future resolves in the running loop.
-    Not the loop's default executor: a call stuck in a C++ connect must neither use up a shared pool
-    nor hold the interpreter's exit (asyncio.run joins the default executor's threads)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(result)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting handler
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop closed: the server is shutting down, nobody waits
-            pass
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
 
 
 def _query_seconds(request: web.Request, key: str) -> float | None:

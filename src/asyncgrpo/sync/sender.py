@@ -26,7 +26,7 @@ import torch
 
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.transport import ServerRequestError
-from asyncgrpo.sync import Communicator
+from asyncgrpo.sync import Communicator, in_daemon_thread
 from asyncgrpo.sync.packed import (
     DEFAULT_BUFFER_SIZE_BYTES,
     TensorMeta,
@@ -145,7 +145,9 @@ class WeightSender:
 
         t0 = time.monotonic()
         server = asyncio.ensure_future(self._client.init_weight_transfer_engine(config.to_init_info()))
-        local = asyncio.ensure_future(asyncio.to_thread(join))
+        # a daemon thread: when the server refuses to join, the rendezvous left waiting must not hold the
+        # process at exit until its timeout (asyncio.run joins the default executor's threads)
+        local = in_daemon_thread(join, "asyncgrpo-weight-group")
         try:
             await self._both(server, local, "init_weight_transfer_engine")
         except BaseException:
