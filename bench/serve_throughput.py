@@ -115,6 +115,8 @@ async def server_wave(
     tokens = sum(counts)
     result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
     if before is not None:  # the embedded server: how its engine thread spent the timed part
+        from asyncgrpo.server.metrics import RECENT_STEPS
+
         after = probe(url, steps=RECENT_STEPS)
         steps, busy = after["num_steps"] - before["num_steps"], after["step_seconds"] - before["step_seconds"]
         queries = after["prefix_cache"]["queries"] - before["prefix_cache"]["queries"]
@@ -129,14 +131,13 @@ async def server_wave(
             "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
             "graph_capture_seconds": after.get("graph_capture_seconds", 0.0) - before.get("graph_capture_seconds", 0.0),
             "prefix_cache_hit_rate": hits / max(queries, 1),
-            "step_ms": step_summary(after["recent_steps"][-steps:] if steps else []),
         }
+        # the wave's steps one by one (its last RECENT_STEPS ones if it ran more: `steps_logged` says)
+        records = after["recent_steps"][-steps:] if steps else []
+        result["engine"].update(steps_logged=len(records), step_ms=step_summary(records))
         if log_steps:
-            result["engine"]["recent_steps"] = after["recent_steps"][-steps:] if steps else []
+            result["engine"]["recent_steps"] = records
     return result
-
-
-RECENT_STEPS = 4096  # what the embedded server keeps
 
 
 def step_summary(records: list[dict]) -> dict:
@@ -149,9 +150,9 @@ def step_summary(records: list[dict]) -> dict:
             continue
         q = {}
         for key in ("forward_ms", "record_ms", "wait_ms", "schedule_ms", "kv_tokens", "decode"):
-            v = np.sort(np.asarray([r[key] for r in rows], dtype=np.float64))
-            q[key] = {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)), "max": float(v[-1]),
-                      "sum": float(v.sum())}
+            v = np.asarray([r[key] for r in rows], dtype=np.float64)
+            p50, p90 = np.percentile(v, [50, 90])
+            q[key] = {"p50": float(p50), "p90": float(p90), "max": float(v.max()), "sum": float(v.sum())}
         out[kind] = {"steps": len(rows), "captures": sum(r["captured"] for r in rows), **q}
     return out
 

@@ -43,7 +43,7 @@ def test_serve_throughput_group_shape_on_cpu(tmp_path):
     # each prompt's second request finds its 2 full blocks (32 of 40 tokens) cached
     engine = wave["engine"]
     assert engine["prefix_cache_hit_rate"] == 2 * 32 / (4 * 40)
-    assert len(engine["recent_steps"]) == engine["steps"]
+    assert len(engine["recent_steps"]) == engine["steps_logged"] == engine["steps"]
     summary = engine["step_ms"]
     assert summary["decode"]["steps"] + summary["prefill"]["steps"] == engine["steps"]
     # each request decodes its 2nd and 3rd tokens over contexts of 41 and 42 (in whichever steps it ran)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineStats", "ServerMetrics", "StepRecord"]
+__all__ = ["CONTENT_TYPE_LATEST", "RECENT_STEPS", "EngineStats", "ServerMetrics", "StepRecord"]
 
 
 class ServerMetrics:
@@ -135,10 +135,10 @@ class EngineStats:
         self.recent: collections.deque[StepRecord] = collections.deque(maxlen=RECENT_STEPS)
 
 
-RECENT_STEPS = 4096
+RECENT_STEPS = 4096  # steps EngineStats keeps one by one
 
 
-@dataclass
+@dataclass(slots=True)
 class StepRecord:
     """One step as the engine thread saw it (milliseconds; `record_ms` is that of the step recorded
     after this one was launched: its predecessor with asynchronous scheduling, itself without)."""
