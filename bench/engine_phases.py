@@ -26,6 +26,9 @@ With `--scheduling async` (the server's default on CUDA) a step is launched befo
 is recorded, as the engine does: its `wait` and `record` are the previous step's, and a step whose
 `wait` is still near zero is host-bound even with the host's work overlapped.
 
+`--prompt-layout packed,padded` compares the two layouts of prompt chunks (`server/varlen_attention.py`:
+one FlashAttention call per layer, against chunks padded into a batch) in one run.
+
 A step whose `wait` is near zero is host-bound (the device idles while Python launches); one whose
 `launch` is small against `device` is device-bound. `--profile` also runs the torch profiler over one
 step of each class and reports its number of device kernels (CPU: operators) and its device time by
@@ -194,10 +197,11 @@ def engine_state(served, args) -> tuple[PagedKVCache, StepGraphs | None]:
 
 
 def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, asynchronous: bool = False,
-                 state: tuple[PagedKVCache, StepGraphs | None] | None = None) -> dict:
+                 state: tuple[PagedKVCache, StepGraphs | None] | None = None, varlen_prompts: bool | None = None) -> dict:
     """One run of the workload through a fresh scheduler and model runner over `state` (`engine_state`;
     None: a new one); per-class step times. asynchronous: each step is launched before the previous one
-    is recorded (`wait` and `record` are the previous step's, `device` is not measured, no profile)."""
+    is recorded (`wait` and `record` are the previous step's, `device` is not measured, no profile).
+    varlen_prompts: the runner's prompt layout (None: its own choice; see `ModelRunner`)."""
     max_len = max_len_of(args)
     cache, graphs = engine_state(served, args) if state is None else state
     captures_before = 0 if graphs is None else graphs.num_captures
@@ -206,7 +210,7 @@ def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, as
     assert graphs is None or graphs.max_blocks == scheduler.max_blocks
     cuda = served.device.type == "cuda"
     runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs,
-                         shared_prefix=shared_prefix)
+                         shared_prefix=shared_prefix, varlen_prompts=varlen_prompts)
     timer = StepTimer(runner)
     work = Workload(args, served.vocab_size, seed)
     for s in work.start(max_len):
@@ -362,9 +366,15 @@ def main() -> None:
     p.add_argument("--scheduling", default="sync,async",
                    help="Comma-separated: each step recorded before the next is planned (sync), or the next "
                    "launched first, as `asyncgrpo serve --async-scheduling` (async).")
+    p.add_argument("--prompt-layout", default="auto",
+                   help="Comma-separated: prompt chunks packed for FlashAttention's variable-length kernel (packed), "
+                   "padded into a batch (padded), or the server's choice (auto).")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args()
+    unknown = set(args.prompt_layout.split(",")) - {"auto", "packed", "padded"}
+    if unknown:
+        p.error(f"--prompt-layout {args.prompt_layout}: unknown {sorted(unknown)}; give auto, packed or padded")
     if args.shape != "turns":
         args.turns = 1
     model, tmp = prepare_model(args)
@@ -373,17 +383,21 @@ def main() -> None:
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
                                                     "device_name": device_slug(args.device)},
                      "command": command_line(), "versions": package_versions(), "runs": {}}
-    modes = [(shared, sched) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")]
-    for mode, scheduling in modes:
-        shared, asynchronous = mode == "on", scheduling == "async"
+    layouts = {"auto": None, "packed": True, "padded": False}
+    modes = [(shared, sched, layout) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")
+             for layout in args.prompt_layout.split(",")]
+    for mode, scheduling, layout in modes:
+        shared, asynchronous, varlen = mode == "on", scheduling == "async", layouts[layout]
         # the first run captures the graphs and builds the kernels; the second replays them
         state = engine_state(served, args)
         first = run_workload(served, args, seed=1, profile=False, shared_prefix=shared, asynchronous=asynchronous,
-                             state=state)
+                             state=state, varlen_prompts=varlen)
         r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, shared_prefix=shared,
-                         asynchronous=asynchronous, state=state)
+                         asynchronous=asynchronous, state=state, varlen_prompts=varlen)
         r["first_run"] = {k: first[k] for k in ("seconds", "generated_tokens_per_s", "graph_captures")}
-        results["runs"][f"shared_prefix_{mode}" + ("_async" if asynchronous else "")] = r
+        key = f"shared_prefix_{mode}" + ("_async" if asynchronous else "") + ("" if layout == "auto" else f"_{layout}")
+        results["runs"][key] = r
+        print(f"[{layout} prompts] ", end="")
         print(f"shared prefix {mode}, {scheduling}: {r['generated_tokens_per_s']:.0f} generated tok/s in "
               f"{r['seconds']:.2f} s (prefix hits {r['prefix_hit_frac']:.2f}; {r['graph_captures']} graphs "
               f"captured, {first['graph_captures']} in the first run at {first['generated_tokens_per_s']:.0f} "

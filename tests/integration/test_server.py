@@ -250,6 +250,7 @@ def test_description_routes(main, fixtures):
     assert cc["num_gpu_blocks"] * 16 == cc["kv_cache_size_tokens"]
     assert info["vllm_config"]["parallel_config"]["tensor_parallel_size"] == 1
     assert info["vllm_config"]["scheduler_config"]["async_scheduling"] is True
+    assert info["embedded"]["prompt_attention"] == "padded"  # FlashAttention's kernel is CUDA-only
     assert main.call("GET", "/weight_info") == (200, {"weight_version": "default"})
     assert main.call("GET", "/is_paused") == (200, {"is_paused": False})
     assert main.call("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})[0] == 404

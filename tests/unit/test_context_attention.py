@@ -1,8 +1,10 @@
-"""Attention of prompt chunks after cached tokens (`server/context_attention.py`), both layouts, against
+"""Attention of prompt chunks after cached tokens (`server/context_attention.py`), every layout, against
 a plain per-sequence computation in float64: the padded layout, the rows layout (each chunk token a
 query of the paged decode attention; on the CPU through the gather paths, which compute what the
 Triton kernels compute), with and without runs that read a sequence's cached blocks once, with a
-sliding window and a soft-cap; the runs themselves (where a released block stops them); and
+sliding window and a soft-cap; the packed layout of FlashAttention's variable-length kernel
+(`server/varlen_attention.py`, on the CPU through its reference computation), for chunks after
+cached tokens and prompts from token 0; the runs themselves (where a released block stops them); and
 `attend`'s folding of grouped query heads."""
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ from asyncgrpo.server.context_attention import (
     rows_sharing,
 )
 from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS
+from asyncgrpo.server.varlen_attention import (
+    continued_varlen_attention,
+    fresh_attention,
+    varlen_chunks,
+    varlen_works_on,
+)
 
 BS = 4
 TOL = {"atol": 1e-5, "rtol": 1e-5}  # the soft-cap and the shared runs compute in float32, as the kernels do
@@ -95,6 +103,48 @@ def test_rows_layout_with_a_window_or_softcap(window, softcap):
     padded = continued_layout(BS, null * BS, LENS, STARTS, tables, q.device)
     torch.testing.assert_close(continued_attention(q, k_pool, v_pool, padded, DIM**-0.5, window, softcap), ref,
                                **TOL)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_packed_layout_matches_a_plain_computation(window):
+    q, k_pool, v_pool, tables, _ = _case(2, STARTS, LENS)
+    ref = _reference(q, k_pool, v_pool, tables, STARTS, LENS, window)
+    packed = varlen_chunks(LENS, STARTS, tables, BS, q.device)
+    assert packed.key_lens == [s + n for s, n in zip(STARTS, LENS)]
+    assert packed.cu_q.tolist() == [0, *np.cumsum(LENS)] and packed.cu_q.dtype == torch.int32
+    assert packed.cu_k.tolist() == [0, *np.cumsum(packed.key_lens)]
+    torch.testing.assert_close(continued_varlen_attention(q, k_pool, v_pool, packed, DIM**-0.5, window), ref)
+    # the scheduler's block-table rows (wider than the chunks, padded past them) give the same keys
+    rows = np.full((len(tables), 20), 999, dtype=np.int64)
+    for b, t in enumerate(tables):
+        rows[b, : len(t)] = t
+    assert torch.equal(varlen_chunks(LENS, STARTS, rows, BS, q.device).key_slots, packed.key_slots)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_prompts_from_token_zero_attend_over_their_own_keys(window):
+    lens = [7, 1, 12]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(h, sum(lens), DIM, generator=g, dtype=torch.float64) for h in (HEADS, KV_HEADS, KV_HEADS))
+    packed = varlen_chunks(lens, [0] * len(lens), None, BS, q.device)
+    assert packed.key_slots is None and packed.key_lens == lens
+    got = fresh_attention(q, k, v, packed, DIM**-0.5, window)
+    outs, at = [], 0  # each prompt alone
+    for n in lens:
+        rows = torch.arange(at, at + n)
+        kk = k.transpose(0, 1)[rows].repeat_interleave(HEADS // KV_HEADS, 1)
+        vv = v.transpose(0, 1)[rows].repeat_interleave(HEADS // KV_HEADS, 1)
+        scores = torch.einsum("hid,shd->his", q[:, at: at + n], kk) * DIM**-0.5
+        pos = torch.arange(n)
+        visible = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
+        outs.append(torch.einsum("his,shd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv))
+        at += n
+    torch.testing.assert_close(got, torch.cat(outs))
+
+
+def test_the_flash_kernel_is_only_taken_on_cuda_in_half_precision():
+    assert not varlen_works_on(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, DIM)
+    assert not varlen_works_on(torch.device("cpu"), torch.float32, HEADS, KV_HEADS, DIM, True)
 
 
 def test_rows_sharing_runs_of_one_sequence():

@@ -47,7 +47,7 @@ class Harness:
 
     def __init__(self, model, caching: bool, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 4096,
                  shared_prefix: bool = False, admission_interval: int = 1, continued_rows: bool = False,
-                 max_prompt_rows: int = 0) -> None:
+                 max_prompt_rows: int = 0, varlen_prompts: bool = False) -> None:
         cpu = torch.device("cpu")
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, cpu)
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN,
@@ -59,8 +59,9 @@ class Harness:
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
         # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
         # at most that many rows take the fixed-shape path (`runner.prompt_rows`) with all chunks as rows
+        # varlen_prompts: prompt chunks packed as for FlashAttention (here through its reference computation)
         self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
-                                  continued_rows=continued_rows)
+                                  continued_rows=continued_rows, varlen_prompts=varlen_prompts)
         self.num_ids = 0
         self.num_preempted = 0
         self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
@@ -115,9 +116,11 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["padded", "rows"])
-def test_groups_and_multi_turn_prompts_match_an_uncached_server(model, rows):
-    on, off = Harness(model, caching=True, shared_prefix=rows, continued_rows=rows), Harness(model, caching=False)
+@pytest.mark.parametrize("rows,varlen", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["padded", "rows", "packed", "rows+packed"])
+def test_groups_and_multi_turn_prompts_match_an_uncached_server(model, rows, varlen):
+    on = Harness(model, caching=True, shared_prefix=rows, continued_rows=rows, varlen_prompts=varlen)
+    off = Harness(model, caching=False)
     prompt = _prompt(0, 45)  # 2 full blocks + 13 tokens
     waves = [
         [(prompt, seed) for seed in range(4)],  # one group admitted in one step: shares as it is computed
@@ -229,13 +232,15 @@ def test_blocks_of_a_sequence_that_outlived_a_weight_change_are_never_cached(mod
     assert on.sched.pool.num_cached == 0
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["padded", "rows"])
+@pytest.mark.parametrize("layout", ["padded", "rows", "packed"])
 @pytest.mark.parametrize("budget", [7, 16, 40])
-def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget, rows):
+def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget, layout):
     long_prompt, short = _prompt(8, 120), _prompt(9, 10)
     # a short request decodes while a long prompt, a second sample of it and an extension of it prefill
     work = [(short, 1), (long_prompt, 2), (long_prompt, 3), (short + long_prompt, 4)]
-    chunked = Harness(model, caching=True, budget=budget, shared_prefix=rows, continued_rows=rows)
+    rows = layout == "rows"
+    chunked = Harness(model, caching=True, budget=budget, shared_prefix=rows, continued_rows=rows,
+                      varlen_prompts=layout == "packed")
     _assert_same(chunked.run(work, max_tokens=20), Harness(model, caching=False).run(work, max_tokens=20))
     chunks = [c for _, prefill in chunked.plans for c in prefill]
     assert all(end - start <= budget for _, start, end in chunks)

@@ -1,7 +1,9 @@
 """Sliding-window families served by the embedded server's engine (scheduler + runner, paged attention,
 float32 on CPU): the log-prob of every sampled token equals the log-softmax of the model's own forward
 (eager attention) on prompt + output, for prompts longer than the window, prefilled whole, in chunks
-and after a cached prefix, with decode steps past the window (Mistral's blocks behind its window freed)."""
+and after a cached prefix, with decode steps past the window (Mistral's blocks behind its window freed);
+with prompt chunks padded, and packed as for FlashAttention's variable-length kernel (its left window;
+here its reference computation), which soft-capped layers (Gemma 2) refuse."""
 
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logprobs_equal_the_models_own_forward(family):
+# soft-capped layers (Gemma 2) keep the padded layouts (a test below checks the refusal)
+@pytest.mark.parametrize("family,varlen", [pytest.param(f, v, id=f"{f}-{'packed' if v else 'padded'}")
+                                           for f in sorted(FAMILIES) for v in (False, True) if not (v and f == "gemma2")])
+def test_logprobs_equal_the_models_own_forward(family, varlen):
     torch.manual_seed(0)
     reference = FAMILIES[family]().eval()
     reference.set_attn_implementation("eager")
@@ -51,7 +55,8 @@ def test_logprobs_equal_the_models_own_forward(family):
     cache = PagedKVCache(2, 64, BS, 2, 16, torch.float32, torch.device("cpu"))
     # 7 tokens per step: prompts prefilled in chunks; Mistral (windowed everywhere) frees blocks behind it
     sched = Scheduler(BlockPool(64), BS, 4, 7, 256, window=kv_window(served, range(2)))
-    runner = ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table)
+    # varlen: prompt chunks packed as for FlashAttention's variable-length kernel (its left window)
+    runner = ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table, varlen_prompts=varlen)
     params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=14, min_tokens=0,
                        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=None,
                        want_mask=False)
@@ -76,3 +81,12 @@ def test_logprobs_equal_the_models_own_forward(family):
             logits = reference(torch.tensor([seq.all_tokens()])).logits[0, len(prompt) - 1 : -1].float()
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq.output)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=2e-4, rtol=0)
+
+
+def test_packed_prompt_chunks_are_refused_for_soft_capped_layers():
+    served = FAMILIES["gemma2"]().eval()
+    served.set_attn_implementation(register_attention())
+    cache = PagedKVCache(2, 8, BS, 2, 16, torch.float32, torch.device("cpu"))
+    sched = Scheduler(BlockPool(8), BS, 4, 7, 256, window=kv_window(served, range(2)))
+    with pytest.raises(ValueError, match="soft-cap"):
+        ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table, varlen_prompts=True)

@@ -101,6 +101,8 @@ class ControlRoutes:
             "graph_captures": 0 if graphs is None else graphs.num_captures,  # each one stalled a step
             "graph_capture_seconds": 0.0 if graphs is None else graphs.capture_s,
             "prefix_cache": {"queries": self.scheduler.pool.stats.queries, "hits": self.scheduler.pool.stats.hits},
+            # how prompt chunks attend: packed for FlashAttention's variable-length kernel, or padded
+            "prompt_attention": "flash_varlen" if self.runner.varlen_prompts else "padded",
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
         }

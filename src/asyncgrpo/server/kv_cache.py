@@ -11,10 +11,11 @@ passes explicit `position_ids`, and hands the per-step `AttentionMetadata` to th
 forward kwargs (`kv_meta=`), which transformers forwards to the registered attention function:
 
     decode part   each sequence's query attends over its cached keys (`decode_attention.py`)
-    prefill part  q of each prompt from token 0 attends causally over its own fresh keys (SDPA
-                  is_causal); chunks that continue after cached tokens (a cached prefix, earlier
-                  chunks) attend over their whole context in the cache, padded or as rows of the
-                  decode attention (`context_attention.py`)
+    prefill part  q of each prompt from token 0 attends causally over its own fresh keys; chunks that
+                  continue after cached tokens (a cached prefix, earlier chunks) attend over their
+                  whole context in the cache, the short ones as rows of the decode attention
+                  (`context_attention.py`). Where FlashAttention's variable-length kernel runs, both
+                  stay packed (`varlen_attention.py`); elsewhere they are padded into a batch
 
 The model's layers compute q/k/v, norms and RoPE (their own forwards, or the fused ones of
 `fused_layers.py`, whose rotary kernel also writes the cache rows); nothing here is model-specific
@@ -45,6 +46,12 @@ from asyncgrpo.server.context_attention import (
 from asyncgrpo.server.decode_attention import decode_attention
 from asyncgrpo.server.host_copy import to_device
 from asyncgrpo.server.shared_prefix import SharedPrefixes, SharedPrefixTensors
+from asyncgrpo.server.varlen_attention import (
+    VarlenChunks,
+    continued_varlen_attention,
+    fresh_attention,
+    varlen_chunks,
+)
 
 ATTENTION_NAME = "asyncgrpo_paged"
 
@@ -94,11 +101,12 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None  # [Bp * Lmax] int64 into the prefill tokens (0 where padding)
     unpad_index: torch.Tensor | None  # [Tp] int64 into the padded [Bp * Lmax] layout
     # chunks that continue after cached tokens, after the prompts from token 0: the short ones first
-    # as rows of the decode attention, then the others padded (None: there are none)
+    # as rows of the decode attention, then the others packed or padded (None: there are none)
     continued_rows: ContinuedRows | None = None
-    continued: ContinuedPrefill | None = None
+    continued: VarlenChunks | ContinuedPrefill | None = None
     # decode sequences whose first blocks are the same, read once per group (shared_prefix.py)
     shared: SharedPrefixTensors | None = None
+    fresh: VarlenChunks | None = None  # the prompts from token 0, packed (else pad_index/unpad_index)
 
 
 def build_metadata(
@@ -112,6 +120,7 @@ def build_metadata(
     prefill_tables: Sequence[Sequence[int]] | np.ndarray | None = None,
     decode_shared: SharedPrefixes | None = None,
     row_members: int = 0,
+    varlen: bool = False,
 ) -> AttentionMetadata:
     """Host data (lists or int64 arrays) -> AttentionMetadata. decode_tables: CPU int64 [Bd, nb]
     (entries past a sequence's blocks are ignored through decode_lens). prefill_starts: position of
@@ -120,8 +129,10 @@ def build_metadata(
     the decode sequences' shared first blocks (`shared_prefix.find_shared_prefixes`), if any.
     row_members: >= 2 lays the leading short continued chunks out as rows of the decode attention
     (`context_attention.continued_rows`), in runs of up to that many rows of one sequence that read its
-    cached blocks once; the rest (all of them with < 2) are padded (`continued_layout`)."""
-    block_tables = context_lens = pad_index = unpad_index = continued = rows = None
+    cached blocks once; the rest (all of them with < 2) are padded (`continued_layout`). varlen: prompts
+    from token 0 and the continued chunks that are not rows stay packed for FlashAttention
+    (`varlen_attention.py`) instead of padded."""
+    block_tables = context_lens = pad_index = unpad_index = continued = rows = fresh = None
     if len(decode_lens):
         block_tables = to_device(decode_tables, device)
         context_lens = to_device(np.asarray(decode_lens, dtype=np.int64), device)
@@ -136,11 +147,15 @@ def build_metadata(
         if n:
             rows = continued_rows(cache.block_size, cache.scratch_block, lens[:n], starts[:n], tables[:n], device,
                                   row_members)
-        if n < len(lens):
+        if n < len(lens) and varlen:
+            continued = varlen_chunks(lens[n:], starts[n:], tables[n:], cache.block_size, device)
+        elif n < len(lens):
             continued = continued_layout(cache.block_size, cache.scratch_block * cache.block_size, lens[n:],
                                          starts[n:], tables[n:], device)
         prefill_lens = prefill_lens[:num_fresh]
-    if len(prefill_lens) > 1:
+    if prefill_lens and varlen:
+        fresh = varlen_chunks(prefill_lens, [0] * len(prefill_lens), None, cache.block_size, device)
+    elif len(prefill_lens) > 1:
         pad, unpad = pad_indices(prefill_lens)
         pad_index = to_device(pad, device)
         unpad_index = to_device(unpad, device)
@@ -156,6 +171,7 @@ def build_metadata(
         continued_rows=rows,
         continued=continued,
         shared=None if decode_shared is None else decode_shared.to(device),
+        fresh=fresh,
     )
 
 
@@ -235,14 +251,21 @@ def paged_attention_forward(
             window, softcap, meta.shared,
         ))
     nf = nd + sum(meta.prefill_lens)
-    if meta.prefill_lens:
+    # (the runner packs prompt chunks only for models without soft-capped layers: `varlen_attention.py`)
+    assert softcap is None or (meta.fresh is None and not isinstance(meta.continued, VarlenChunks))
+    if meta.fresh is not None:
+        parts.append(fresh_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta.fresh, scale, window))
+    elif meta.prefill_lens:
         parts.append(_prefill_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta, scale, window, softcap))
     if meta.continued_rows is not None:
         nr = nf + meta.continued_rows.num_tokens
         parts.append(rows_attention(q[:, nf:nr], cache.k[layer], cache.v[layer], meta.continued_rows, scale, window,
                                     softcap))
         nf = nr
-    if meta.continued is not None:
+    if isinstance(meta.continued, VarlenChunks):
+        parts.append(continued_varlen_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale,
+                                                window))
+    elif meta.continued is not None:
         parts.append(
             continued_attention(q[:, nf:], cache.k[layer], cache.v[layer], meta.continued, scale, window, softcap)
         )

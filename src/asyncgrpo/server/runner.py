@@ -45,6 +45,7 @@ from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.step_output import LaunchedStep, StepOutput
+from asyncgrpo.server.varlen_attention import varlen_works_on
 
 
 @dataclass
@@ -170,13 +171,17 @@ class ModelRunner:
         lora: ServedLora | None = None,
         shared_prefix: bool | None = None,
         continued_rows: bool | None = None,
+        varlen_prompts: bool | None = None,
     ) -> None:
         """shared_prefix: decode attention reads the first blocks that sequences share (a GRPO group's
         prompt) once per group (`shared_prefix.py`); None: where the Triton decode attention runs (the
         gather path elsewhere would only read them twice), False: never. continued_rows: short prompt
         chunks after cached tokens run as rows of the decode attention (`context_attention.py`; needs
         the shared pass); None: where the Triton kernel runs every attention variant of the model and
-        none has a sliding window (whose layers read each row's window on its own), False: never."""
+        none has a sliding window (whose layers read each row's window on its own), False: never.
+        varlen_prompts: prompt chunks stay packed for FlashAttention's variable-length kernel
+        (`varlen_attention.py`) instead of padded; None: where it runs every layer of the model (none
+        soft-capped), True on CPU: through its reference computation."""
         assert graphs is None or graphs.recurrent is recurrent, "the graphs carry the runner's recurrent state"
         assert graphs is None or graphs.lora is lora, "the graphs add the deltas of the runner's adapters"
         self.model = model
@@ -195,19 +200,27 @@ class ModelRunner:
         # members per group entry of the shared pass; 0: every sequence reads its whole context
         self.shared_members = max_members(heads, kv_heads) if shared_prefix and heads else 0
         self._shared: tuple[tuple, SharedPrefixes | None] = ((), None)  # the last decode set and its groups
+        variants = attention_variants(model)
         if continued_rows is None:  # the gather path would copy each row's whole context; a window too
-            variants = attention_variants(model)
             continued_rows = device.type == "cuda" and all(
                 not windowed and triton_works_on(device, cache.k[0].dtype, windowed, capped)
                 for windowed, capped in variants)
         # short chunks after cached tokens run as rows of the decode attention, in runs of this many
         self.row_members = self.shared_members if continued_rows else 0
+        if varlen_prompts is None:
+            varlen_prompts = bool(heads) and all(
+                not capped and varlen_works_on(device, cache.k[0].dtype, heads, kv_heads, cache.head_dim, windowed)
+                for windowed, capped in variants)
+        elif varlen_prompts and any(capped for _, capped in variants):
+            raise ValueError("packed prompt chunks (varlen_prompts=True) have no soft-capped attention: this model's "
+                             "layers soft-cap their logits; leave varlen_prompts unset")
+        self.varlen_prompts = varlen_prompts
         self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
         self.wait_s = 0.0  # seconds the host waited for the device's step outputs
         self.kv_tokens = 0  # context tokens the last launch's decode rows attend over, shared parts once
         self._last_sampled: torch.Tensor | None = None  # [B] token ids the last launch sampled (device)
         if device.type == "cuda" and heads:
-            compile_decode_kernels(cache.k[0], cache.v[0], cache.scratch_block, heads, attention_variants(model),
+            compile_decode_kernels(cache.k[0], cache.v[0], cache.scratch_block, heads, variants,
                                    self.shared_members)
 
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
@@ -321,6 +334,7 @@ class ModelRunner:
             self.block_table[prefill_rows],  # each sequence's blocks, as its `blocks` list holds them
             None if dec is None else dec.shared,
             self.row_members,
+            self.varlen_prompts,
         )
         extra = {}
         if self.recurrent is not None:

@@ -1,0 +1,160 @@
+"""Attention of a step's prompt chunks through FlashAttention's variable-length kernel.
+
+The padded layouts (`kv_cache._prefill_attention`, `context_attention.continued_layout`) copy the
+step's prompts into a [B, Lmax] batch and attend with a mask: a dozen operators per layer (gathers,
+a mask, copies for the grouped heads, SDPA below its unmasked rate, the way back), which leave the
+GPU waiting for the host on steps with prompt tokens. Here every chunk's queries stay packed, and one
+call of PyTorch's FlashAttention (`aten._flash_attention_forward` with cumulative lengths, which takes
+grouped heads as they are) attends per layer:
+
+    fresh chunks (from token 0)   over their own keys, as the step computed them (nothing copied)
+    continued chunks              over their context read from the paged cache into one packed run of
+                                  keys per chunk (its cached tokens, then its own, written this step)
+
+Each chunk's queries are aligned to the end of its keys (query i of an L-token chunk over S keys sees
+keys 0 .. S - L + i, FlashAttention's causal rule), within the layer's sliding window (transformers':
+keys p - window < j <= p, FlashAttention's left window of window - 1). No kernel of it soft-caps: a
+model with a capped layer keeps the padded layouts.
+
+`varlen_works_on` says where the kernel runs (CUDA, fp16/bf16, the model's head dim), checked once
+against `varlen_reference` on random chunks. The reference computes the same thing one chunk at a time
+with `attend`; the runner takes it where asked to (CPU tests of these layouts), never by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncgrpo.server.attention_math import attend, in_window
+from asyncgrpo.server.context_attention import chunk_positions, padded_tables
+from asyncgrpo.server.host_copy import to_device
+
+logger = logging.getLogger(__name__)
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class VarlenChunks:
+    """Packed layout of prompt chunks (device tensors unless noted)."""
+
+    lens: list[int]  # host: new tokens (queries) of each chunk, in order
+    key_lens: list[int]  # host: keys each chunk attends over (its start + its length)
+    cu_q: torch.Tensor  # [B + 1] int32: where each chunk's queries start in the packed queries
+    cu_k: torch.Tensor  # [B + 1] int32: the same for the packed keys
+    key_slots: torch.Tensor | None  # [sum(key_lens)] int64 cache rows of every chunk's keys; None: fresh chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lens)
+
+
+def varlen_chunks(
+    lens: Sequence[int],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]] | np.ndarray | None,
+    block_size: int,
+    device: torch.device,
+) -> VarlenChunks:
+    """Layout of chunks computing tokens [start, start + len) of their sequences. All from token 0
+    (fresh): their keys are their own, `tables` unused. Else `tables` (block lists, or the scheduler's
+    [B, >= nb] rows) give where every chunk's keys live in the cache."""
+    lens_arr, starts_arr = np.asarray(lens, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    key_lens = starts_arr + lens_arr
+    cum = np.zeros((2, len(lens_arr) + 1), dtype=np.int32)
+    cum[0, 1:], cum[1, 1:] = np.cumsum(lens_arr), np.cumsum(key_lens)
+    key_slots = None
+    if starts_arr.any():
+        blocks = padded_tables(tables, key_lens, block_size, 0)
+        p = chunk_positions(key_lens, np.zeros_like(key_lens))
+        seq = np.repeat(np.arange(len(key_lens)), key_lens)
+        key_slots = to_device(blocks[seq, p // block_size] * block_size + p % block_size, device)
+    cum = to_device(cum, device)
+    return VarlenChunks(lens=lens_arr.tolist(), key_lens=key_lens.tolist(), cu_q=cum[0], cu_k=cum[1],
+                        key_slots=key_slots)
+
+
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [H, T, D], k/v [KVH, T, D] of prompts from token 0 -> [T, H, D]."""
+    return varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), part, scale, window)
+
+
+def continued_varlen_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, part: VarlenChunks,
+                               scale: float, window: int | None = None) -> torch.Tensor:
+    """q [H, T, D] of chunks after cached tokens; pools [num_blocks, block_size, KVH, D] of one layer (this
+    step's keys already written) -> [T, H, D]."""
+    kvh, d = k_pool.shape[2], k_pool.shape[3]
+    keys = k_pool.view(-1, kvh, d).index_select(0, part.key_slots)
+    values = v_pool.view(-1, kvh, d).index_select(0, part.key_slots)
+    return varlen(q.transpose(0, 1), keys, values, part, scale, window)
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """Packed q [Tq, H, D], k/v [Tk, KVH, D] (last dim contiguous) -> [Tq, H, D]: FlashAttention on a
+    CUDA half-precision input, `varlen_reference` otherwise."""
+    if q.is_cuda and q.dtype in HALF:
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, part.cu_q, part.cu_k, max(part.lens), max(part.key_lens), 0.0, True, False, scale=scale,
+            window_size_left=-1 if window is None else window - 1, window_size_right=0,
+        )
+        return out[0]
+    return varlen_reference(q, k, v, part.lens, part.key_lens, scale, window)
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Sequence[int],
+                     key_lens: Sequence[int], scale: float, window: int | None = None) -> torch.Tensor:
+    """What `varlen` computes, one chunk at a time through `attend` (any device and dtype)."""
+    out, qi, ki = [], 0, 0
+    for n, s in zip(lens, key_lens):
+        pos = torch.arange(s - n, s, device=q.device)[:, None]  # each query's position
+        keys = torch.arange(s, device=q.device)[None, :]
+        mask = (keys <= pos) & in_window(pos, keys, window)
+
+        def heads_first(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return x[a:b].transpose(0, 1)[None]
+
+        o = attend(heads_first(q, qi, qi + n), heads_first(k, ki, ki + s), heads_first(v, ki, ki + s), mask, scale)
+        out.append(o[0].transpose(0, 1))
+        qi, ki = qi + n, ki + s
+    return torch.cat(out)
+
+
+@functools.cache
+def varlen_works_on(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                    windowed: bool = False) -> bool:
+    """Whether FlashAttention's variable-length kernel runs this shape on `device` and computes what
+    `varlen_reference` computes on random chunks (fresh ones, and ones after cached keys: a chunk of one
+    token, a chunk longer than its window). Once per device, dtype, shape and variant."""
+    if device.type != "cuda" or dtype not in HALF:
+        return False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens, key_lens = [5, 1, 37, 70], [5, 40, 37, 150]
+    window = 24 if windowed else None
+
+    def rand(n: int, heads: int) -> torch.Tensor:
+        return torch.randn(n, heads, head_dim, generator=g).to(device, dtype)
+
+    q, k, v = rand(sum(lens), num_heads), rand(sum(key_lens), num_kv_heads), rand(sum(key_lens), num_kv_heads)
+    cum = torch.tensor([[0, *np.cumsum(lens)], [0, *np.cumsum(key_lens)]], dtype=torch.int32, device=device)
+    part = VarlenChunks(lens, key_lens, cum[0], cum[1], None)
+    scale = head_dim**-0.5
+    try:
+        got = varlen(q, k, v, part, scale, window).float()
+    except Exception as exc:  # noqa: BLE001 -- an older build, a head dim or GPU the kernel does not take
+        logger.info("FlashAttention's variable-length kernel does not run here (%s): prompt chunks are padded", exc)
+        return False
+    want = varlen_reference(q.float(), k.float(), v.float(), lens, key_lens, scale, window)
+    err = float((got - want).abs().max())
+    if not err <= (0.02 if dtype == torch.float16 else 0.06):
+        logger.warning("FlashAttention's variable-length kernel differs from the reference by %.3g on this GPU: "
+                       "prompt chunks are padded instead", err)
+        return False
+    return True
