@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +49,12 @@ class VarlenChunks:
     cu_q: torch.Tensor  # [B + 1] int32: where each chunk's queries start in the packed queries
     cu_k: torch.Tensor  # [B + 1] int32: the same for the packed keys
     key_slots: torch.Tensor | None  # [sum(key_lens)] int64 cache rows of every chunk's keys; None: fresh chunks
+    # host: the longest chunk's queries and keys (FlashAttention sizes its grid by them)
+    max_q: int = field(init=False)
+    max_k: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_q, self.max_k = max(self.lens), max(self.key_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -102,7 +108,7 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks
     CUDA half-precision input, `varlen_reference` otherwise."""
     if q.is_cuda and q.dtype in HALF:
         out = torch.ops.aten._flash_attention_forward(
-            q, k, v, part.cu_q, part.cu_k, max(part.lens), max(part.key_lens), 0.0, True, False, scale=scale,
+            q, k, v, part.cu_q, part.cu_k, part.max_q, part.max_k, 0.0, True, False, scale=scale,
             window_size_left=-1 if window is None else window - 1, window_size_right=0,
         )
         return out[0]
