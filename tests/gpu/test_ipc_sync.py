@@ -35,7 +35,8 @@ PROMPT = [1, 5, 9, 17, 33]
 @pytest.fixture(scope="module", params=["own-process", "in-process"])
 def gpu_server(request, tmp_path_factory):
     """The server as its own process, or inside this one (`ServerThread`: the trainer's buffer is read
-    directly, CUDA cannot open a handle in the process that made it)."""
+    directly, CUDA cannot open a handle in the process that made it); (model, url, the in-process
+    engine's CUDA stream or None)."""
     from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import EmbeddedServer, free_port
     from asyncgrpo.server.serve import ServerThread
@@ -47,11 +48,11 @@ def gpu_server(request, tmp_path_factory):
     if request.param == "in-process":
         server = ServerThread(serve_arguments(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
         with server:
-            yield model, server.url
+            yield model, server.url, server.stream
         return
     with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log",
                         startup_timeout_s=300) as server:
-        yield model, server.url
+        yield model, server.url, None
 
 
 def _perturb_(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -71,7 +72,7 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
     from asyncgrpo.train.server_link import ServerLink
     from asyncgrpo.train.weight_push import IpcTransport, make_transport
 
-    model, url = gpu_server
+    model, url, _ = gpu_server
     device = torch.device("cuda:0")
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, seed=1234, logprobs=0)
     link = ServerLink(url, timeout_s=120)
@@ -101,3 +102,15 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
         transport.close()
     finally:
         link.close()
+
+
+@needs_gpu
+def test_the_in_process_engine_steps_on_a_stream_of_the_highest_priority(gpu_server):
+    """Its decode steps' kernels go before the trainer's (default-stream) blocks waiting for the GPU."""
+    from asyncgrpo.server.serve import HIGHEST_PRIORITY
+
+    stream = gpu_server[2]
+    if stream is None:
+        pytest.skip("the server runs in its own process")
+    highest = torch.cuda.Stream(priority=HIGHEST_PRIORITY).priority
+    assert stream.priority == highest < torch.cuda.current_stream().priority

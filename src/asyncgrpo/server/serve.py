@@ -110,11 +110,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+# a CUDA stream priority past the device's range maps to the nearest one it has (lower is higher)
+HIGHEST_PRIORITY = -(1 << 10)
+
+
 class ServerThread:
     """The embedded server inside this process: its HTTP loop in a thread, its engine thread on a CUDA
-    stream of its own (CUDA), so that its kernels may run beside this process's (a trainer's) on one
-    GPU instead of taking turns with another process's. Weights still move through the weight-transfer
-    routes (CUDA IPC on one GPU, which recognises its own process's buffer).
+    stream of its own (CUDA, of the highest priority), so that its kernels may run beside this process's
+    (a trainer's) on one GPU instead of taking turns with another process's. Weights still move through
+    the weight-transfer routes (CUDA IPC on one GPU, which recognises its own process's buffer).
 
     >>> with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", "8000")) as server:
     ...     ...  # http://127.0.0.1:8000 answers
@@ -128,6 +132,7 @@ class ServerThread:
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self.error: BaseException | None = None
+        self.stream: torch.cuda.Stream | None = None  # the engine thread's (CUDA)
 
     @property
     def url(self) -> str:
@@ -136,14 +141,16 @@ class ServerThread:
     def start(self, timeout_s: float = 60.0) -> Self:
         self.server = build_server(self.args)
         self.server.transfer.in_process = True
-        stream = None
         if self.server.served.device.type == "cuda":
             torch.cuda.synchronize(self.server.served.device)  # start-up work done before another stream reads it
-            stream = torch.cuda.Stream(self.server.served.device)
+            # the highest priority the GPU offers: a decode step's few small kernels go before the blocks of
+            # the trainer's long ones still waiting for a multiprocessor, so that generation (which the
+            # trainer waits for when it is behind) keeps its pace while the trainer fills the GPU around it
+            self.stream = torch.cuda.Stream(self.server.served.device, priority=HIGHEST_PRIORITY)
 
         async def run() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await _serve(self.args, self.server, self._stop, self._ready.set, stream)
+            await _serve(self.args, self.server, self._stop, self._ready.set, self.stream)
 
         def target() -> None:
             try:
