@@ -190,7 +190,7 @@ def run_engine(served, args, prompts, impl: str) -> dict:
 def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
     """Forward (graph replay) and sampling (graph replay, and eager launches) alone on the last full
     batch's inputs, CUDA events."""
-    from asyncgrpo.server.runner import decode_inputs
+    from asyncgrpo.server.step_rows import decode_inputs
 
     rows, num_tokens, last_tokens = last_step
     dec = decode_inputs(last_tokens, num_tokens, rows, runner.block_table, runner.cache.block_size)

@@ -13,7 +13,7 @@ Every step is put in one class, and each class gets its count and per-step times
 
     decode     decode-only step (CUDA: graph replay)
     mixed      decode tokens and prompt chunks in one forward (a graph replay where the chunks are
-               short, `runner.prompt_rows`; else eager)
+               short, `step_rows.prompt_rows`; else eager)
     prefill    prompt chunks only (likewise)
 
     schedule   host: the scheduler's plan

@@ -144,11 +144,11 @@ def test_chunks_after_cached_tokens_as_rows_of_the_kernels():
 
 
 def test_a_step_of_decode_rows_and_prompt_rows_in_the_kernels():
-    """A graph step with prompt chunks (`runner.prompt_rows`): decode rows, two of them a group sharing
+    """A graph step with prompt chunks (`step_rows.prompt_rows`): decode rows, two of them a group sharing
     their first blocks, then every token of a fresh prompt, of a group member's last block and of a next
     turn as rows whose runs read their sequence's blocks before them once; equals the gather, row by row."""
-    from asyncgrpo.server.runner import decode_inputs, prompt_rows
     from asyncgrpo.server.sequence import SeqParams, Sequence
+    from asyncgrpo.server.step_rows import decode_inputs, prompt_rows
 
     g = torch.Generator().manual_seed(5)
     num_blocks, width, members = 60, 10, 4

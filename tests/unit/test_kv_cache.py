@@ -13,8 +13,8 @@ from asyncgrpo.server.decode_kernels import choose_splits, one_split_programs
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
-from asyncgrpo.server.runner import decode_inputs
 from asyncgrpo.server.step_graphs import StepGraphs, batch_bucket, block_bucket
+from asyncgrpo.server.step_rows import decode_inputs
 
 
 @pytest.fixture(scope="module", params=["own forwards", "fused layers"])

@@ -58,7 +58,7 @@ class Harness:
                             max_prompt_rows) if shared_prefix else None
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
         # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
-        # at most that many rows take the fixed-shape path (`runner.prompt_rows`) with all chunks as rows
+        # at most that many rows take the fixed-shape path (`step_rows.prompt_rows`) with all chunks as rows
         # varlen_prompts: prompt chunks packed as for FlashAttention (here through its reference computation)
         self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
                                   continued_rows=continued_rows, varlen_prompts=varlen_prompts)

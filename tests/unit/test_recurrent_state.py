@@ -201,7 +201,7 @@ def test_a_graphs_warm_up_leaves_the_rows_deltanet_state_alone():
     before = {i: (c.clone(), d.clone()) for (i, c), d in zip(state.conv.items(), state.delta.values())}
     nums = [s.num_tokens for s in plan.decode]
     rows = [s.row for s in plan.decode]
-    from asyncgrpo.server.runner import decode_inputs
+    from asyncgrpo.server.step_rows import decode_inputs
 
     dec = decode_inputs(np.array([s.last_token() for s in plan.decode]), np.array(nums), np.array(rows),
                         sched.block_table, 16)

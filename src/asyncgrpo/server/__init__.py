@@ -12,11 +12,13 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
                           window of a model windowed on every layer are released
     sequence.py           one generated continuation: its tokens (some still on the device), stop rules
     runner.py             one step -> one forward pass -> sampled tokens, queued for the host
+    step_rows.py          a step's rows of the decode attention (decode tokens, short prompt chunks' tokens)
     step_output.py        a step's sampled tokens on their way to the host (one transfer) and into sequences
     host_copy.py          step inputs to the device through page-locked memory, without waiting for it
     kv_cache.py           paged K/V pools and the attention function registered with transformers
     prefix_cache.py       block pool: reference counts, content-addressed full blocks, LRU eviction
     context_attention.py  chunks that continue after cached tokens attend over the paged cache
+    varlen_attention.py   prompt chunks packed for FlashAttention's variable-length kernel (CUDA, half)
     attention_math.py     masked attention with sliding windows and logit soft-capping
     recurrent_state.py    per-sequence state of a hybrid's Gated DeltaNet layers and their step forward
     decode_attention.py   paged decode attention: a Triton kernel on CUDA (split context, merged partial

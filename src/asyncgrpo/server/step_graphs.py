@@ -10,7 +10,7 @@ and write the cache's scratch block and their logits are dropped; padded group e
 
 A row is one query of the paged decode attention: a token, its position, the cache slot its keys go
 to, its sequence's blocks and how many of them it sees. A decode sequence is one row; so is each
-token of a short prompt chunk (`runner.prompt_rows`, up to `max_prompt_rows` of them per step), whose
+token of a short prompt chunk (`step_rows.prompt_rows`, up to `max_prompt_rows` of them per step), whose
 rows see the chunk's earlier tokens because every layer writes the step's keys before it attends. So
 a step that carries a conversation's next turn or a group member's last prompt block replays a graph
 too, instead of launching an eager forward of ~1,000 kernels. The LM head runs on the rows that
@@ -48,7 +48,7 @@ from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
 if TYPE_CHECKING:
     from asyncgrpo.server.lora import ServedLora
-    from asyncgrpo.server.runner import StepRows
+    from asyncgrpo.server.step_rows import StepRows
 
 logger = logging.getLogger(__name__)
 
