@@ -68,6 +68,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "the host). A sequence that ends with a stop token costs one dropped row in the next step.",
     )
     p.add_argument(
+        "--prompt-attention",
+        choices=("auto", "flash_varlen", "padded"),
+        default="auto",
+        help="How prompt chunks attend: packed for FlashAttention's variable-length kernel (flash_varlen: "
+        "CUDA, fp16/bf16, no soft-capped layers) or padded into a batch for SDPA (padded). Default auto: "
+        "flash_varlen where its start-up check passes, else padded.",
+    )
+    p.add_argument(
         "--return-sampling-mask",
         action=argparse.BooleanOptionalAction,
         default=False,

@@ -82,3 +82,16 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout and "inside the trainer's process" in done.stdout
     assert time.monotonic() - start < 40  # not the rendezvous' 60 s
+
+
+def test_prompt_attention_is_chosen_at_start_and_a_flash_request_it_cannot_serve_is_refused():
+    from asyncgrpo.server.loading import ModelLoadError
+    from asyncgrpo.server.serve import build_server
+
+    args = serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256", "--prompt-attention", "flash_varlen")
+    with pytest.raises(ModelLoadError, match="--prompt-attention flash_varlen.*use --prompt-attention auto or padded"):
+        build_server(args)
+    for choice in ("auto", "padded"):  # CPU: the padded layouts either way
+        server = build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
+                                              "--prompt-attention", choice))
+        assert server.runner.varlen_prompts is False

@@ -29,6 +29,7 @@ from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS
 from asyncgrpo.server.varlen_attention import (
     continued_varlen_attention,
     fresh_attention,
+    varlen_check_error,
     varlen_chunks,
     varlen_works_on,
 )
@@ -145,6 +146,9 @@ def test_packed_prompts_from_token_zero_attend_over_their_own_keys(window):
 def test_the_flash_kernel_is_only_taken_on_cuda_in_half_precision():
     assert not varlen_works_on(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, DIM)
     assert not varlen_works_on(torch.device("cpu"), torch.float32, HEADS, KV_HEADS, DIM, True)
+    # the check's layouts (strided views of a joined projection, gathered keys) on the reference path
+    for windowed in (False, True):
+        assert varlen_check_error(torch.device("cpu"), torch.float32, HEADS, KV_HEADS, DIM, windowed) == 0.0
 
 
 def test_rows_sharing_runs_of_one_sequence():

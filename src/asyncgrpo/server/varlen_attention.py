@@ -137,30 +137,39 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Se
 def varlen_works_on(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                     windowed: bool = False) -> bool:
     """Whether FlashAttention's variable-length kernel runs this shape on `device` and computes what
-    `varlen_reference` computes on random chunks (fresh ones, and ones after cached keys: a chunk of one
-    token, a chunk longer than its window). Once per device, dtype, shape and variant."""
+    `varlen_reference` computes (`varlen_check_error`). Once per device, dtype, shape and variant."""
     if device.type != "cuda" or dtype not in HALF:
         return False
-    g = torch.Generator(device="cpu").manual_seed(0)
-    lens, key_lens = [5, 1, 37, 70], [5, 40, 37, 150]
-    window = 24 if windowed else None
-
-    def rand(n: int, heads: int) -> torch.Tensor:
-        return torch.randn(n, heads, head_dim, generator=g).to(device, dtype)
-
-    q, k, v = rand(sum(lens), num_heads), rand(sum(key_lens), num_kv_heads), rand(sum(key_lens), num_kv_heads)
-    cum = torch.tensor([[0, *np.cumsum(lens)], [0, *np.cumsum(key_lens)]], dtype=torch.int32, device=device)
-    part = VarlenChunks(lens, key_lens, cum[0], cum[1], None)
-    scale = head_dim**-0.5
     try:
-        got = varlen(q, k, v, part, scale, window).float()
+        err = varlen_check_error(device, dtype, num_heads, num_kv_heads, head_dim, windowed)
     except Exception as exc:  # noqa: BLE001 -- an older build, a head dim or GPU the kernel does not take
         logger.info("FlashAttention's variable-length kernel does not run here (%s): prompt chunks are padded", exc)
         return False
-    want = varlen_reference(q.float(), k.float(), v.float(), lens, key_lens, scale, window)
-    err = float((got - want).abs().max())
     if not err <= (0.02 if dtype == torch.float16 else 0.06):
         logger.warning("FlashAttention's variable-length kernel differs from the reference by %.3g on this GPU: "
                        "prompt chunks are padded instead", err)
         return False
     return True
+
+
+def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                       windowed: bool = False) -> float:
+    """Max |varlen - reference| over random chunks laid out as a step lays them out: prompts from token 0
+    over their own keys, all three strided views of one joined q/k/v projection (a chunk of one token,
+    one longer than the window), and chunks after cached keys over gathered (contiguous) keys."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    window = 24 if windowed else None
+    h, kvh, d = num_heads, num_kv_heads, head_dim
+    lens, key_lens = [5, 1, 37, 70], [5, 40, 37, 150]
+    joined = torch.randn(sum(lens), (h + 2 * kvh) * d, generator=g).to(device, dtype)  # the fused q/k/v projection
+    q, own_k, own_v = (joined[:, a * d: b * d].view(-1, b - a, d)
+                       for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
+    gathered = [torch.randn(sum(key_lens), kvh, d, generator=g).to(device, dtype) for _ in range(2)]
+    worst = 0.0
+    for k, v, n in ((own_k, own_v, lens), (*gathered, key_lens)):
+        cum = torch.tensor([[0, *np.cumsum(lens)], [0, *np.cumsum(n)]], dtype=torch.int32, device=device)
+        part = VarlenChunks(lens, n, cum[0], cum[1], None)
+        got = varlen(q, k, v, part, d**-0.5, window).float()
+        want = varlen_reference(q.float(), k.float(), v.float(), lens, n, d**-0.5, window)
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
