@@ -17,15 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server.kv_cache import PagedKVCache
-from asyncgrpo.server.prefix_cache import BlockPool
-from asyncgrpo.server.runner import ModelRunner
-from asyncgrpo.server.scheduler import Scheduler
-from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.varlen_attention import HALF, VarlenChunks, varlen, varlen_reference, varlen_works_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
-from test_prefix_caching import VOCAB, _prompt, tiny_qwen3
+from test_prefix_caching import Harness, _prompt, tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -64,35 +59,16 @@ def test_the_check_passes_where_the_kernel_runs():
     assert not varlen_works_on(cuda, torch.float32, 16, 8, 128)
 
 
-def _serve(model: torch.nn.Module, varlen_prompts: bool | None, work: list[list[int]]) -> tuple[ModelRunner, list]:
-    """The prompts of `work` through a bf16 engine (24 tokens per step: long prompts in chunks, the prefix
-    cache on); each sequence's top-5 log-probs of its first sampled token."""
-    cuda = torch.device("cuda")
-    cache = PagedKVCache(2, 64, 16, 2, 16, torch.bfloat16, cuda)
-    sched = Scheduler(BlockPool(64, True), 16, 8, 24, 256)
-    runner = ModelRunner(model, cache, cuda, VOCAB, sched.block_table, varlen_prompts=varlen_prompts)
-    params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=3, min_tokens=0,
-                       stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=5,
-                       want_mask=False)
-    seqs = [Sequence(i, f"r{i}", 0, p, params, 256) for i, p in enumerate(work)]
-    for s in seqs:
-        sched.add(s)
-    while any(not s.finished for s in seqs):
-        plan = sched.schedule()
-        runner.step(plan.decode, plan.prefill).record(plan.sampled, "v")
-        for s in plan.sampled:
-            if s.finished:
-                sched.remove(s)
-    return runner, [sorted(s.top(0)[1]) for s in seqs]
-
-
 def test_a_bf16_runner_packs_prompts_and_computes_what_a_padding_one_computes():
     model = tiny_qwen3().to("cuda", torch.bfloat16)
     prompt = _prompt(0, 45)
-    # a group (the later members after cached blocks), a longer prompt extending it (a next turn)
-    work = [prompt] * 4 + [prompt + _prompt(1, 30)]
-    packed, want = _serve(model, None, work)
-    padded, got = _serve(model, False, work)
-    assert packed.varlen_prompts and not padded.varlen_prompts
-    # bf16: the two attention kernels round differently
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=0.1, rtol=0)
+    # a group (the later members after cached blocks), a longer prompt extending it (a next turn); 24 tokens
+    # a step: the long ones in chunks
+    work = [(prompt, seed) for seed in range(4)] + [(prompt + _prompt(1, 30), 4)]
+    first_top = []
+    for choice in (None, False):  # the runner's own (packed, on CUDA in bf16), padded
+        h = Harness(model, caching=True, budget=24, varlen_prompts=choice, device="cuda", dtype=torch.bfloat16)
+        assert h.runner.varlen_prompts is (choice is None)
+        first_top.append([sorted(s.top(0)[1]) for s in h.run(work, max_tokens=3)])
+    # bf16: the two attention kernels round differently; the distributions sampled from agree
+    torch.testing.assert_close(torch.tensor(first_top[0]), torch.tensor(first_top[1]), atol=0.1, rtol=0)
