@@ -277,17 +277,24 @@ class StepGraphs:
         return out.logits[0]
 
     def _capture(self, key: tuple, fn) -> None:
+        """Warm fn() up and capture it, both on a side stream that follows the engine's. Not through
+        `torch.cuda.graph`, whose entry synchronizes the whole device and empties the allocator's cache:
+        beside a trainer in this process (`serve.ServerThread`) that would wait for the trainer's queued
+        kernels and hand back its cached memory at every capture. thread_local: other threads (HTTP,
+        a trainer) may use CUDA while the engine thread captures."""
         start = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._warm_up(key, fn)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         kind = key[0]
-        # thread_local: HTTP-side threads may touch CUDA while the engine thread captures
-        with torch.cuda.graph(graph, pool=self._pools.get(kind), capture_error_mode="thread_local"):
-            out = fn()
+        with torch.cuda.stream(stream):
+            self._warm_up(key, fn)
+            graph.capture_begin(pool=self._pools.get(kind), capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         self._pools.setdefault(kind, graph.pool())
         self._graphs[key] = (graph, out)
         self.num_captures += 1
