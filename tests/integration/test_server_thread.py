@@ -1,6 +1,7 @@
 """The embedded server inside this process (`ServerThread`, for one GPU shared with a trainer): it serves
-over HTTP like `asyncgrpo serve`, its engine runs in this process, it refuses a weight transfer that
-would need this process to be the other rank of a collective group, and it stops cleanly."""
+over HTTP like `asyncgrpo serve`, its engine runs in this process (the interpreter switching threads
+more often meanwhile), it refuses a weight transfer that would need this process to be the other rank
+of a collective group, and it stops cleanly."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from test_hybrid_server import post  # one HTTP POST helper for the integration 
 
 from asyncgrpo.cli import serve_arguments
 from asyncgrpo.launch import free_port
-from asyncgrpo.server.serve import ServerThread
+from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServerThread
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weight_push import make_transport
 
@@ -31,9 +32,11 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
     port = free_port()
     args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(port), "--max-model-len", "256",
                            "--async-scheduling")
+    before = sys.getswitchinterval()
     with ServerThread(args) as running:
         assert running.url == f"http://127.0.0.1:{port}"
         assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
+        assert sys.getswitchinterval() == pytest.approx(min(IN_PROCESS_SWITCH_INTERVAL_S, before))
         status, body = post(running, "/inference/v1/generate",
                             {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
                                                                            "temperature": 1.0, "seed": 3}})
@@ -50,6 +53,7 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
         finally:
             link.close()
     assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
+    assert sys.getswitchinterval() == before  # the interpreter's own again
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
         raise AssertionError("the port still answers after stop()")
@@ -64,7 +68,7 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
         import torch
         from asyncgrpo.cli import serve_arguments
         from asyncgrpo.launch import free_port
-        from asyncgrpo.server.serve import ServerThread
+        from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServerThread
         from asyncgrpo.train.server_link import ServerLink
         from asyncgrpo.train.weight_push import make_transport
         with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:

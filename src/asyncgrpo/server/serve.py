@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -112,6 +113,11 @@ def main(args: argparse.Namespace) -> int:
 
 # a CUDA stream priority past the device's range maps to the nearest one it has (lower is higher)
 HIGHEST_PRIORITY = -(1 << 10)
+# the interpreter's switch interval while a server runs inside this process (Python's default: 5 ms). Every
+# torch call of the engine thread lets go of the interpreter lock, and taking it back waits until the
+# thread holding it lets go: a trainer thread busy in plain Python (collating, packing, logging) keeps it
+# for a whole interval each time (bench/in_process_gil.py)
+IN_PROCESS_SWITCH_INTERVAL_S = 0.0002
 
 
 class ServerThread:
@@ -120,12 +126,17 @@ class ServerThread:
     (a trainer's) on one GPU instead of taking turns with another process's. Weights still move through
     the weight-transfer routes (CUDA IPC on one GPU, which recognises its own process's buffer).
 
+    The threads share this process's interpreter lock: while the server runs, the interpreter switches
+    threads every `switch_interval_s` (None: leave it as it is) instead of Python's 5 ms.
+
     >>> with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", "8000")) as server:
     ...     ...  # http://127.0.0.1:8000 answers
     """
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
         self.args = args
+        self.switch_interval_s = switch_interval_s
+        self._switch_before: float | None = None  # the interval to restore at stop
         self.server: Server | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,9 +171,13 @@ class ServerThread:
                 self._ready.set()
                 raise
 
+        if self.switch_interval_s is not None:
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.switch_interval_s, self._switch_before))
         self._thread = threading.Thread(target=target, name="asyncgrpo-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s) or self.error is not None:
+            self.stop(timeout_s=5)  # (what it changed in this process goes back)
             raise RuntimeError(f"the in-process embedded server did not start: {self.error!r}")
         return self
 
@@ -173,6 +188,9 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout_s)
         self._thread = None
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
 
     def __enter__(self) -> Self:
         return self.start()
