@@ -356,9 +356,10 @@ def test_connection_errors_give_up_after_max_retries():
         ) as client:
             await client.is_paused()
 
-    with pytest.raises(ServerConnectionError, match=f"127.0.0.1:{port}/is_paused"):
+    with pytest.raises(ServerConnectionError, match=f"127.0.0.1:{port}/is_paused failed: connection refused") as err:
         run(main())
     assert len(retries) == 2
+    assert "(after 2 retries over" in str(err.value) and "start it again and resume training" in str(err.value)
 
 
 def test_generation_timeouts_are_retried_but_control_timeouts_raise():

@@ -71,6 +71,20 @@ class ServerConnectionError(ConnectionError):
     """The server could not be reached (after retries where the call allows them)."""
 
 
+def connection_failure(exc: BaseException) -> str:
+    """What went wrong with a connection, in words (aiohttp's reprs nest the socket error deep inside)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        cause = exc.os_error
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused (nothing listens on the port)"
+        return f"cannot connect ({cause.strerror or cause!r})" if isinstance(cause, OSError) else repr(exc)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection without answering"
+    if isinstance(exc, aiohttp.ClientOSError):
+        return f"connection error ({exc.strerror or exc!r})"
+    return repr(exc)
+
+
 class _RetryLog:
     """One warning per `interval_s` for a client's retries; a line after a quiet spell says how many
     retries went unshown since the previous line."""
@@ -165,7 +179,7 @@ class ServerTransport:
             raise RuntimeError(f"{type(self).__name__}.start() must be awaited before making requests")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         url = self.base_url + path
-        attempt = 0
+        attempt, first = 0, time.monotonic()
         while True:
             try:
                 async with self._session.request(
@@ -182,10 +196,13 @@ class ServerTransport:
                 reason = f"no answer within {timeout_s:.0f}s"
             except _TRANSPORT_ERRORS as exc:
                 if not retry_transient or attempt >= self.max_retries:
+                    tried = f" (after {attempt} retries over {time.monotonic() - first:.0f}s)" if attempt else ""
                     raise ServerConnectionError(
-                        f"{method} {url} failed: {exc!r}" + (f" (after {attempt} retries)" if attempt else "")
+                        f"{method} {url} failed: {connection_failure(exc)}{tried}. The inference server at "
+                        f"{self.base_url} does not answer: if it stopped, its log says why; start it again and "
+                        "resume training from the last checkpoint"
                     ) from exc
-                reason = repr(exc)
+                reason = connection_failure(exc)
             else:
                 if status < 400 or status in pass_statuses:
                     return status, text
