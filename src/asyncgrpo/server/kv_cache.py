@@ -252,7 +252,7 @@ def paged_attention_forward(
         ))
     nf = nd + sum(meta.prefill_lens)
     # (the runner packs prompt chunks only for models without soft-capped layers: `varlen_attention.py`)
-    assert softcap is None or (meta.fresh is None and not isinstance(meta.continued, VarlenChunks))
+    assert not softcap or (meta.fresh is None and not isinstance(meta.continued, VarlenChunks))
     if meta.fresh is not None:
         parts.append(fresh_attention(q[:, nd:nf], k[:, nd:nf], v[:, nd:nf], meta.fresh, scale, window))
     elif meta.prefill_lens:
