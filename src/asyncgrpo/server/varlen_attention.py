@@ -156,20 +156,26 @@ def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int,
                        windowed: bool = False) -> float:
     """Max |varlen - reference| over random chunks laid out as a step lays them out: prompts from token 0
     over their own keys, all three strided views of one joined q/k/v projection (a chunk of one token,
-    one longer than the window), and chunks after cached keys over gathered (contiguous) keys."""
+    one longer than the window); chunks after cached keys over gathered (contiguous) keys; and chunks of
+    one token only (FlashAttention takes another path when no chunk has two queries)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     window = 24 if windowed else None
     h, kvh, d = num_heads, num_kv_heads, head_dim
-    lens, key_lens = [5, 1, 37, 70], [5, 40, 37, 150]
+    lens = [5, 1, 37, 70]
     joined = torch.randn(sum(lens), (h + 2 * kvh) * d, generator=g).to(device, dtype)  # the fused q/k/v projection
-    q, own_k, own_v = (joined[:, a * d: b * d].view(-1, b - a, d)
-                       for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
-    gathered = [torch.randn(sum(key_lens), kvh, d, generator=g).to(device, dtype) for _ in range(2)]
+    queries, own_k, own_v = (joined[:, a * d: b * d].view(-1, b - a, d)
+                             for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
+
+    def gathered(n: int) -> torch.Tensor:
+        return torch.randn(n, kvh, d, generator=g).to(device, dtype)
+
+    cases = [(queries, own_k, own_v, lens, lens), (queries, gathered(232), gathered(232), lens, [5, 40, 37, 150]),
+             (queries[:2], gathered(190), gathered(190), [1, 1], [40, 150])]
     worst = 0.0
-    for k, v, n in ((own_k, own_v, lens), (*gathered, key_lens)):
-        cum = torch.tensor([[0, *np.cumsum(lens)], [0, *np.cumsum(n)]], dtype=torch.int32, device=device)
-        part = VarlenChunks(lens, n, cum[0], cum[1], None)
+    for q, k, v, n, key_lens in cases:
+        cum = torch.tensor([[0, *np.cumsum(n)], [0, *np.cumsum(key_lens)]], dtype=torch.int32, device=device)
+        part = VarlenChunks(n, key_lens, cum[0], cum[1], None)
         got = varlen(q, k, v, part, d**-0.5, window).float()
-        want = varlen_reference(q.float(), k.float(), v.float(), lens, n, d**-0.5, window)
+        want = varlen_reference(q.float(), k.float(), v.float(), n, key_lens, d**-0.5, window)
         worst = max(worst, float((got - want).abs().max()))
     return worst
