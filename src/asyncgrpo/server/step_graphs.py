@@ -236,13 +236,20 @@ class StepGraphs:
             try:
                 self._capture(key, fn)
             except RuntimeError:
-                logger.exception(
-                    "capturing a CUDA graph for a step failed; steps run eagerly from now on "
-                    "(start with --enforce-eager to skip the attempt)"
-                )
-                self.use_graphs = False
+                # (`_capture` leaves the allocator's cache alone: memory it holds may be what the graph's
+                # pool lacked) once more after handing the cache back, then without graphs
                 torch.cuda.synchronize(self.device)
-                return fn()
+                torch.cuda.empty_cache()
+                try:
+                    self._capture(key, fn)
+                except RuntimeError:
+                    logger.exception(
+                        "capturing a CUDA graph for a step failed; steps run eagerly from now on "
+                        "(start with --enforce-eager to skip the attempt)"
+                    )
+                    self.use_graphs = False
+                    torch.cuda.synchronize(self.device)
+                    return fn()
         graph, out = self._graphs[key]
         graph.replay()
         return out
