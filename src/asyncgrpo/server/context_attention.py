@@ -9,7 +9,9 @@ Two layouts of one computation:
     padded (`continued_layout`, any device)
         every chunk's context gathered into a [B, Smax] copy, queries padded to the longest chunk,
         a causal mask offset by each sequence's start, SDPA. Simple, but each layer copies every
-        chunk's whole context, and the masked SDPA runs far below the GPU's attention rate.
+        chunk's whole context, and the masked SDPA runs far below the GPU's attention rate. Where
+        FlashAttention's variable-length kernel runs, the runner packs these chunks for it instead
+        (`varlen_attention.py`).
     rows (`continued_rows`, short chunks, where the Triton decode attention and its shared-prefix
     pass run)
         every chunk token is a query row of the paged decode attention (`decode_attention.py`): its
