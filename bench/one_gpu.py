@@ -27,6 +27,7 @@ process with the JSON saying where it stopped, so a killed or stuck run still le
     python bench/one_gpu.py --shape tiny                           # CPU smoke run, under a minute
     python bench/one_gpu.py --shape 0.6b --sharing mps             # the same with an MPS daemon (gpu_sharing.py)
     python bench/one_gpu.py --shape 0.6b --sharing in-process      # the server inside the trainer's process
+    python bench/one_gpu.py --shape 0.6b --keep-kv-across-syncs     # syncs keep the KV of rollouts in flight
 
 Against a running vLLM 0.33 (its ipc weight-transfer backend) on the same GPU, with the same weights:
 
@@ -194,7 +195,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         max_completion_length=preset["max_completion"], token_budget=preset["token_budget"],
         gradient_accumulation_steps=preset["grad_accum"], gradient_checkpointing=not args.no_gradient_checkpointing,
         bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1,
-        seed=args.seed,
+        seed=args.seed, keep_kv_across_syncs=args.keep_kv_across_syncs,
     )
     print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
           f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
@@ -350,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sharing", choices=SHARING_MODES, default="time-slicing",
                    help="How trainer and server share the GPU: two processes time-sliced by CUDA, two processes "
                    "under an MPS daemon, or the embedded server inside the trainer's process (its own stream).")
+    p.add_argument("--keep-kv-across-syncs", action="store_true",
+                   help="AsyncGRPOConfig.keep_kv_across_syncs: a sync keeps the KV of the rollouts in flight.")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
@@ -383,7 +386,8 @@ def run_bench(args: argparse.Namespace, sharing: dict) -> None:
 
     slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-") \
         if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    suffix = ("_vllm" if args.server == "vllm" else "") + {"mps": "_mps", "in-process": "_inprocess"}.get(args.sharing, "")
+    suffix = (("_vllm" if args.server == "vllm" else "") + {"mps": "_mps", "in-process": "_inprocess"}.get(args.sharing, "")
+              + ("_keepkv" if args.keep_kv_across_syncs else ""))
     output = Path(args.output or Path(__file__).parent / "results" / f"one_gpu_{slug}{suffix}.json")
     bench = Bench(args, output)
     if args.sharing == "in-process" and (bench.device != "cuda" or args.server != "embedded"):

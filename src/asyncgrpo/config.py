@@ -121,6 +121,13 @@ class AsyncGRPOConfig(TrainingArguments):
             version before it is dropped. Generation is held to it: a new group starts only while the
             queued and in-flight tokens fit in what the trainer consumes in max(max_staleness, 1) steps.
         weight_sync_steps (`int`, defaults to 1): Optimizer steps between weight syncs to the server.
+        keep_kv_across_syncs (`bool`, defaults to False): A weight sync pauses the server; by default it
+            also drops the KV cache of the rollouts in flight (`clear_cache=true`), which then prefill
+            their whole prompt and output again under the new weights. True keeps it: their next tokens
+            attend over keys and values the older weights computed (the loss corrects for it through
+            the sampler's own log-probs), and no rollout is computed twice, which for long multi-turn
+            rollouts is most of the sync's cost. The embedded server still drops its prefix cache at
+            every push; vLLM keeps a stale one until its blocks are freed.
         rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
             heartbeat after which the trainer considers it hung and fails.
 
@@ -279,6 +286,14 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
     weight_sync_steps: int = field(default=1, metadata={"help": "Optimizer steps between weight syncs."})
+    keep_kv_across_syncs: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the KV cache of rollouts in flight when a weight sync pauses the server (no "
+            "re-prefill; their next tokens attend over older weights' keys). False drops it, as "
+            "clear_cache=true."
+        },
+    )
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds without a rollout-process heartbeat before the trainer fails."},

@@ -453,6 +453,30 @@ def test_pause_keep_freezes_and_resumes_with_identical_output(main, clear_cache)
     pool.shutdown()
 
 
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_a_trainers_sync_pause_drops_or_keeps_the_kv_of_requests_in_flight(main, keep_kv):
+    """`keep_kv_across_syncs`: the trainer's pause around a push asks for clear_cache=false, and the
+    request in flight goes on without being prefilled again; by default it is preempted."""
+    from asyncgrpo.train.server_link import ServerLink
+
+    preempted = _metric(main, "vllm:num_preemptions_total")
+    pool, fut = _start_long_request(main)
+    link = ServerLink(main.url, timeout_s=30, api_key=AUTH["Authorization"].split()[-1], keep_kv=keep_kv)
+
+    async def push():
+        assert main.call("GET", "/is_paused")[1] == {"is_paused": True}
+        return {"bytes": 0.0, "num_chunks": 0.0}
+
+    try:
+        link.while_paused(push)
+    finally:
+        link.close()
+    status, body = fut.result(timeout=60)
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 220
+    assert _metric(main, "vllm:num_preemptions_total") - preempted == (0 if keep_kv else 1)
+    pool.shutdown()
+
+
 def test_pause_abort_returns_partial_output_and_refuses_new_requests(main, fixtures):
     pool, fut = _start_long_request(main)
     assert main.call("POST", "/pause")[1] == {"status": "paused"}  # default mode: abort

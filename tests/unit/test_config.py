@@ -43,7 +43,8 @@ SEED_FIELDS = {
     "num_completions_to_print": None,
 }
 # fields of ours that the seed lacks (each says why in its docstring)
-EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None}  # beyond the reference's fields
+EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
+                    "keep_kv_across_syncs": False}
 
 
 def make(**kwargs):

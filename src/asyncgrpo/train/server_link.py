@@ -38,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 class ServerLink:
-    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None, keep_kv: bool = False) -> None:
+        """keep_kv: a sync's pause keeps the KV cache of the requests in flight (`keep_kv_across_syncs`)."""
         self.base_url = base_url
         self.timeout_s = timeout_s
+        self.keep_kv = keep_kv
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
         self._thread.start()
@@ -138,10 +140,10 @@ class ServerLink:
         return self.while_paused(lambda: sender.push(named_tensors(), version=version, metas=metas))
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
-        """Pause (keep), run the coroutine `push()` returns on the link's loop, resume; the push returns
+        """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()` returns on the link's loop, resume; the push returns
         at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises."""
         t0 = time.perf_counter()
-        self._run(self.client.pause(mode="keep", clear_cache=True))
+        self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
         t_paused = time.perf_counter()
         try:
             pushed = self._run(push())

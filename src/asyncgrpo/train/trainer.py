@@ -186,7 +186,7 @@ class AsyncGRPOTrainer(Trainer):
         """Rank 0: open the server link, wait for the server and read what it serves."""
         args = self.args
         self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
-                                  api_key=args.vllm_server_api_key)
+                                  api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs)
         info = self._server.connect()
         warn_dtype_mismatch(next(self.model.parameters()).dtype, info)
         # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
