@@ -75,7 +75,7 @@ from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
-from asyncgrpo.server.step_graphs import StepGraphs
+from asyncgrpo.server.step_graphs import MAX_PROMPT_ROWS, StepGraphs
 
 BLOCK_SIZE = 16
 PHASES = ("schedule", "launch", "wait", "device", "record")
@@ -192,7 +192,7 @@ def engine_state(served, args) -> tuple[PagedKVCache, StepGraphs | None]:
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
     graphs = StepGraphs(served.model, cache, served.device, args.concurrency, -(-max_len // BLOCK_SIZE),
-                        served.device.type == "cuda", served.vocab_size) if args.graphs == "on" else None
+                        served.device.type == "cuda", served.vocab_size, args.max_prompt_rows) if args.graphs == "on" else None
     return cache, graphs
 
 
@@ -361,6 +361,9 @@ def main() -> None:
     p.add_argument("--caching", choices=("on", "off"), default="on")
     p.add_argument("--admission-interval", type=int, default=1, help="As `asyncgrpo serve --admission-interval`.")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="CUDA graphs for decode-only steps.")
+    p.add_argument("--max-prompt-rows", type=int, default=MAX_PROMPT_ROWS,
+                   help="Prompt tokens a step may add to its decode rows and still replay a graph (the server's "
+                   f"{MAX_PROMPT_ROWS}); longer steps run eagerly.")
     p.add_argument("--shared-prefix", default="on,off",
                    help="Comma-separated: decode attention reads a group's shared prompt once (on) or per sequence (off).")
     p.add_argument("--scheduling", default="sync,async",
