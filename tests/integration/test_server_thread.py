@@ -99,3 +99,23 @@ def test_prompt_attention_is_chosen_at_start_and_a_flash_request_it_cannot_serve
         server = build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
                                               "--prompt-attention", choice))
         assert server.runner.varlen_prompts is False
+
+
+def test_packed_prompts_that_fail_the_models_self_check_fall_back_to_padded_ones(monkeypatch, caplog):
+    """Where the packed layout would be taken (here: its check made to pass on the CPU) but computes
+    something else than the model (here: attention outputs of zero), the server serves padded prompt
+    chunks with a warning; asked for explicitly, it refuses to start."""
+    import asyncgrpo.server.runner as runner_module
+    import asyncgrpo.server.varlen_attention as varlen_module
+    from asyncgrpo.server.self_check import SelfCheckError
+    from asyncgrpo.server.serve import build_server
+
+    monkeypatch.setattr(runner_module, "varlen_works_on", lambda *args, **kwargs: True)
+    monkeypatch.setattr(varlen_module, "varlen_reference", lambda q, *args, **kwargs: torch.zeros_like(q))
+    with caplog.at_level("WARNING", logger="asyncgrpo.server.serve"):
+        server = build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256"))
+    assert server.runner.varlen_prompts is False
+    assert "serving with padded prompt chunks instead" in caplog.text
+    with pytest.raises(SelfCheckError):
+        build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
+                                     "--prompt-attention", "flash_varlen"))

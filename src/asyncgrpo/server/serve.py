@@ -27,7 +27,7 @@ from aiohttp import web
 from asyncgrpo.parent_watch import watch_parent
 from asyncgrpo.server.app import BLOCK_SIZE, Server
 from asyncgrpo.server.loading import ModelLoadError, kv_cache_tokens, load_served_model, resolve_device
-from asyncgrpo.server.self_check import check_engine
+from asyncgrpo.server.self_check import SelfCheckError, check_engine
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -90,8 +90,23 @@ def build_server(args: argparse.Namespace) -> Server:
     kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
                                 args.gpu_memory_utilization, args.max_num_batched_tokens, reserved_before)
     server = Server(args, served, kv_tokens)
-    check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
-                 device=served.device, name=args.model)
+
+    def check() -> None:
+        check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
+                     device=served.device, name=args.model)
+
+    try:
+        check()
+    except SelfCheckError as exc:
+        if not (server.runner.varlen_prompts and args.prompt_attention == "auto"):
+            raise
+        # the packed prompt attention passed its own check but not the whole model's: serve what is known to
+        # be right (the check's cached prompt block was computed the packed way: forget it)
+        logger.warning("%s\nwith prompt chunks packed for FlashAttention; serving with padded prompt chunks instead "
+                       "(what --prompt-attention padded asks for)", exc)
+        server.runner.varlen_prompts = False
+        server.scheduler.invalidate_prefix_cache()
+        check()
     return server
 
 
