@@ -7,8 +7,9 @@ per-request logits processors and `sampling.sample`, and queues the results' way
 transfer per step (`step_output.py`): `launch` returns before the device is done, so the engine may
 plan and launch the next step meanwhile, whose decode rows read their last tokens on the device.
 With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps whose prompt chunks
-are all short (`step_rows.prompt_rows`: every chunk token a row of the decode attention); other steps run the
-eager forward.
+are all short (`step_rows.prompt_rows`: every chunk token a row of the decode attention); other steps
+run the eager forward, their prompt chunks packed for FlashAttention where it runs
+(`varlen_attention.py`).
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
