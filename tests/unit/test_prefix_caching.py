@@ -49,20 +49,20 @@ class Harness:
                  shared_prefix: bool = False, admission_interval: int = 1, continued_rows: bool = False,
                  max_prompt_rows: int = 0, varlen_prompts: bool | None = False, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
-        cpu = torch.device(device)  # (a GPU test runs the same harness on CUDA)
-        cache = PagedKVCache(2, num_blocks, BS, 2, 16, dtype, cpu)
+        dev = torch.device(device)  # (a GPU test runs the same harness on CUDA)
+        cache = PagedKVCache(2, num_blocks, BS, 2, 16, dtype, dev)
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, max_num_seqs, budget, MAX_LEN,
                                admission_interval=admission_interval)
         # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
         # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
-        graphs = StepGraphs(model, cache, cpu, max_num_seqs, self.sched.max_blocks, False, VOCAB,
+        graphs = StepGraphs(model, cache, dev, max_num_seqs, self.sched.max_blocks, False, VOCAB,
                             max_prompt_rows) if shared_prefix else None
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
         # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
         # at most that many rows take the fixed-shape path (`step_rows.prompt_rows`) with all chunks as rows
         # varlen_prompts: prompt chunks packed as for FlashAttention (on the CPU through its reference
         # computation; None: the runner's choice)
-        self.runner = ModelRunner(model, cache, cpu, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
+        self.runner = ModelRunner(model, cache, dev, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
                                   continued_rows=continued_rows, varlen_prompts=varlen_prompts)
         self.num_ids = 0
         self.num_preempted = 0
