@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -132,6 +133,7 @@ def compile_decode_kernels(k_pool: torch.Tensor, v_pool: torch.Tensor, scratch_b
     block: one split and several, with the shared-prefix pass (groups of `shared_members`) and without,
     for each (windowed, capped) variant of its layers. Their split counts are run-time arguments, so
     these few compiled kernels serve every step, and none compiles (~1 s) in the middle of serving."""
+    start = time.perf_counter()
     device, dtype = k_pool.device, k_pool.dtype
     _, block_size, _, head_dim = k_pool.shape
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
@@ -149,6 +151,8 @@ def compile_decode_kernels(k_pool: torch.Tensor, v_pool: torch.Tensor, scratch_b
             shared = SharedPrefixTensors(torch.full((2,), block_size, dtype=torch.int64, device=device), groups)
             decode_attention_triton(q, k_pool, v_pool, tables, lens, 1.0, num_splits=1, shared=shared,
                                     num_shared_splits=2, **options)
+    # seconds on a fresh machine, a moment once Triton's on-disk cache holds them
+    logger.info("decode-attention kernels compiled in %.1f s", time.perf_counter() - start)
 
 
 def _triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass: bool, windowed: bool,
