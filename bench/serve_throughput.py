@@ -27,6 +27,10 @@ Request shapes, as the trainer sends them (every request its own seed):
 The warm-up wave of a level uses other prompts than the timed one (and the same shape), so that no
 server finds the timed prompts in its prefix cache.
 
+`--profile-dir DIR` profiles the embedded server's first timed wave (its `/start_profile` and
+`/stop_profile` routes): a Chrome trace of the engine thread and the device's kernels, and a table of
+what took the most time.
+
 `--model-dir` keeps the random model so that vLLM can serve the same weights
 (`--build-only` writes it and exits). Writes bench/results/serve_throughput_<device>.json.
 
@@ -213,6 +217,14 @@ def engine_counters(url: str, steps: int = 0) -> dict | None:
         return None
 
 
+def post_json(url: str, path: str) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url + path, data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
 def wait_for_health(url: str, timeout_s: float) -> None:
     """Block until `url`/health answers 200 (a server started alongside this benchmark may still load)."""
     import urllib.error
@@ -299,8 +311,13 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
             shape = {"turns": args.turns, "turn_tokens": extras}
             first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape,
                                             probe=engine_counters))
+            profile = args.profile_dir and label == "embedded" and not results  # the first timed wave
+            if profile:
+                post_json(url, "/start_profile")
             r = asyncio.run(server_wave(url, model, prompts[:c], args.max_tokens, args.top_k, k, **shape,
                                         probe=engine_counters, log_steps=args.log_steps))
+            if profile:
+                r["profile"] = post_json(url, "/stop_profile")
             results[f"{k}:{c}"] = {**r, "first_wave_tokens_per_s": first["tokens_per_s"]}
             if "engine" in first:  # the same wave on other prompts, into a fresh server: compare the steps
                 results[f"{k}:{c}"]["first_wave_engine"] = first["engine"]
@@ -336,6 +353,9 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--loop-prompts", type=int, default=8, help="Prompts of the one-at-a-time generate loop.")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
+    p.add_argument("--profile-dir", default=None,
+                   help="Profile the embedded server's first timed wave (its /start_profile, /stop_profile): "
+                   "a Chrome trace and a summary table in this directory.")
     p.add_argument("--log-steps", action="store_true",
                    help="Keep every step of the embedded server's timed waves in the JSON (recent_steps).")
     p.add_argument("--output", default=None)
@@ -376,6 +396,8 @@ def main() -> None:
     kv_tokens = max(levels) * (max_len - args.prompt_len) + -(-max(levels) // args.group_size) * args.prompt_len
     serve_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(levels)),
                   "--kv-cache-tokens", str(kv_tokens), *args.server_arg]
+    if args.profile_dir:
+        serve_args += ["--profiler-dir", str(Path(args.profile_dir).resolve())]
     log = Path(tempfile.gettempdir()) / "serve_throughput_server.log"
     print(f"embedded server (log: {log}):", flush=True)
     with EmbeddedServer(model_path, device=args.device, extra_args=serve_args, log_path=log,

@@ -83,6 +83,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "temperature > 0 and top_k > 0).",
     )
     p.add_argument(
+        "--profiler-dir",
+        default=os.environ.get("VLLM_TORCH_PROFILER_DIR") or None,
+        help="Where POST /start_profile and /stop_profile write a torch profiler trace of the engine and a "
+        "summary table, as vLLM's VLLM_TORCH_PROFILER_DIR (the default); without it the routes do not exist.",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -5,6 +5,7 @@ of a collective group, and it stops cleanly."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,6 +43,7 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
                             {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
                                                                            "temperature": 1.0, "seed": 3}})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 5
+        assert post(running, "/start_profile", {})[0] == 404  # no profiler directory: no route, as vLLM
         status, body = post(running, "/init_weight_transfer_engine",
                             {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(),
                                            "rank_offset": 1, "world_size": 2}})
@@ -119,3 +122,22 @@ def test_packed_prompts_that_fail_the_models_self_check_fall_back_to_padded_ones
     with pytest.raises(SelfCheckError):
         build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
                                      "--prompt-attention", "flash_varlen"))
+
+
+def test_the_profiling_routes_write_a_trace_and_a_summary_of_the_engines_steps(tmp_path):
+    generate = {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 6, "ignore_eos": True,
+                                                                "temperature": 1.0, "seed": 3}}
+    args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()), "--max-model-len", "256",
+                           "--profiler-dir", str(tmp_path / "profiles"))
+    with ServerThread(args) as running:
+        assert post(running, "/stop_profile", {})[0] == 409  # not started
+        assert post(running, "/start_profile", {})[0] == 200
+        assert post(running, "/start_profile", {})[0] == 409  # one at a time
+        assert post(running, "/inference/v1/generate", generate)[0] == 200
+        status, body = post(running, "/stop_profile", {})
+        assert status == 200 and body["num_events"] > 0
+        trace, summary = Path(body["trace"]), Path(body["summary"])
+        assert trace.parent == summary.parent == tmp_path / "profiles"
+        assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]  # a Chrome trace
+        assert "aten::" in summary.read_text()  # the engine thread's operators (its forward passes)
+        assert post(running, "/inference/v1/generate", generate)[0] == 200  # serving goes on

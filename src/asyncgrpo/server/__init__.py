@@ -33,6 +33,7 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     sampling.py           pure sampling math (min_p/top_k/top_p, processed log-probs, seeded race)
     weights.py            weight-transfer state machine and in-place loading by checkpoint name
     metrics.py            Prometheus series with vLLM's names
+    profiling.py          /start_profile, /stop_profile: the torch profiler over the engine thread
     loading.py            model (a vision-language checkpoint's text model), dtype, context length, EOS
                           ids, KV-cache size; refuses what it would serve wrongly
     self_check.py         load-time check: engine log-probs == the model's own forward, else refused

@@ -12,6 +12,8 @@ to the engine, awaits it and serialises the answer.
                   GET /lease, POST /renew_lease (the trainer lease, `holding.py`; /pause takes lease_s)
     --enable-lora POST /v1/load_lora_adapter /v1/unload_lora_adapter (`lora_routes.py`; else 404, like
                   vLLM without runtime LoRA); requests name an adapter in `model`
+    --profiler-dir POST /start_profile /stop_profile (`profiling.py`; else 404, like vLLM without
+                  VLLM_TORCH_PROFILER_DIR)
 
 With --api-key (or VLLM_API_KEY) every route but /health needs `Authorization: Bearer <key>`. Request
 bodies are parsed as JSON only: nothing a client sends is ever unpickled.
@@ -46,6 +48,7 @@ from asyncgrpo.server.lora import Adapter, AdapterRegistry, ServedLora
 from asyncgrpo.server.lora_routes import LORA_ROUTES, LoraRoutes, model_card
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from asyncgrpo.server.prefix_cache import BlockPool, prefix_caching_enabled
+from asyncgrpo.server.profiling import PROFILE_ROUTES, EngineProfiler, ProfileRoutes
 from asyncgrpo.server.recurrent_state import RecurrentState
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
@@ -110,7 +113,7 @@ class _Sink:
             self.done.set_result(None)
 
 
-class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
+class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes, ProfileRoutes):
     def __init__(self, args: argparse.Namespace, served: ServedModel, kv_tokens: int) -> None:
         self.args = args
         self.served = served
@@ -141,6 +144,7 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
         )
         self.lora = ServedLora(served.model, args.max_loras, args.max_lora_rank) if args.enable_lora else None
         self.adapters = AdapterRegistry(args.max_loras) if args.enable_lora else None
+        self.profiler = EngineProfiler(args.profiler_dir, served.device) if args.profiler_dir else None
         self.lora_lock = asyncio.Lock()  # one adapter load or unload at a time
         graphs = None
         if served.device.type == "cuda" and not args.enforce_eager:
@@ -174,7 +178,8 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes):
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=256 * 2**20)
         add = {"GET": web.get, "POST": web.post}
-        routes = ROUTES + (LORA_ROUTES if self.lora is not None else ())
+        routes = (ROUTES + (LORA_ROUTES if self.lora is not None else ())
+                  + (PROFILE_ROUTES if self.profiler is not None else ()))
         app.add_routes([add[method](path, getattr(self, handler)) for method, path, handler in routes])
         return app
 

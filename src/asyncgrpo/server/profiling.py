@@ -1,0 +1,80 @@
+"""vLLM's profiling routes: the torch profiler over the engine thread, between two HTTP calls.
+
+    POST /start_profile   the profiler starts in the engine thread, between two steps
+    POST /stop_profile    it stops there; a Chrome trace (`trace-<time>.json.gz`, for Perfetto or
+                          chrome://tracing) and a table of the operators and kernels with the most own
+                          time (`summary-<time>.txt`) are written to the profiler directory
+
+The routes exist only when the server has a profiler directory (`--profiler-dir`, or vLLM's
+`VLLM_TORCH_PROFILER_DIR`): profiling slows every step while it runs. The trace holds the engine
+thread's operators and, on CUDA, every kernel of the device in that time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from asyncgrpo.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+PROFILE_ROUTES = (("POST", "/start_profile", "start_profile"), ("POST", "/stop_profile", "stop_profile"))
+SUMMARY_ROWS = 40
+
+
+class EngineProfiler:
+    """One torch profiler at a time; `start` and `stop` run in the engine thread."""
+
+    def __init__(self, directory: str | Path, device: torch.device) -> None:
+        self.directory = Path(directory)
+        self.device = device
+        self._profile: torch.profiler.profile | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._profile is not None
+
+    def start(self) -> None:
+        if self._profile is not None:
+            raise P.ApiError(409, "the profiler is already running: POST /stop_profile first")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.__enter__()
+        logger.info("profiling the engine (POST /stop_profile writes the trace to %s)", self.directory)
+
+    def stop(self) -> dict[str, Any]:
+        if self._profile is None:
+            raise P.ApiError(409, "the profiler is not running: POST /start_profile first")
+        profile, self._profile = self._profile, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the last steps' kernels belong in the trace
+        profile.__exit__(None, None, None)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        trace = self.directory / f"trace-{stamp}.json.gz"
+        summary = self.directory / f"summary-{stamp}.txt"
+        profile.export_chrome_trace(str(trace))
+        averages = profile.key_averages()
+        sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        summary.write_text(averages.table(sort_by=sort_by, row_limit=SUMMARY_ROWS) + "\n")
+        logger.info("profile written: %s, %s", trace, summary)
+        return {"trace": str(trace), "summary": str(summary), "num_events": len(profile.events())}
+
+
+class ProfileRoutes:
+    """Handlers of the profiling routes (mixed into app.Server, which sets `self.profiler`)."""
+
+    async def start_profile(self, request: web.Request) -> web.Response:
+        await self.engine.call(self.profiler.start)
+        return web.json_response({"message": f"profiling; POST /stop_profile writes to {self.profiler.directory}"})
+
+    async def stop_profile(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.engine.call(self.profiler.stop))
