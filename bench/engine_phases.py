@@ -26,7 +26,8 @@ With `--scheduling async` (the server's default on CUDA) a step is launched befo
 is recorded, as the engine does: its `wait` and `record` are the previous step's, and a step whose
 `wait` is still near zero is host-bound even with the host's work overlapped.
 
-`--prompt-layout packed,padded` compares the two layouts of prompt chunks (`server/varlen_attention.py`:
+`--prompt-attention flash_varlen,padded` (the values of `asyncgrpo serve --prompt-attention`) compares
+the two layouts of prompt chunks (`server/varlen_attention.py`:
 one FlashAttention call per layer, against chunks padded into a batch) in one run.
 
 A step whose `wait` is near zero is host-bound (the device idles while Python launches); one whose
@@ -369,15 +370,17 @@ def main() -> None:
     p.add_argument("--scheduling", default="sync,async",
                    help="Comma-separated: each step recorded before the next is planned (sync), or the next "
                    "launched first, as `asyncgrpo serve --async-scheduling` (async).")
-    p.add_argument("--prompt-layout", default="auto",
-                   help="Comma-separated: prompt chunks packed for FlashAttention's variable-length kernel (packed), "
-                   "padded into a batch (padded), or the server's choice (auto).")
+    p.add_argument("--prompt-attention", default="auto",
+                   help="Comma-separated, as `asyncgrpo serve --prompt-attention`: prompt chunks packed for "
+                   "FlashAttention's variable-length kernel (flash_varlen), padded into a batch (padded), or the "
+                   "server's choice (auto).")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    unknown = set(args.prompt_layout.split(",")) - {"auto", "packed", "padded"}
+    layouts = {"auto": None, "flash_varlen": True, "padded": False}  # -> ModelRunner(varlen_prompts=...)
+    unknown = set(args.prompt_attention.split(",")) - set(layouts)
     if unknown:
-        p.error(f"--prompt-layout {args.prompt_layout}: unknown {sorted(unknown)}; give auto, packed or padded")
+        p.error(f"--prompt-attention {args.prompt_attention}: unknown {sorted(unknown)}; give auto, flash_varlen or padded")
     if args.shape != "turns":
         args.turns = 1
     model, tmp = prepare_model(args)
@@ -386,9 +389,8 @@ def main() -> None:
     results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
                                                     "device_name": device_slug(args.device)},
                      "command": command_line(), "versions": package_versions(), "runs": {}}
-    layouts = {"auto": None, "packed": True, "padded": False}
     modes = [(shared, sched, layout) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")
-             for layout in args.prompt_layout.split(",")]
+             for layout in args.prompt_attention.split(",")]
     for mode, scheduling, layout in modes:
         shared, asynchronous, varlen = mode == "on", scheduling == "async", layouts[layout]
         # the first run captures the graphs and builds the kernels; the second replays them

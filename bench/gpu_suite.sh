@@ -78,10 +78,10 @@ for name in "$@"; do
         python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
         section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape group --concurrency 256 --prompt-len 2048 --group-size 8 --max-tokens 256 --shared-prefix on --profile \
-            --prompt-layout packed,padded --output "$OUT/engine_phases_group.json"
+            --prompt-attention flash_varlen,padded --output "$OUT/engine_phases_group.json"
         section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
-            --shared-prefix on --prompt-layout packed,padded --profile --output "$OUT/engine_phases_turns.json" ;;
+            --shared-prefix on --prompt-attention flash_varlen,padded --profile --output "$OUT/engine_phases_turns.json" ;;
     decode)
         section decode python bench/decode_step.py --random-qwen3 0.6b --device cuda --batch 256 --prompt-len 128 \
             --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 --output "$OUT/decode_step.json" ;;

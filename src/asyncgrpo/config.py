@@ -125,9 +125,9 @@ class AsyncGRPOConfig(TrainingArguments):
             also drops the KV cache of the rollouts in flight (`clear_cache=true`), which then prefill
             their whole prompt and output again under the new weights. True keeps it: their next tokens
             attend over keys and values the older weights computed (the loss corrects for it through
-            the sampler's own log-probs), and no rollout is computed twice, which for long multi-turn
-            rollouts is most of the sync's cost. The embedded server still drops its prefix cache at
-            every push; vLLM keeps a stale one until its blocks are freed.
+            the sampler's own log-probs), and no rollout is computed twice (a recomputation that grows
+            with the rollouts' length). The embedded server still drops its prefix cache at every push;
+            vLLM keeps a stale one until its blocks are freed.
         rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
             heartbeat after which the trainer considers it hung and fails.
 

@@ -151,6 +151,23 @@ def test_the_flash_kernel_is_only_taken_on_cuda_in_half_precision():
         assert varlen_check_error(torch.device("cpu"), torch.float32, HEADS, KV_HEADS, DIM, windowed) == 0.0
 
 
+def test_the_flash_check_catches_misaligned_chunks_and_a_missing_window(monkeypatch):
+    """A kernel that aligned each chunk's queries to the start of its keys (SDPA's causal rule) or ignored
+    the layer's window would be refused: the check measures it far from the reference."""
+    import asyncgrpo.server.varlen_attention as module
+
+    cpu = torch.device("cpu")
+    reference = module.varlen_reference
+    monkeypatch.setattr(module, "varlen", lambda q, k, v, part, scale, window=None: torch.cat([
+        reference(q[a:b], k[c:d], v[c:d], [b - a], [b - a], scale, window)  # keys from the chunk's start
+        for a, b, c, d in zip(part.cu_q[:-1].tolist(), part.cu_q[1:].tolist(), part.cu_k[:-1].tolist(),
+                              part.cu_k[1:].tolist())]))
+    assert varlen_check_error(cpu, torch.float32, HEADS, KV_HEADS, DIM) > 0.1
+    monkeypatch.setattr(module, "varlen", lambda q, k, v, part, scale, window=None: reference(
+        q, k, v, part.lens, part.key_lens, scale, None))  # no window
+    assert varlen_check_error(cpu, torch.float32, HEADS, KV_HEADS, DIM, windowed=True) > 0.1
+
+
 def test_rows_sharing_runs_of_one_sequence():
     starts, lens = [24, 10, 2, 24], [5, 3, 6, 1]
     tables = np.arange(4 * 8).reshape(4, 8)

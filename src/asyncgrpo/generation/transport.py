@@ -179,7 +179,7 @@ class ServerTransport:
             raise RuntimeError(f"{type(self).__name__}.start() must be awaited before making requests")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         url = self.base_url + path
-        attempt, first = 0, time.monotonic()
+        attempt, started = 0, time.monotonic()
         while True:
             try:
                 async with self._session.request(
@@ -196,7 +196,7 @@ class ServerTransport:
                 reason = f"no answer within {timeout_s:.0f}s"
             except _TRANSPORT_ERRORS as exc:
                 if not retry_transient or attempt >= self.max_retries:
-                    tried = f" (after {attempt} retries over {time.monotonic() - first:.0f}s)" if attempt else ""
+                    tried = f" (after {attempt} retries over {time.monotonic() - started:.0f}s)" if attempt else ""
                     raise ServerConnectionError(
                         f"{method} {url} failed: {connection_failure(exc)}{tried}. The inference server at "
                         f"{self.base_url} does not answer: if it stopped, its log says why; start it again and "

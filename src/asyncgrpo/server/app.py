@@ -43,7 +43,7 @@ from asyncgrpo.server.engine import Engine, warm_up
 from asyncgrpo.server.holding import HoldingRoutes
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.lease import Leases
-from asyncgrpo.server.loading import ModelLoadError, ServedModel
+from asyncgrpo.server.loading import ServedModel
 from asyncgrpo.server.lora import Adapter, AdapterRegistry, ServedLora
 from asyncgrpo.server.lora_routes import LORA_ROUTES, LoraRoutes, model_card
 from asyncgrpo.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -156,12 +156,6 @@ class Server(ControlRoutes, HoldingRoutes, LoraRoutes, TextRoutes, ProfileRoutes
             served.model, self.cache, served.device, served.vocab_size, self.scheduler.block_table, graphs,
             self.recurrent, self.lora, varlen_prompts=False if args.prompt_attention == "padded" else None,
         )
-        if args.prompt_attention == "flash_varlen" and not self.runner.varlen_prompts:
-            raise ModelLoadError(
-                "--prompt-attention flash_varlen: FlashAttention's variable-length kernel does not serve this model "
-                f"here (it needs CUDA, fp16/bf16, no soft-capped layers, and its start-up check; device {served.device}, "
-                f"{served.dtype}); use --prompt-attention auto or padded"
-            )
         self.async_scheduling = (served.device.type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)
         self.transfer = WeightTransfer(served.device, WeightLoader(served.model), args.weight_transfer_timeout)

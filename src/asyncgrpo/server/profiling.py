@@ -36,10 +36,6 @@ class EngineProfiler:
         self.device = device
         self._profile: torch.profiler.profile | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self) -> None:
         if self._profile is not None:
             raise P.ApiError(409, "the profiler is already running: POST /stop_profile first")

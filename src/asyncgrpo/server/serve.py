@@ -90,6 +90,14 @@ def build_server(args: argparse.Namespace) -> Server:
     kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
                                 args.gpu_memory_utilization, args.max_num_batched_tokens, reserved_before)
     server = Server(args, served, kv_tokens)
+    # --prompt-attention: the runner packs prompt chunks where FlashAttention's check passed (auto), never
+    # (padded); flash_varlen insists, and an engine that then fails the model's self-check is refused
+    if args.prompt_attention == "flash_varlen" and not server.runner.varlen_prompts:
+        raise ModelLoadError(
+            "--prompt-attention flash_varlen: FlashAttention's variable-length kernel does not serve this model "
+            f"here (it needs CUDA, fp16/bf16, no soft-capped layers, and its start-up check; device {served.device}, "
+            f"{served.dtype}); use --prompt-attention auto or padded"
+        )
 
     def check() -> None:
         check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,

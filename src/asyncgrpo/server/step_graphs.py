@@ -233,23 +233,9 @@ class StepGraphs:
                     logger.info("%d CUDA graphs captured; steps of shapes not met yet run eagerly", MAX_GRAPHS)
                     self._full = True
                 return fn()
-            try:
-                self._capture(key, fn)
-            except RuntimeError:
-                # (`_capture` leaves the allocator's cache alone: memory it holds may be what the graph's
-                # pool lacked) once more after handing the cache back, then without graphs
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-                try:
-                    self._capture(key, fn)
-                except RuntimeError:
-                    logger.exception(
-                        "capturing a CUDA graph for a step failed; steps run eagerly from now on "
-                        "(start with --enforce-eager to skip the attempt)"
-                    )
-                    self.use_graphs = False
-                    torch.cuda.synchronize(self.device)
-                    return fn()
+            if not self._captured(key, fn):
+                self.use_graphs = False
+                return fn()
         graph, out = self._graphs[key]
         graph.replay()
         return out
@@ -282,6 +268,22 @@ class StepGraphs:
                 **extra,
             )
         return out.logits[0]
+
+    def _captured(self, key: tuple, fn) -> bool:
+        """Capture fn() for `key`; a failed attempt is retried once after handing the allocator's cache back
+        (`_capture` leaves it alone: memory it holds may be what the graph's pool lacked). False: no graph."""
+        for attempt in range(2):
+            try:
+                self._capture(key, fn)
+                return True
+            except RuntimeError as exc:
+                torch.cuda.synchronize(self.device)
+                failure = exc
+                if attempt == 0:
+                    torch.cuda.empty_cache()
+        logger.error("capturing a CUDA graph for a step failed; steps run eagerly from now on (start with "
+                     "--enforce-eager to skip the attempt)", exc_info=failure)
+        return False
 
     def _capture(self, key: tuple, fn) -> None:
         """Warm fn() up and capture it, both on a side stream that follows the engine's. Not through
