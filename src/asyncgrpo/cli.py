@@ -114,8 +114,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--enable-lora",
         action="store_true",
         help="Serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; "
-        "requests pick one by `model`), as vLLM's flag with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. Decode steps "
-        "then run without CUDA graphs.",
+        "requests pick one by `model`), as vLLM's flag with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1. CUDA graphs "
+        "carry the adapters (each row's adapter slot in a static buffer).",
     )
     p.add_argument(
         "--max-lora-rank",

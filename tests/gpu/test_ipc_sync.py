@@ -35,8 +35,8 @@ PROMPT = [1, 5, 9, 17, 33]
 @pytest.fixture(scope="module", params=["own-process", "in-process"])
 def gpu_server(request, tmp_path_factory):
     """The server as its own process, or inside this one (`ServerThread`: the trainer's buffer is read
-    directly, CUDA cannot open a handle in the process that made it); (model, url, the in-process
-    engine's CUDA stream or None)."""
+    directly, CUDA cannot open a handle in the process that made it); (model, url, the `ServerThread`
+    or None)."""
     from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import EmbeddedServer, free_port
     from asyncgrpo.server.serve import ServerThread
@@ -48,7 +48,7 @@ def gpu_server(request, tmp_path_factory):
     if request.param == "in-process":
         server = ServerThread(serve_arguments(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
         with server:
-            yield model, server.url, server.stream
+            yield model, server.url, server
         return
     with EmbeddedServer(str(model_dir), device="cuda:0", extra_args=args, log_path=model_dir / "server.log",
                         startup_timeout_s=300) as server:
@@ -106,11 +106,16 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
 
 @needs_gpu
 def test_the_in_process_engine_steps_on_a_stream_of_the_highest_priority(gpu_server):
-    """Its decode steps' kernels go before the trainer's (default-stream) blocks waiting for the GPU."""
-    from asyncgrpo.server.serve import HIGHEST_PRIORITY
+    """Its decode steps' kernels go before the trainer's (default-stream) blocks waiting for the GPU, and so
+    do those of the CUDA graphs it replays: a graph's kernels keep the priority of the stream that captured
+    them, whatever stream replays them."""
+    from asyncgrpo.server.step_graphs import HIGHEST_PRIORITY
 
-    stream = gpu_server[2]
-    if stream is None:
+    thread = gpu_server[2]
+    if thread is None:
         pytest.skip("the server runs in its own process")
     highest = torch.cuda.Stream(priority=HIGHEST_PRIORITY).priority
-    assert stream.priority == highest < torch.cuda.current_stream().priority
+    assert thread.stream.priority == highest < torch.cuda.current_stream().priority
+    graphs = thread.server.runner.graphs
+    assert graphs is not None and graphs.num_captures > 0  # the start-up warm-up captured some
+    assert graphs._capture_stream.priority == highest

@@ -158,3 +158,36 @@ def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models,
     assert graphs._replay(("forward", 1), step(9)) == 1  # replayed: the captured output, nothing run
     assert graphs._replay(("forward", 3), step(3)) == 3 and graphs._replay(("forward", 3), step(4)) == 4
     assert captured == [("forward", 1), ("forward", 2)] and ran == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("failures, captures, eager", [
+    ([torch.cuda.OutOfMemoryError("no room")], 2, False),  # retried once after the cache is handed back
+    ([torch.cuda.OutOfMemoryError("no room")] * 2, 2, True),
+    ([RuntimeError("operation not permitted when stream is capturing")], 1, True),  # not retried
+    ([ValueError("anything else")], 1, True),
+])
+def test_a_failed_capture_is_retried_only_when_it_ran_out_of_memory(models, monkeypatch, caplog, failures, captures,
+                                                                    eager):
+    """Out of memory: one more attempt; any other failure (a capture CUDA cut off can leave the allocator
+    mid-capture, where emptying its cache fails too): none. Either way the step runs and, when no graph
+    came of it, every later step runs eagerly, said once in the log."""
+    _, paged = models
+    cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
+    graphs.use_graphs = True
+    attempts = []
+
+    class Captured:
+        def replay(self) -> None:
+            pass
+
+    def capture(key, fn):
+        attempts.append(key)
+        if len(attempts) <= len(failures):
+            raise failures[len(attempts) - 1]
+        graphs._graphs[key] = (Captured(), fn())
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    assert graphs._replay(("forward", 1), lambda: torch.tensor(7)) == 7
+    assert len(attempts) == captures and graphs.use_graphs is not eager
+    assert ("steps run eagerly from now on" in caplog.text) is eager

@@ -79,6 +79,8 @@ class Harness:
             plan = self.sched.schedule()
             self.num_preempted += len(plan.preempted)
             self.max_running = max(self.max_running, len(self.sched.running))
+            for s in plan.prefill:  # a chunk the pool could not grow is left for a later step, not planned empty
+                assert s.prefill_end > s.prefill_start, (s.prefill_start, s.prefill_end)
             for s in self.sched.running:
                 held = [b for b in s.blocks if b != self.sched.null_block]
                 assert len(held) == len(s.blocks) - s.released

@@ -28,6 +28,7 @@ from asyncgrpo.parent_watch import watch_parent
 from asyncgrpo.server.app import BLOCK_SIZE, Server
 from asyncgrpo.server.loading import ModelLoadError, kv_cache_tokens, load_served_model, resolve_device
 from asyncgrpo.server.self_check import SelfCheckError, check_engine
+from asyncgrpo.server.step_graphs import HIGHEST_PRIORITY
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -134,8 +135,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-# a CUDA stream priority past the device's range maps to the nearest one it has (lower is higher)
-HIGHEST_PRIORITY = -(1 << 10)
 # the interpreter's switch interval while a server runs inside this process (Python's default: 5 ms). Every
 # torch call of the engine thread lets go of the interpreter lock, and taking it back waits until the
 # thread holding it lets go: a trainer thread busy in plain Python (collating, packing, logging) keeps it

@@ -46,6 +46,9 @@ from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, Recurre
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
 from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
+# a CUDA stream priority past the device's range maps to the nearest one it has (lower is higher)
+HIGHEST_PRIORITY = -(1 << 10)
+
 if TYPE_CHECKING:
     from asyncgrpo.server.lora import ServedLora
     from asyncgrpo.server.step_rows import StepRows
@@ -135,6 +138,7 @@ class StepGraphs:
         self.num_captures = 0  # graphs captured so far and the seconds it took (/server_info reports them: a
         self.capture_s = 0.0  # capture mid-run stalls the step that meets a new shape)
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
+        self._capture_stream: torch.cuda.Stream | None = None  # warm-ups and captures (see _capture)
         self._scratch_slot = cache.scratch_block * cache.block_size
         # sampling inputs: float32 logits, then rows (temperature, top_p, min_p) and (top_k, row hash)
         ns = self._num_sampled
@@ -270,17 +274,22 @@ class StepGraphs:
         return out.logits[0]
 
     def _captured(self, key: tuple, fn) -> bool:
-        """Capture fn() for `key`; a failed attempt is retried once after handing the allocator's cache back
-        (`_capture` leaves it alone: memory it holds may be what the graph's pool lacked). False: no graph."""
+        """Capture fn() for `key`; False: no graph. A capture that ran out of memory is retried once after
+        handing the allocator's cache back (memory it holds may be what the graph's pool lacked); no other
+        failure is: a capture that CUDA cut off can leave PyTorch's allocator mid-capture (before 2.12),
+        where emptying its cache fails too."""
+        failure: Exception | None = None
         for attempt in range(2):
             try:
                 self._capture(key, fn)
                 return True
-            except RuntimeError as exc:
-                torch.cuda.synchronize(self.device)
+            except torch.cuda.OutOfMemoryError as exc:
                 failure = exc
                 if attempt == 0:
                     torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 -- any failed capture: eager steps, said once in the log
+                failure = exc
+                break
         logger.error("capturing a CUDA graph for a step failed; steps run eagerly from now on (start with "
                      "--enforce-eager to skip the attempt)", exc_info=failure)
         return False
@@ -290,9 +299,15 @@ class StepGraphs:
         `torch.cuda.graph`, whose entry synchronizes the whole device and empties the allocator's cache:
         beside a trainer in this process (`serve.ServerThread`) that would wait for the trainer's queued
         kernels and hand back its cached memory at every capture. thread_local: other threads (HTTP,
-        a trainer) may use CUDA while the engine thread captures."""
+        a trainer) may use CUDA while the engine thread captures. One side stream, so the memory the
+        warm-ups cache on it is found again by the next one, of the highest priority: a graph's kernels
+        keep the priority of the stream that captured them (PyTorch instantiates graphs with node
+        priorities), whatever stream replays them, and the engine of a server inside a trainer's process
+        runs at that priority; a server alone in its process has no other stream for it to matter."""
         start = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device, priority=HIGHEST_PRIORITY)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         kind = key[0]

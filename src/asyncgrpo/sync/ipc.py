@@ -228,8 +228,9 @@ class IpcReceiver:
 
     def _yield_then_sync(self, items: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from items
-        # the reply to update_weights lets the trainer overwrite the buffer: the copies must be done
-        torch.cuda.synchronize(self.device)
+        # the reply to update_weights lets the trainer overwrite the buffer: the copies must be done (those
+        # of this thread's stream, not a trainer's kernels queued beside a server inside its process)
+        torch.cuda.current_stream(self.device).synchronize()
 
     def end_update(self) -> None:
         self._opened = None

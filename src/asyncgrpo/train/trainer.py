@@ -398,5 +398,6 @@ def _identity(features: Any) -> Any:
 
 
 def _wait_for_device(device: torch.device) -> None:
+    """The training stream's work done (not the whole device's: a server inside this process runs beside it)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
