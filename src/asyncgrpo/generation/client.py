@@ -20,6 +20,7 @@ from typing import Any
 from asyncgrpo.generation.protocol import (
     COMPLETIONS_PATH,
     GENERATE_PATH,
+    INITIAL_WEIGHT_VERSION,
     ProtocolError,
     SamplingParams,
     TurnOutput,
@@ -43,6 +44,20 @@ from asyncgrpo.generation.transport import ServerTransport
 logger = logging.getLogger(__name__)
 
 
+class ServerRestartedError(RuntimeError):
+    """The server serves weights no trainer pushed into it after a trainer had: it restarted (or was
+    replaced) during training and lost the trained weights and the weight-transfer group."""
+
+    def __init__(self, base_url: str, seen: str) -> None:
+        super().__init__(
+            f"the inference server at {base_url} {seen} (weight version {INITIAL_WEIGHT_VERSION!r}, the weights it "
+            "loaded at start): it restarted during training and lost the trained weights. Nothing it generated "
+            "since is trained on. Resume training from the last checkpoint (`trainer.train(resume_from_checkpoint="
+            "True)`): a run pushes its weights into the server before it generates"
+        )
+        self.base_url = base_url
+
+
 class GenerationClient(ServerTransport):
     """Talks to one inference server at `base_url`. Call `start()` inside the event loop that will
     use it, then `detect()` (generation needs the server description), and `close()` at the end."""
@@ -62,6 +77,8 @@ class GenerationClient(ServerTransport):
                          backoff_s=backoff_s, on_retry=on_retry, headers=headers)
         self.info: ServerInfo | None = None
         self._warned_top_logprobs = False
+        # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it restarted
+        self.expects_pushed_weights = False
 
     # ---------------------------------------------------------------------------------- detection
 
@@ -166,7 +183,7 @@ class GenerationClient(ServerTransport):
             out = parse_generate_response(data, num_top_logprobs=k)
             if params.return_sampling_mask and out.sampling_mask is None:
                 raise ProtocolError(f"{GENERATE_PATH}: sampling masks were needed but the response has none")
-            return out
+            return self._from_pushed_weights(out, model)
         body = build_completions_request(
             prompt_ids,
             params,
@@ -183,6 +200,15 @@ class GenerationClient(ServerTransport):
                 "are unavailable (start vLLM with --enable-scale-out for the token-id route, or "
                 "--return-tokens-as-token-ids)"
             )
+        return self._from_pushed_weights(out, model)
+
+    def _from_pushed_weights(self, out: TurnOutput, model: str | None) -> TurnOutput:
+        """out, unless `expects_pushed_weights` and some of its base-model tokens came from the server's
+        initial weights (servers without `weight_versions`, before vLLM 0.32, are not checked; adapter
+        requests are not either: their base weights stay the initial ones)."""
+        unpushed = any(span.version == INITIAL_WEIGHT_VERSION for span in out.weight_versions or ())
+        if self.expects_pushed_weights and model is None and unpushed:
+            raise ServerRestartedError(self.base_url, "generated tokens with weights no trainer pushed")
         return out
 
     async def metrics(self) -> ServerMetrics | None:

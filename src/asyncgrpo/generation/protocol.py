@@ -22,6 +22,9 @@ NEG_INF_SENTINEL = -9999.0
 """vLLM sends -inf and NaN log-probs as this value (protocol 3.3)."""
 
 GENERATE_PATH = "/inference/v1/generate"
+# the weight version a server reports (`/weight_info`, `weight_versions` spans) before any trainer pushed
+# weights into it: vLLM's and the embedded server's, the weights it loaded at start
+INITIAL_WEIGHT_VERSION = "default"
 COMPLETIONS_PATH = "/v1/completions"
 _TOKEN_ID_PREFIX = "token_id:"
 

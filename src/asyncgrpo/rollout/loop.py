@@ -96,6 +96,7 @@ class AsyncRolloutLoop:
         lora_name: str | None = None,
         dataset_start_index: int = 0,
         dataset_skip_positions: Sequence[int] = (),
+        expects_pushed_weights: bool = False,
     ) -> None:
         if dataset is None and environment_factory is None:
             raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() returns the prompt")
@@ -125,6 +126,7 @@ class AsyncRolloutLoop:
             api_key=config.vllm_server_api_key,
             max_concurrent_rollouts=self.max_concurrent_rollouts,
             record=self._record,
+            expects_pushed_weights=expects_pushed_weights,
         )
         self._poller: asyncio.Task | None = None
         self._scorer: Scorer | None = None

@@ -32,6 +32,8 @@ class ServerLoad:
         base_url, timeout_s, api_key: `vllm_server_base_url`, `vllm_server_timeout`, `vllm_server_api_key`.
         max_concurrent_rollouts: The user's upper bound of the cap.
         record: Where (name, value) metrics go.
+        expects_pushed_weights: A trainer pushed its weights before the rollouts started: tokens from the
+            server's initial weights are an error (`ServerRestartedError`), not samples.
     """
 
     def __init__(
@@ -42,8 +44,10 @@ class ServerLoad:
         api_key: str | None,
         max_concurrent_rollouts: int,
         record: Callable[[str, float], None],
+        expects_pushed_weights: bool = False,
     ) -> None:
         self.base_url = base_url
+        self.expects_pushed_weights = expects_pushed_weights
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.max_concurrent_rollouts = max_concurrent_rollouts
@@ -66,6 +70,7 @@ class ServerLoad:
                     api_key=self.api_key,
                     on_retry=lambda: self.record(M.ROLLOUT_VLLM_RETRY_COUNT, 1),
                 )
+                client.expects_pushed_weights = self.expects_pushed_weights
                 self.client = client
                 await client.start()
                 await client.wait_until_ready(self.timeout_s)

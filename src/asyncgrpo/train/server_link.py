@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.generation.client import GenerationClient
-from asyncgrpo.generation.protocol import TRAINER_HEADER, ProtocolError
+from asyncgrpo.generation.client import GenerationClient, ServerRestartedError
+from asyncgrpo.generation.protocol import INITIAL_WEIGHT_VERSION, TRAINER_HEADER, ProtocolError
 from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.sync.packed import TensorMeta
 from asyncgrpo.train.waiting import notice_while_waiting
@@ -54,6 +54,7 @@ class ServerLink:
         self.info = None
         self._renewal: asyncio.Task | None = None
         self._leased = False  # the server has a trainer lease (the embedded server): release it at close
+        self._pushes = 0  # weight pushes done: after one, a server back at its initial weights restarted
         self._run(self.client.start())
 
     def _run(self, coro: Coroutine, timeout_s: float | None = None) -> Any:
@@ -141,15 +142,23 @@ class ServerLink:
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
         """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()` returns on the link's loop, resume; the push returns
-        at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises."""
+        at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises; a server that
+        restarted since the last push (its weight-transfer group gone with it) is `ServerRestartedError`."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
         t_paused = time.perf_counter()
         try:
             pushed = self._run(push())
+        except Exception as exc:
+            self._resume_after_failure()
+            if self._pushes and self._serves_initial_weights():
+                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no trainer "
+                                           "pushed") from exc
+            raise
         except BaseException:
             self._resume_after_failure()
             raise
+        self._pushes += 1
         t_pushed = time.perf_counter()
         self._run(self.client.resume())
         t_done = time.perf_counter()
@@ -161,6 +170,12 @@ class ServerLink:
             "bytes": pushed["bytes"],
             "num_chunks": pushed["num_chunks"],
         }
+
+    def _serves_initial_weights(self) -> bool:
+        try:
+            return self._run(self.client.weight_info(), timeout_s=30) == INITIAL_WEIGHT_VERSION
+        except Exception:  # noqa: BLE001 -- unknown: the push's own error is reported
+            return False
 
     def _resume_after_failure(self) -> None:
         try:

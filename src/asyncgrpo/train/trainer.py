@@ -220,6 +220,7 @@ class AsyncGRPOTrainer(Trainer):
             "dataset_skip_positions": resumed.trained_above,
             # LoRA: rollouts ask for the adapter version they started under
             "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
+            "expects_pushed_weights": True,  # (train() pushed them): a server that restarts is an error
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
