@@ -1,7 +1,7 @@
 """vLLM's profiling routes: the torch profiler over the engine thread, between two HTTP calls.
 
     POST /start_profile   the profiler starts in the engine thread, between two steps
-    POST /stop_profile    it stops there; a Chrome trace (`trace-<time>.json.gz`, for Perfetto or
+    POST /stop_profile    it stops there, and (off the engine thread) a Chrome trace (`trace-<time>.json.gz`, for Perfetto or
                           chrome://tracing) and a table of the operators and kernels with the most own
                           time (`summary-<time>.txt`) are written to the profiler directory
 
@@ -12,6 +12,7 @@ thread's operators and, on CUDA, every kernel of the device in that time.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -47,13 +48,19 @@ class EngineProfiler:
         self._profile.__enter__()
         logger.info("profiling the engine (POST /stop_profile writes the trace to %s)", self.directory)
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> torch.profiler.profile:
+        """End the profile (in the engine thread, between steps); `write` makes its files."""
         if self._profile is None:
             raise P.ApiError(409, "the profiler is not running: POST /start_profile first")
         profile, self._profile = self._profile, None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the last steps' kernels belong in the trace
+            torch.cuda.current_stream(self.device).synchronize()  # the last steps' kernels belong in the trace
         profile.__exit__(None, None, None)
+        return profile
+
+    def write(self, profile: torch.profiler.profile) -> dict[str, Any]:
+        """The trace and the summary table of an ended profile: seconds of work for a long one, done
+        off the engine thread so that generation goes on meanwhile."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         trace = self.directory / f"trace-{stamp}.json.gz"
         summary = self.directory / f"summary-{stamp}.txt"
@@ -73,4 +80,5 @@ class ProfileRoutes:
         return web.json_response({"message": f"profiling; POST /stop_profile writes to {self.profiler.directory}"})
 
     async def stop_profile(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.engine.call(self.profiler.stop))
+        profile = await self.engine.call(self.profiler.stop)
+        return web.json_response(await asyncio.to_thread(self.profiler.write, profile))
