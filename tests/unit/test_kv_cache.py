@@ -127,25 +127,33 @@ def test_small_decode_batches_split_the_context_across_programs():
     assert choose_splits(one_split_programs(132) - 1, 32768, 64, 132)[0] == 2
 
 
+class _Captured:
+    """What a captured graph is to `StepGraphs._replay` (capture needs CUDA: tests stand in for it)."""
+
+    def replay(self) -> None:
+        pass
+
+
+def _graphs_capturing_on_cpu(paged) -> StepGraphs:
+    """CPU step graphs that take the capture path (`_capture` is the test's to replace)."""
+    cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
+    graphs.use_graphs = True
+    return graphs
+
+
 def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models, monkeypatch):
     """Graphs are kept per (rows, blocks, groups) bucket; once MAX_GRAPHS are kept, a step of a shape not
     met yet runs its static path eagerly instead of capturing one more. Capture needs CUDA, so a
     stand-in records what would be captured; keys met before still replay."""
     from asyncgrpo.server import step_graphs
 
-    _, paged = models
-    cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
-    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
-    graphs.use_graphs = True
+    graphs = _graphs_capturing_on_cpu(models[1])
     captured = []
-
-    class Captured:
-        def replay(self) -> None:
-            pass
 
     def capture(key, fn):
         captured.append(key)
-        graphs._graphs[key] = (Captured(), fn())
+        graphs._graphs[key] = (_Captured(), fn())
 
     monkeypatch.setattr(graphs, "_capture", capture)
     monkeypatch.setattr(step_graphs, "MAX_GRAPHS", 2)
@@ -171,21 +179,14 @@ def test_a_failed_capture_is_retried_only_when_it_ran_out_of_memory(models, monk
     """Out of memory: one more attempt; any other failure (a capture CUDA cut off can leave the allocator
     mid-capture, where emptying its cache fails too): none. Either way the step runs and, when no graph
     came of it, every later step runs eagerly, said once in the log."""
-    _, paged = models
-    cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
-    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
-    graphs.use_graphs = True
+    graphs = _graphs_capturing_on_cpu(models[1])
     attempts = []
-
-    class Captured:
-        def replay(self) -> None:
-            pass
 
     def capture(key, fn):
         attempts.append(key)
         if len(attempts) <= len(failures):
             raise failures[len(attempts) - 1]
-        graphs._graphs[key] = (Captured(), fn())
+        graphs._graphs[key] = (_Captured(), fn())
 
     monkeypatch.setattr(graphs, "_capture", capture)
     assert graphs._replay(("forward", 1), lambda: torch.tensor(7)) == 7
