@@ -15,7 +15,8 @@
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
-#                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side
+#                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side, and the
+#                turn shape with 2,048 prompt tokens a step on graphs (`--max-prompt-rows 2048`)
 #   decode       bench/decode_step.py: one decode step and one layer's attention, plain and with a window
 #                and soft-cap, Triton kernel against the gather path (0.6B, B = 256)
 #
@@ -81,7 +82,11 @@ for name in "$@"; do
             --prompt-attention flash_varlen,padded --output "$OUT/engine_phases_group.json"
         section engine_turns python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
             --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
-            --shared-prefix on --prompt-attention flash_varlen,padded --profile --output "$OUT/engine_phases_turns.json" ;;
+            --shared-prefix on --prompt-attention flash_varlen,padded --profile --output "$OUT/engine_phases_turns.json"
+        # the turn waves' 1,200-1,280-token steps on graphs (rows of the decode attention) instead of eager
+        section engine_turns_rows2048 python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
+            --shape turns --concurrency 64 --prompt-len 512 --max-tokens 128 --turns 4 --turn-tokens 64 \
+            --shared-prefix on --max-prompt-rows 2048 --output "$OUT/engine_phases_turns_rows2048.json" ;;
     decode)
         section decode python bench/decode_step.py --random-qwen3 0.6b --device cuda --batch 256 --prompt-len 128 \
             --max-tokens 256 --implementations triton,gather --window 256 --softcap 50 --output "$OUT/decode_step.json" ;;
