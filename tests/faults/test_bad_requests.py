@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -61,3 +62,16 @@ def test_bad_serve_flags_exit_2_with_a_message_and_no_traceback(args, words):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert all(w in proc.stderr for w in words), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_port_another_process_listens_on_exits_2_before_loading_the_model():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", TINY, "--port", str(port)],
+                              check=False, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: another process already does" in proc.stderr
+    assert "pass another --port" in proc.stderr and "Traceback" not in proc.stderr
+    assert "self-check" not in proc.stderr.lower()  # refused before the model loaded

@@ -139,3 +139,22 @@ def test_no_server_at_start_is_announced_within_seconds_then_waited_for(tmp_path
     first_at, message = notices[0]
     assert first_at - t0 < 4.0 and url in message and "vllm_server_timeout=6" in message
     assert time.monotonic() - t0 >= 6  # it kept waiting until the timeout
+
+
+@pytest.mark.timeout(180)
+def test_a_token_budget_no_sample_fits_stops_the_run_instead_of_dropping_forever(tmp_path, server):
+    """Every sample is longer than the budget: each is dropped (said once), and after OVERSIZE_LIMIT of them
+    with none taken the run stops saying how large the budget must be, where before it waited forever."""
+    from datasets import Dataset
+
+    from asyncgrpo.train.rollout_batches import OVERSIZE_LIMIT
+
+    trainer = AsyncGRPOTrainer(
+        model=MODEL, reward_funcs=spread_reward, train_dataset=Dataset.from_list(arithmetic.make_dataset(400, seed=0)),
+        args=short_run_config(tmp_path / "out", server.url, max_steps=3, token_budget=8),
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"the first {OVERSIZE_LIMIT} samples were all longer than token_budget=8 "
+                                         r"tokens \(\d+ to (\d+)\) .*raise `token_budget` to at least \1"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and time.monotonic() - t0 < 120

@@ -11,6 +11,7 @@ import pytest
 from asyncgrpo.rewards import accuracy_reward, boxed_format_reward, think_format_reward
 from asyncgrpo.rollout.rewards import (
     RewardFunctionError,
+    check_reward_signatures,
     reward_func_names,
     score_group,
     sum_rewards,
@@ -127,6 +128,40 @@ def test_a_raising_function_is_named_and_chained():
     with pytest.raises(RewardFunctionError, match="'broken_reward' raised KeyError") as info:
         score(make_group(2), [broken_reward])
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_reward_function_that_cannot_take_a_calls_keywords_is_refused_before_training():
+    """Checked against what every call passes: prompts, completions, completion_ids and the dataset's
+    columns but the prompt (unknown for some streaming datasets: then only the first three)."""
+
+    def no_kwargs(completions):
+        return [0.0] * len(completions)
+
+    def needs_a_column(completions, solution, **kwargs):
+        return [0.0] * len(completions)
+
+    def every_keyword(prompts, completions, completion_ids, answer):
+        return [0.0] * len(completions)
+
+    columns = ["prompt", "answer"]
+    check_reward_signatures([length_reward, every_keyword, accuracy_reward, functools.partial(length_reward)], columns)
+    with pytest.raises(TypeError, match=r"'no_kwargs' does not take the keyword\(s\) \['prompts', 'completion_ids', "
+                                        r"'answer'\]; .*end the signature with \*\*kwargs"):
+        check_reward_signatures([no_kwargs], columns)
+    with pytest.raises(TypeError, match=r"'needs_a_column' requires \['solution'\], which no call passes: .*"
+                                        r"columns \['answer'\]"):
+        check_reward_signatures([needs_a_column], columns)
+    check_reward_signatures([needs_a_column], None)  # the columns are unknown: its **kwargs may hold it
+    with pytest.raises(TypeError, match="does not take"):
+        check_reward_signatures([no_kwargs], None)
+
+
+def test_a_keyword_a_function_does_not_take_says_to_add_kwargs():
+    def no_kwargs(completions, answer):
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"unexpected keyword argument.*end the signature with \*\*kwargs"):
+        score(make_group(2), [no_kwargs])
 
 
 def test_dataset_columns_that_clash_with_reward_arguments_are_rejected():

@@ -18,7 +18,8 @@ import pytest
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.rollout.channel import RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.worker import RolloutWorker, check_loop_inputs_picklable, check_picklable
+from asyncgrpo.rollout.spawn_inputs import check_picklable, check_spawn_inputs
+from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.types import Rollout, TurnRecord
 
 
@@ -85,7 +86,7 @@ def _channel() -> RolloutChannel:
 
 def test_check_picklable_names_a_lambda_reward():
     with pytest.raises(TypeError, match=r"reward_funcs\[1\] \(<lambda>\) cannot be pickled.*module-level function"):
-        check_loop_inputs_picklable(AsyncRolloutLoop, {"reward_funcs": [length_reward, lambda **kw: [0.0]]})
+        check_spawn_inputs(AsyncRolloutLoop, {"reward_funcs": [length_reward, lambda **kw: [0.0]]})
 
 
 def test_check_picklable_names_a_closure_tool():
@@ -96,16 +97,16 @@ def test_check_picklable_names_a_closure_tool():
         return lookup
 
     with pytest.raises(TypeError, match=r"tools\[0\] \(.*lookup\) cannot be pickled.*functools.partial"):
-        check_loop_inputs_picklable(AsyncRolloutLoop, {"tools": [make_tool()]})
+        check_spawn_inputs(AsyncRolloutLoop, {"tools": [make_tool()]})
 
 
 def test_check_picklable_accepts_module_functions_partials_and_instances():
     check_picklable(length_reward, "reward_funcs[0]")
     check_picklable(functools.partial(length_reward), "reward_funcs[1]")
     check_picklable(_CallableReward(), "reward_funcs[2]")
-    check_loop_inputs_picklable(OfflineLoop, {"environment_factory": {"a": _CallableReward}})
+    check_spawn_inputs(OfflineLoop, {"environment_factory": {"a": _CallableReward}})
     with pytest.raises(TypeError, match=r"environment_factory\['b'\]"):
-        check_loop_inputs_picklable(OfflineLoop, {"environment_factory": {"b": lambda: None}})
+        check_spawn_inputs(OfflineLoop, {"environment_factory": {"b": lambda: None}})
 
 
 def test_check_health_raises_with_the_child_traceback_when_a_reward_function_raises():

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.data.prompts import RESERVED_COLUMNS
+from asyncgrpo.data.prompts import PROMPT_COLUMN, RESERVED_COLUMNS
 from asyncgrpo.types import RolloutGroup
 
 
@@ -66,6 +66,35 @@ def reward_func_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
         seen[base] = count + 1
         names.append(base if count == 0 else f"{base}_{count}")
     return names
+
+
+def check_reward_signatures(funcs: Sequence[Callable[..., Any]], columns: Sequence[str] | None) -> None:
+    """Every reward function takes the keywords each call passes (`prompts`, `completions`,
+    `completion_ids` and every dataset column but the prompt: `columns`, None when the dataset does not
+    say) and needs none that no call passes; a `TypeError` naming the function and the fix otherwise,
+    at construction instead of at the first group's scoring."""
+    passed = [*RESERVED_COLUMNS, *(c for c in columns or () if c != PROMPT_COLUMN)]
+    fix = ("reward functions are called with prompts, completions, completion_ids and every dataset column "
+           "but the prompt as keywords: end the signature with **kwargs")
+    for func, name in zip(funcs, reward_func_names(funcs), strict=True):
+        try:
+            params = list(inspect.signature(func).parameters.values())
+        except (TypeError, ValueError):  # builtins and some C callables have none to read
+            continue
+        takes = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            missing = [k for k in passed if k not in takes]
+            if missing:
+                raise TypeError(f"reward function {name!r} does not take the keyword(s) {missing}; {fix}")
+        if columns is not None:
+            unmet = [p.name for p in params if p.default is p.empty and p.name not in passed
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
+            if unmet:
+                raise TypeError(
+                    f"reward function {name!r} requires {unmet}, which no call passes: it gets prompts, completions, "
+                    f"completion_ids and the dataset's columns {sorted(set(passed) - set(RESERVED_COLUMNS))}; add "
+                    "the column to the dataset or give the parameter a default"
+                )
 
 
 def _is_async(func: Callable[..., Any]) -> bool:
@@ -113,7 +142,10 @@ async def _call_one(func: Callable[..., Any], name: str, kwargs: dict[str, Any])
             result = await result
         return result
     except Exception as exc:
-        raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+        hint = ""
+        if isinstance(exc, TypeError) and "keyword argument" in str(exc):  # a row's column it does not take
+            hint = "; reward functions are called with every dataset column as a keyword: end the signature with **kwargs"
+        raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{hint}") from exc
 
 
 async def call_reward_funcs(

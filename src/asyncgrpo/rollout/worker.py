@@ -10,27 +10,25 @@
     stop(timeout)         -- stop_event ------->   tasks cancelled, close() hook, exit code 0
                           then join -> terminate -> kill, by the pid this object started
 
-Everything handed to the child is pickled (the process is spawned, not forked), so the trainer calls
-`check_picklable` on each user object before spawning: a lambda or closure then fails at once with
-a `TypeError` that names it instead of deep inside `Process.start()`.
+Everything handed to the child is pickled (the process is spawned, not forked): `spawn_inputs.py`
+checks it before the trainer starts anything.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import queue
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 from asyncgrpo.parent_watch import exit_with_parent
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel, WorkerError
+from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs, main_module_hidden, needs_main_module
 
 logger = logging.getLogger(__name__)
 
@@ -49,76 +47,17 @@ _TORCHRUN_VARS = (
 )
 _TORCHRUN_PREFIXES = ("TORCHELASTIC_",)
 
-_PICKLE_ADVICE = (
-    "the rollout process is spawned, so everything handed to it is pickled: use a module-level "
-    "function, functools.partial or a callable class instance"
-)
-
-
-def check_picklable(obj: Any, what: str) -> None:
-    """Raise `TypeError` naming `what` when `obj` cannot be pickled for the spawned rollout process.
-
-    `what` is how the user knows the object, e.g. "reward_funcs[1]" or "environment_factory".
-    """
-    try:
-        pickle.dumps(obj)
-    except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError
-        name = getattr(obj, "__name__", None) or type(obj).__name__
-        raise TypeError(f"{what} ({name}) cannot be pickled: {exc}; {_PICKLE_ADVICE}.") from exc
-
-
-def _user_objects(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
-    """(how the user knows it, object) for everything user-supplied that the child unpickles."""
-    yield "loop_cls", loop_cls
-    for i, func in enumerate(loop_kwargs.get("reward_funcs") or []):
-        yield f"reward_funcs[{i}]", func
-    for i, tool in enumerate(loop_kwargs.get("tools") or []):
-        yield f"tools[{i}]", tool
-    factory = loop_kwargs.get("environment_factory")
-    if isinstance(factory, Mapping):
-        for name, item in factory.items():
-            yield f"environment_factory[{name!r}]", item
-    elif factory is not None:
-        yield "environment_factory", factory
-    if loop_kwargs.get("config") is not None:
-        yield "config", loop_kwargs["config"]
-
-
-def check_loop_inputs_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
-    """Pickle the loop class and each user-supplied callable of `loop_kwargs` separately.
-
-    Checks `reward_funcs[i]`, `tools[i]`, `environment_factory` (or each entry of a dict of
-    factories) and `config`, so the error names the one object that fails.
-    """
-    for what, obj in _user_objects(loop_cls, loop_kwargs):
-        check_picklable(obj, what)
-
-
-def _needs_main_module(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> bool:
-    """Whether something handed to the child is defined in the launching script (`__main__`)."""
-    return any(b"__main__" in pickle.dumps(obj) for _, obj in _user_objects(loop_cls, loop_kwargs))
-
-
-@contextlib.contextmanager
-def _main_module_hidden(hide: bool) -> Iterator[None]:
-    """Keep the spawned child from re-running the launching script when nothing needs it.
-
-    A spawned child imports the parent's `__main__` script so that objects defined there unpickle;
-    a script that trains at import time (no `if __name__ == "__main__":`) would then train again in
-    the child. When no object comes from `__main__`, the child is told there is no main script.
-    """
-    main = sys.modules.get("__main__")
-    if not hide or main is None:
-        yield
-        return
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+def _unreported_exit(exitcode: int) -> str:
+    """How a child that reported no error ended, in words."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        oom = " (SIGKILL from nobody you know of is most often the out-of-memory killer: see `dmesg`)"
+        return f"was killed by {name}{oom if name == 'SIGKILL' else ''}."
+    return (f"exited with code {exitcode} before it could report an error: it failed while starting (importing "
+            "the modules of what it was handed) or outside its error handling; its traceback is in the output above.")
 
 
 def _scrubbed_environ_updates() -> dict[str, str | None]:
@@ -215,7 +154,7 @@ class RolloutWorker:
     def start(self) -> None:
         """Check picklability, then spawn the child with a CUDA-free, torchrun-free environment."""
         assert self._process is None, "RolloutWorker.start() called twice"
-        check_loop_inputs_picklable(self.loop_cls, self.loop_kwargs)
+        check_spawn_inputs(self.loop_cls, self.loop_kwargs)
         ctx = mp.get_context("spawn")
         process = ctx.Process(
             target=run_rollout_process,
@@ -225,14 +164,14 @@ class RolloutWorker:
         )
         updates = _scrubbed_environ_updates()
         saved = {key: os.environ.get(key) for key in updates}
-        hide_main = not _needs_main_module(self.loop_cls, self.loop_kwargs)
+        hide_main = not needs_main_module(self.loop_cls, self.loop_kwargs)
         try:
             for key, value in updates.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            with _main_module_hidden(hide_main):
+            with main_module_hidden(hide_main):
                 process.start()
         finally:
             for key, value in saved.items():
@@ -275,10 +214,7 @@ class RolloutWorker:
                 if exitcode is None:
                     raise RuntimeError(f"The rollout process (pid {process.pid}) reported a failure without details.")
                 return
-            raise RuntimeError(
-                f"The rollout process (pid {process.pid}) exited with code {exitcode} without reporting an "
-                "error (killed by a signal or out of memory?); see its log above."
-            )
+            raise RuntimeError(f"The rollout process (pid {process.pid}) {_unreported_exit(exitcode)}")
         last_beat = max(self.channel.heartbeat.value, self._started_at)
         age = time.time() - last_beat
         if age > self.heartbeat_timeout_s:

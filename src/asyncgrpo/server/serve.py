@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -127,12 +129,36 @@ def main(args: argparse.Namespace) -> int:
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
     try:
+        check_port_free(args.host, args.port)  # before minutes of loading, not after
         server = build_server(args)
     except ModelLoadError as exc:  # the user's input: the message says what to change, a traceback would not
         logger.error("%s", exc)
         return 2
-    asyncio.run(_serve(args, server))
+    try:
+        asyncio.run(_serve(args, server))
+    except OSError as exc:  # the port was taken while the model loaded
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        logger.error("%s", port_in_use(args.host, args.port))
+        return 2
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """`ModelLoadError` when another process listens on host:port (as the server will bind: address reuse on)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ModelLoadError(port_in_use(host, port)) from exc
+            # anything else (an address this machine does not have, say) is the real bind's to report
+
+
+def port_in_use(host: str, port: int) -> str:
+    return (f"cannot listen on {host}:{port}: another process already does (another `asyncgrpo serve` or vLLM?); "
+            "stop it, or pass another --port")
 
 
 # the interpreter's switch interval while a server runs inside this process (Python's default: 5 ms). Every

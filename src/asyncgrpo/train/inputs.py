@@ -12,6 +12,7 @@ from typing import Any
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import validate_prompt_dataset
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
+from asyncgrpo.rollout.rewards import check_reward_signatures
 
 
 def check_not_in_rollout_process() -> None:
@@ -64,6 +65,7 @@ def check_prompt_source(
         if max_steps <= 0:
             raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
         return
+    check_reward_signatures(reward_funcs, getattr(train_dataset, "column_names", None))
     validate_prompt_dataset(
         train_dataset,
         environment=environment_factory is not None,

@@ -47,6 +47,9 @@ from asyncgrpo.train.progress import TrainedPrompts
 
 logger = logging.getLogger(__name__)
 
+# samples dropped as longer than the token budget, none taken before them, after which the run stops
+OVERSIZE_LIMIT = 64
+
 
 @dataclass
 class MicroBatchInput:
@@ -86,6 +89,8 @@ class RolloutBatches:
         self.max_staleness = max_staleness
         self.token_budget = token_budget
         self._warned_oversize = False
+        self._oversize: list[int] = []  # lengths of the samples dropped as too long before any was taken
+        self._took_any = False
         self.total_positions = total_positions
         self.poll_s = poll_s  # how often an empty queue wait checks the rollout process's health
         self.wait_s = 0.0  # time the trainer waited on an empty queue since the last `pop_wait_s`
@@ -140,7 +145,9 @@ class RolloutBatches:
                 self._warned_oversize = True
             self.record(M.BATCH_DROPPED_OVERSIZE_COUNT, 1)
             self._consume([item])
+            self._check_some_sample_fits(len(item.sample.token_ids))
             return
+        self._took_any = True
         self.record(M.SAMPLE_TIME_IN_QUEUE_S, time.time() - item.queued_at)
         self.record(M.SAMPLE_FORWARDED_TOKENS_MEAN, item.sample.num_tokens)
         self.record(M.SAMPLE_FORWARDED_TOKENS_MAX, item.sample.num_tokens)
@@ -148,6 +155,20 @@ class RolloutBatches:
         self.record(M.ROLLOUT_QUEUE_SIZE, _qsize(self.channel.samples))
         self._meta[id(item.sample)] = item
         self._ready.extend(self.batcher.add(item.sample))
+
+    def _check_some_sample_fits(self, num_tokens: int) -> None:
+        """Stop a run whose first OVERSIZE_LIMIT samples were all too long for the token budget: no step
+        could ever be taken, and samples arriving to be dropped would hide the wait from its notice."""
+        if self._took_any:
+            return
+        self._oversize.append(num_tokens)
+        if len(self._oversize) >= OVERSIZE_LIMIT:
+            raise ValueError(
+                f"the first {len(self._oversize)} samples were all longer than token_budget={self.token_budget} "
+                f"tokens ({min(self._oversize)} to {max(self._oversize)}) and were dropped, so no step can be taken: "
+                f"raise `token_budget` to at least {max(self._oversize)}, or lower `max_completion_length` (or the "
+                "prompts' length)"
+            )
 
     def _on_idle(self, item: RolloutIdle) -> None:
         """Close the partial micro-batch when the rollout process waits on the trainer (see the module docstring)."""

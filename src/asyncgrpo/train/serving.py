@@ -34,6 +34,12 @@ def serving_dtype(info: ServerInfo) -> torch.dtype:
     return TORCH_DTYPES.get(dtype_name(info.dtype), torch.float32)
 
 
+def warn_server_mismatches(trainer_dtype: torch.dtype, max_completion_length: int | None, info: ServerInfo) -> None:
+    """What the server serves that the run's settings do not expect: each a warning with the fix."""
+    warn_dtype_mismatch(trainer_dtype, info)
+    warn_short_context(max_completion_length, info)
+
+
 def warn_dtype_mismatch(trainer_dtype: torch.dtype, info: ServerInfo) -> None:
     if not info.dtype:
         return
@@ -43,6 +49,18 @@ def warn_dtype_mismatch(trainer_dtype: torch.dtype, info: ServerInfo) -> None:
             "the server runs in %s and the trainer in %s: importance ratios will carry that mismatch "
             "(watch sampling/sampling_logp_difference); start the server with --dtype %s to close it",
             server, trainer, trainer,
+        )
+
+
+def warn_short_context(max_completion_length: int | None, info: ServerInfo) -> None:
+    """A completion cannot be longer than the server's context less its prompt: say so when the config
+    asks for more than the whole context (the server then cuts completions short, as finished by length)."""
+    if max_completion_length is not None and info.max_model_len is not None and max_completion_length >= info.max_model_len:
+        logger.warning(
+            "max_completion_length=%d is not below the server's max_model_len=%d: a completion ends where prompt + "
+            "completion fill the context, so completions are shorter than asked (and cut, counted in "
+            "completions/clipped_ratio); lower max_completion_length or start the server with a larger "
+            "--max-model-len", max_completion_length, info.max_model_len,
         )
 
 

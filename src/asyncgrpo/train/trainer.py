@@ -40,7 +40,7 @@ from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
-from asyncgrpo.rollout.worker import check_loop_inputs_picklable
+from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
 from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import broadcast_from_rank0
@@ -59,7 +59,7 @@ from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_dtype_mismatch
+from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_server_mismatches
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import TrainerMetrics
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
@@ -188,7 +188,7 @@ class AsyncGRPOTrainer(Trainer):
         self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
                                   api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs)
         info = self._server.connect()
-        warn_dtype_mismatch(next(self.model.parameters()).dtype, info)
+        warn_server_mismatches(next(self.model.parameters()).dtype, args.max_completion_length, info)
         # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
         self._adapter_sync = start_adapter_sync(
             self._peft_config, info.lora, base_url=args.vllm_server_base_url, output_dir=args.output_dir,
@@ -199,7 +199,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _check_picklable(self) -> None:
         """Before anything starts: everything the spawned rollout process receives must pickle."""
-        check_loop_inputs_picklable(
+        check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
              "environment_factory": self.environment_factory, "config": self.args},
