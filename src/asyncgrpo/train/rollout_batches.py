@@ -216,24 +216,27 @@ class RolloutBatches:
                 if not self._ready:
                     return None
                 break
+            t0 = time.perf_counter()
             try:
-                t0 = time.perf_counter()
                 item = self.channel.samples.get(timeout=self.poll_s)
-                self.wait_s += time.perf_counter() - t0
-                self._take(item)
-                # drain what is already there without waiting, so a burst fills rows in one go
-                while not self._ready:
-                    try:
-                        self._take(self.channel.samples.get_nowait())
-                    except queue_lib.Empty:
-                        break
             except queue_lib.Empty:
-                self.wait_s += time.perf_counter() - t0
+                item = None
+            self.wait_s += time.perf_counter() - t0
+            if item is None:  # (outside the except: a failure it reports does not chain the queue's Empty)
                 self.check_health()
                 now = time.monotonic()
                 if now >= next_notice:
                     self._notice_waiting(now - waiting_since)
                     next_notice = now + self.notice_after_s
+                continue
+            self._take(item)
+            # drain what is already there without waiting, so a burst fills rows in one go
+            while not self._ready:
+                try:
+                    item = self.channel.samples.get_nowait()
+                except queue_lib.Empty:
+                    break
+                self._take(item)
         return self._ready.pop(0)
 
     def _notice_waiting(self, waited_s: float) -> None:
