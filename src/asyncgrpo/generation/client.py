@@ -12,8 +12,10 @@ chooses, per call kind, what a request retries on:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,20 +41,23 @@ from asyncgrpo.generation.server_info import (
     parse_version,
     parse_world_size,
 )
-from asyncgrpo.generation.transport import ServerTransport
+from asyncgrpo.generation.transport import ServerRequestError, ServerTransport
 
 logger = logging.getLogger(__name__)
+
+PUSH_POLL_S = 1.0  # how often a generation waiting for pushed weights asks the server again
 
 
 class ServerRestartedError(RuntimeError):
     """The server serves weights no trainer pushed into it after a trainer had: it restarted (or was
-    replaced) during training and lost the trained weights and the weight-transfer group."""
+    replaced) during training and lost the trained weights and the weight-transfer group, and the
+    trainer could not push them again."""
 
     def __init__(self, base_url: str, seen: str) -> None:
         super().__init__(
             f"the inference server at {base_url} {seen} (weight version {INITIAL_WEIGHT_VERSION!r}, the weights it "
             "loaded at start): it restarted during training and lost the trained weights. Nothing it generated "
-            "since is trained on. Resume training from the last checkpoint (`trainer.train(resume_from_checkpoint="
+            "from them is trained on. Resume training from the last checkpoint (`trainer.train(resume_from_checkpoint="
             "True)`): a run pushes its weights into the server before it generates"
         )
         self.base_url = base_url
@@ -77,8 +82,11 @@ class GenerationClient(ServerTransport):
                          backoff_s=backoff_s, on_retry=on_retry, headers=headers)
         self.info: ServerInfo | None = None
         self._warned_top_logprobs = False
-        # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it restarted
+        # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it restarted,
+        # and are asked again once the trainer has pushed its weights back (see generate)
         self.expects_pushed_weights = False
+        self._push_wait: asyncio.Lock | None = None  # one waiter polls the server at a time
+        self._said_restart = False
 
     # ---------------------------------------------------------------------------------- detection
 
@@ -160,7 +168,59 @@ class GenerationClient(ServerTransport):
         model: str | None = None,
     ) -> TurnOutput:
         """Generate one turn from token ids. Uses /inference/v1/generate when the server has it,
-        else /v1/completions. `model` selects a LoRA adapter by name (default: the base model)."""
+        else /v1/completions. `model` selects a LoRA adapter by name (default: the base model).
+
+        With `expects_pushed_weights`, a base-model turn that came, in part, from the server's initial
+        weights (it restarted) is dropped and asked again once the server serves pushed weights, which
+        the trainer pushes back when it finds the restart (`_wait_for_pushed_weights`). Servers without
+        `weight_versions` (before vLLM 0.32) are not checked; adapter requests are not either: their base
+        weights stay the initial ones."""
+        while True:
+            out = await self._generate_once(prompt_ids, params, request_id=request_id, model=model)
+            initial = any(span.version == INITIAL_WEIGHT_VERSION for span in out.weight_versions or ())
+            if not (self.expects_pushed_weights and model is None and initial):
+                return out
+            await self._wait_for_pushed_weights()
+
+    async def _wait_for_pushed_weights(self) -> None:
+        """Until the server serves pushed weights again (`/weight_info`), at most `timeout_s`; then
+        `ServerRestartedError`. Said once per restart; one waiter polls at a time, the others find it done."""
+        if self._push_wait is None:
+            self._push_wait = asyncio.Lock()
+        async with self._push_wait:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    version = await self.weight_info()
+                except (ServerRequestError, ProtocolError) as exc:  # no /weight_info to wait on
+                    raise ServerRestartedError(self.base_url, "generated tokens with weights no trainer pushed") from exc
+                if version != INITIAL_WEIGHT_VERSION:
+                    if self._said_restart:
+                        logger.warning("the inference server at %s serves pushed weights again (%s): generation goes "
+                                       "on", self.base_url, version)
+                        self._said_restart = False
+                    return
+                if not self._said_restart:
+                    logger.warning(
+                        "the inference server at %s generated tokens with its initial weights (%r): it restarted and "
+                        "lost the trained weights. Those tokens are dropped; waiting up to %.0f s for the trainer to "
+                        "push its weights again", self.base_url, INITIAL_WEIGHT_VERSION, self.timeout_s,
+                    )
+                    self._said_restart = True
+                if time.monotonic() > deadline:
+                    raise ServerRestartedError(
+                        self.base_url, f"has served weights no trainer pushed for {self.timeout_s:.0f} s"
+                    )
+                await asyncio.sleep(PUSH_POLL_S)
+
+    async def _generate_once(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None,
+        model: str | None,
+    ) -> TurnOutput:
         info = self.info or await self.detect()
         if params.return_sampling_mask and not info.supports_sampling_mask:
             raise ValueError(
@@ -183,7 +243,7 @@ class GenerationClient(ServerTransport):
             out = parse_generate_response(data, num_top_logprobs=k)
             if params.return_sampling_mask and out.sampling_mask is None:
                 raise ProtocolError(f"{GENERATE_PATH}: sampling masks were needed but the response has none")
-            return self._from_pushed_weights(out, model)
+            return out
         body = build_completions_request(
             prompt_ids,
             params,
@@ -200,15 +260,6 @@ class GenerationClient(ServerTransport):
                 "are unavailable (start vLLM with --enable-scale-out for the token-id route, or "
                 "--return-tokens-as-token-ids)"
             )
-        return self._from_pushed_weights(out, model)
-
-    def _from_pushed_weights(self, out: TurnOutput, model: str | None) -> TurnOutput:
-        """out, unless `expects_pushed_weights` and some of its base-model tokens came from the server's
-        initial weights (servers without `weight_versions`, before vLLM 0.32, are not checked; adapter
-        requests are not either: their base weights stay the initial ones)."""
-        unpushed = any(span.version == INITIAL_WEIGHT_VERSION for span in out.weight_versions or ())
-        if self.expects_pushed_weights and model is None and unpushed:
-            raise ServerRestartedError(self.base_url, "generated tokens with weights no trainer pushed")
         return out
 
     async def metrics(self) -> ServerMetrics | None:

@@ -151,7 +151,7 @@ class ServerLink:
             pushed = self._run(push())
         except Exception as exc:
             self._resume_after_failure()
-            if self._pushes and self._serves_initial_weights():
+            if self.restarted():
                 raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no trainer "
                                            "pushed") from exc
             raise
@@ -171,10 +171,14 @@ class ServerLink:
             "num_chunks": pushed["num_chunks"],
         }
 
-    def _serves_initial_weights(self) -> bool:
+    def restarted(self) -> bool:
+        """Whether the server serves its initial weights although this link pushed weights into it: it
+        restarted, and lost them and the weight-transfer group (False when it cannot tell)."""
+        if not self._pushes:
+            return False
         try:
             return self._run(self.client.weight_info(), timeout_s=30) == INITIAL_WEIGHT_VERSION
-        except Exception:  # noqa: BLE001 -- unknown: the push's own error is reported
+        except Exception:  # noqa: BLE001 -- unknown: whatever failed is reported by its own call
             return False
 
     def _resume_after_failure(self) -> None:

@@ -59,6 +59,7 @@ from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.server_restarts import ServerRestarts
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_server_mismatches
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import TrainerMetrics
@@ -130,6 +131,7 @@ class AsyncGRPOTrainer(Trainer):
         fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
         self._metrics = TrainerMetrics(policy.flop_model)
         self._server: ServerLink | None = None
+        self._restarts: ServerRestarts | None = None  # rank 0, full-weight sync: a restarted server recovered
         self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
         self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
         self._batches: RolloutBatches | None = None
@@ -168,6 +170,8 @@ class AsyncGRPOTrainer(Trainer):
             if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
                 self.weight_transport = make_transport(self._server, args.device, info.device)
                 self.weight_transport.init()
+                self._restarts = ServerRestarts(self._server, self.weight_transport, self._push_full_weights,
+                                                world_size=args.world_size)
             self._sync_weights(self.model_version)  # the server serves exactly the weights being trained
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
@@ -236,7 +240,7 @@ class AsyncGRPOTrainer(Trainer):
             channel=self._rollout.channel if self._rollout is not None else None,
             batcher=batcher,
             progress=self._progress,
-            check_health=self._rollout.check_health if self._rollout is not None else lambda: None,
+            check_health=self._check_pipeline if self._rollout is not None else lambda: None,
             current_version=lambda: self.model_version,
             record=self._metrics.window.record,
             add_record=self._metrics.window.add,
@@ -372,9 +376,18 @@ class AsyncGRPOTrainer(Trainer):
         their own path (`train/lora_sync.py`): they are files the server loads, not a tensor stream."""
         if self._adapter_sync is not None:
             return self._adapter_sync.push(self.model, version=model_version, dtype=self._serving_dtype)
-        return push_weights(
-            self.model, self.weight_transport, dtype=self._serving_dtype, version=f"step-{self.state.global_step}"
-        )
+        version = f"step-{self.state.global_step}"
+        return self._restarts.push(version) if self._restarts is not None else self._push_full_weights(version)
+
+    def _push_full_weights(self, version: str) -> dict[str, float]:
+        return push_weights(self.model, self.weight_transport, dtype=self._serving_dtype, version=version)
+
+    def _check_pipeline(self) -> None:
+        """While the trainer waits for samples: the rollout process lives, and a server that restarted gets
+        the trained weights back (its rollouts wait for them)."""
+        self._rollout.check_health()
+        if self._restarts is not None:
+            self._restarts.check(f"step-{self.state.global_step}")
 
 
 class _PipelineCallback(TrainerCallback):
