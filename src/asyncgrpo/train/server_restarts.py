@@ -12,8 +12,8 @@ weight-transfer group. Both processes find out:
 
 so no token of the initial weights is trained on, and neither side waits for the other. With several
 training processes the push is collective and the wait is rank 0's alone: there the restart is an
-error (resume from the last checkpoint), as it is for adapter-only LoRA sync, whose adapters the server
-lost with it.
+error (resume from the last checkpoint). Adapter-only LoRA sync has no transport to set up again and is
+not watched (the restarted server has none of its adapters).
 """
 
 from __future__ import annotations
