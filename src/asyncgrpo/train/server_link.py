@@ -149,14 +149,11 @@ class ServerLink:
         t_paused = time.perf_counter()
         try:
             pushed = self._run(push())
-        except Exception as exc:
+        except BaseException as exc:
             self._resume_after_failure()
-            if self.restarted():
+            if isinstance(exc, Exception) and self.restarted():
                 raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no trainer "
                                            "pushed") from exc
-            raise
-        except BaseException:
-            self._resume_after_failure()
             raise
         self._pushes += 1
         t_pushed = time.perf_counter()

@@ -61,6 +61,7 @@ from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.server_restarts import ServerRestarts
 from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_server_mismatches
+from asyncgrpo.train.sigterm import sigterm_stops_training
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import TrainerMetrics
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
@@ -150,6 +151,10 @@ class AsyncGRPOTrainer(Trainer):
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
+        with sigterm_stops_training():  # clean-up below runs on SIGTERM too (a scheduler's preemption)
+            return self._train(resume_from_checkpoint, trial, **kwargs)
+
+    def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
         resumed = RolloutState()
