@@ -221,3 +221,13 @@ def test_api_key_comes_from_vllm_api_key_when_unset_and_never_shows(monkeypatch)
     assert make().vllm_server_api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "")
     assert make().vllm_server_api_key is None
+
+
+def test_train_takes_the_references_positional_arguments():
+    """`train(resume_from_checkpoint, trial, ignore_keys_for_eval)`, as the specification's signature."""
+    import inspect
+
+    from asyncgrpo import AsyncGRPOTrainer
+
+    names = list(inspect.signature(AsyncGRPOTrainer.train).parameters)
+    assert names[:4] == ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]

@@ -272,3 +272,16 @@ def test_accuracy_reward_hides_math_verify_notice_about_disabled_timeouts(caplog
     with caplog.at_level(logging.WARNING):
         assert accuracy_reward([[{"role": "assistant", "content": r"\boxed{4}"}]], answer=["4"]) == [1.0]
     assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
+
+
+def test_reward_models_are_refused_where_the_trainer_is_built():
+    """The specification: reward models given as a model id or a PreTrainedModel are not supported. A
+    model is callable, so callable() alone let one through to the first group's scoring."""
+    import torch
+
+    from asyncgrpo.train.inputs import reward_func_list
+
+    assert reward_func_list([length_reward]) == [length_reward]
+    for model in ("some-org/reward-model", torch.nn.Linear(2, 1)):
+        with pytest.raises(TypeError, match=r"reward_funcs\[1\] is a \w+, not a reward function; reward models"):
+            reward_func_list([length_reward, model])

@@ -16,6 +16,7 @@ from asyncgrpo.rollout.generate import (
     environment_tools,
     execute_tool_call,
     generation_records,
+    run_in_environment,
     run_tool_loop,
 )
 from asyncgrpo.rollout.reconcile import reconcile_turns
@@ -122,6 +123,29 @@ def test_environment_pool_reuses_instances_and_routes_by_row():
     single = EnvironmentPool.from_argument(Counter)
     assert single.select({}) is None
     assert EnvironmentPool.from_argument(None) is None
+
+
+RESETS: list[dict] = []
+
+
+class _ResetRecorder:
+    def reset(self, **kwargs):
+        RESETS.append(kwargs)
+
+
+def test_reset_gets_every_column_of_the_row_but_the_environments_name():
+    """As the reference: `reset(**row)`, the prompt included; the `environment` column is the trainer's."""
+    pool = EnvironmentPool.from_argument({"rec": _ResetRecorder})
+    prompt = [{"role": "user", "content": "Count."}]
+    row = {"prompt": prompt, "target": 3, "environment": "rec"}
+
+    async def generate(env_prompt, tools):
+        return env_prompt
+
+    with ThreadPoolExecutor(1) as executor:
+        asyncio.run(run_in_environment(pool, row, prompt, [], generate=generate, executor=executor,
+                                       record=lambda record: None))
+    assert RESETS == [{"prompt": prompt, "target": 3}]
 
 
 def test_reset_output_appended_to_last_user_message_or_becomes_prompt():

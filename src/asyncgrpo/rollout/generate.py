@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo import metrics as M
-from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN, PROMPT_COLUMN
+from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN
 from asyncgrpo.rollout.reconcile import ReconciledRollout
 from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message
@@ -204,7 +204,8 @@ async def run_in_environment(
 ) -> tuple[Any, tuple[type, Any] | None, list[dict[str, Any]]]:
     """Run one rollout inside an environment instance taken from `pool`.
 
-    `reset(**row)` (the row's columns but "prompt" and "environment") may extend the prompt; the
+    `reset(**row)` (the row's columns, "prompt" included, as the reference passes them; "environment" is
+    the trainer's and is not forwarded) may extend the prompt; the
     environment's public methods join `tools`; `get_reward()` (when defined) scores the rollout.
 
     Returns:
@@ -214,7 +215,7 @@ async def run_in_environment(
     env = pool.acquire(name)
     try:
         start = time.perf_counter()
-        reset_kwargs = {k: v for k, v in row.items() if k not in (PROMPT_COLUMN, ENVIRONMENT_COLUMN)}
+        reset_kwargs = {k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN}
         reset_output = await call_maybe_async(env.reset, executor, **reset_kwargs)
         record(M.metric(M.ENV_RESET_S, time.perf_counter() - start))
         env_prompt = apply_reset_output(prompt, reset_output)

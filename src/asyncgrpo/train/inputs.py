@@ -9,6 +9,8 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import validate_prompt_dataset
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
@@ -40,9 +42,9 @@ def reward_func_list(reward_funcs: Callable | list[Callable] | None) -> list[Cal
         reward_funcs = []
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     for i, fn in enumerate(funcs):
-        if not callable(fn):
+        if not callable(fn) or isinstance(fn, torch.nn.Module):  # a model is callable, but not with rewards' keywords
             raise TypeError(
-                f"reward_funcs[{i}] is a {type(fn).__name__}, not a callable; reward models given as ids or "
+                f"reward_funcs[{i}] is a {type(fn).__name__}, not a reward function; reward models given as ids or "
                 "PreTrainedModels are not supported: wrap the model behind a picklable reward function"
             )
     return funcs

@@ -150,9 +150,10 @@ class AsyncGRPOTrainer(Trainer):
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         with sigterm_stops_training():  # clean-up below runs on SIGTERM too (a scheduler's preemption)
-            return self._train(resume_from_checkpoint, trial, **kwargs)
+            return self._train(resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
