@@ -10,7 +10,9 @@ weight-transfer group. Both processes find out:
                       or, while it waits for samples, /weight_info says "default" (checked every few seconds)
                       -> close the transport, set it up again, push the current weights
 
-so no token of the initial weights is trained on, and neither side waits for the other. With several
+so no token of the initial weights is trained on, and neither side waits for the other. The server must be
+back within the requests' retries (5, about 20 s in all): one that takes longer stops the run as a dead
+server does (`generation/transport.py`). With several
 training processes the push is collective and the wait is rank 0's alone: there the restart is an
 error (resume from the last checkpoint). Adapter-only LoRA sync has no transport to set up again and is
 not watched (the restarted server has none of its adapters).
