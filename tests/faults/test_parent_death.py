@@ -3,11 +3,13 @@ multiprocessing's resource tracker die with it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -49,12 +51,13 @@ def test_a_child_that_exits_with_its_parent_dies_when_the_parent_is_sigkilled(me
             child.kill()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
+@contextlib.contextmanager
+def _trainer_after_its_first_step(tmp_path, url: str) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
+    """`train_until_killed.py` against `url`, once it has taken a step: (its process, its descendants).
+    Whatever is left of them is killed on the way out."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}
     log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 -- closed below
-    trainer = subprocess.Popen([sys.executable, str(SCRIPT), server.url, str(tmp_path)], stdout=log, stderr=log, env=env)
+    trainer = subprocess.Popen([sys.executable, str(SCRIPT), url, str(tmp_path)], stdout=log, stderr=log, env=env)
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
@@ -62,7 +65,20 @@ def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
             assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the trainer took no step within 180 s"
             time.sleep(0.5)
-        descendants = psutil.Process(trainer.pid).children(recursive=True)
+        descendants.extend(psutil.Process(trainer.pid).children(recursive=True))
+        yield trainer, descendants
+    finally:
+        log.close()
+        if trainer.poll() is None:
+            trainer.kill()
+        for proc in _alive(descendants):  # only what this test started
+            proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
+    with _trainer_after_its_first_step(tmp_path, server.url) as (trainer, descendants):
         cmdlines = [" ".join(p.cmdline()) for p in descendants]
         assert any("spawn_main" in c for c in cmdlines), f"no rollout process among {cmdlines}"
         assert any("resource_tracker" in c for c in cmdlines), f"no resource tracker among {cmdlines}"
@@ -74,12 +90,6 @@ def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
             time.sleep(0.1)
         survivors = [" ".join(p.cmdline()) for p in _alive(descendants)]
         assert not survivors, f"still running 5 s after the trainer was killed: {survivors}"
-    finally:
-        log.close()
-        if trainer.poll() is None:
-            trainer.kill()
-        for proc in _alive(descendants):  # only what this test started
-            proc.kill()
 
 
 @pytest.mark.timeout(240)
@@ -88,27 +98,11 @@ def test_a_sigtermed_trainer_cleans_up_and_gives_the_server_back_at_once(tmp_pat
     process stopped, and the embedded server's hold given back at once, not after --trainer-lease."""
     from conftest import call
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}
-    log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 -- closed below
-    trainer = subprocess.Popen([sys.executable, str(SCRIPT), server.url, str(tmp_path)], stdout=log, stderr=log, env=env)
-    descendants: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 180
-        while not (tmp_path / "ready").exists():
-            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the trainer took no step within 180 s"
-            time.sleep(0.5)
+    with _trainer_after_its_first_step(tmp_path, server.url) as (trainer, descendants):
         assert call(server.url, "GET", "/lease")[1]["holder"] is not None
-        descendants = psutil.Process(trainer.pid).children(recursive=True)
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(30) == 128 + signal.SIGTERM
         assert call(server.url, "GET", "/lease")[1]["holder"] is None  # given back, not left to expire
         assert not _alive(descendants)
         output = (tmp_path / "trainer.log").read_text()
         assert "SIGTERM: stopping training" in output and "leaked semaphore" not in output, output[-3000:]
-    finally:
-        log.close()
-        if trainer.poll() is None:
-            trainer.kill()
-        for proc in _alive(descendants):
-            proc.kill()
