@@ -25,8 +25,11 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE
+import torch
+
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, write_rollout_state
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +158,41 @@ def staged_checkpoint(
                 "checkpoints with save_total_limit; the partial checkpoint was removed, earlier ones are intact",
             ) from exc
         raise
+
+
+class StagedCheckpoints:
+    """The Trainer's checkpoints written through `staged_checkpoint`, with `rollout_state.json` beside its
+    files (a mixin before `transformers.Trainer`; the trainer says what the state is: `_rollout_state`)."""
+
+    _checkpoint_staging: Path | None = None  # set while a checkpoint is written: the Trainer writes there
+
+    def _rollout_state(self) -> RolloutState | None:
+        raise NotImplementedError
+
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._checkpoint_staging is not None:
+            return str(self._checkpoint_staging)
+        return super()._get_output_dir(trial=trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint plus rollout_state.json, written to a staging folder and renamed
+        into place when complete (a full disk: `CheckpointDiskFullError` naming the path)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        main = self.is_world_process_zero()
+        with staged_checkpoint(run_dir, folder, is_main=main, barrier=self.accelerator.wait_for_everyone) as staging:
+            self._checkpoint_staging = staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._checkpoint_staging = None
+            state = self._rollout_state() if main else None
+            if state is not None:
+                write_rollout_state(staging / folder, state)
+        if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
-from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state, write_rollout_state
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
@@ -41,7 +41,7 @@ from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
-from asyncgrpo.train.checkpoints import resolve_resume_checkpoint, staged_checkpoint
+from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import broadcast_from_rank0
 from asyncgrpo.train.flops import peak_flops
@@ -67,7 +67,7 @@ from asyncgrpo.train.step_metrics import TrainerMetrics
 from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
 
 
-class AsyncGRPOTrainer(Trainer):
+class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     """Asynchronous GRPO: a rollout process streams scored samples while this trainer consumes them.
 
     Args:
@@ -142,7 +142,6 @@ class AsyncGRPOTrainer(Trainer):
         self._serving_dtype = torch.float32
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
-        self._checkpoint_staging = None  # set while a checkpoint is written (see _save_checkpoint)
         self._loss_settings = LossSettings.from_config(
             args, logit_processing=policy.logit_processing, router_aux_loss_coef=policy.router_aux_loss_coef,
             num_processes=self.accelerator.num_processes,
@@ -332,34 +331,12 @@ class AsyncGRPOTrainer(Trainer):
         logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
-    def _get_output_dir(self, trial: Any) -> str:
-        if self._checkpoint_staging is not None:  # the Trainer writes the checkpoint there
-            return str(self._checkpoint_staging)
-        return super()._get_output_dir(trial=trial)
-
-    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint plus rollout_state.json, written to a staging folder and renamed
-        into place when complete (a full disk: `CheckpointDiskFullError` naming the path)."""
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
-        run_dir = self._get_output_dir(trial=trial)
-        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        main = self.is_world_process_zero()
-        with staged_checkpoint(run_dir, folder, is_main=main, barrier=self.accelerator.wait_for_everyone) as staging:
-            self._checkpoint_staging = staging
-            try:
-                super()._save_checkpoint(model, trial)
-            finally:
-                self._checkpoint_staging = None
-            if main and self._progress is not None:
-                progress = self._progress
-                state = RolloutState(progress.trained_position, self.model_version, progress.trained_above)
-                write_rollout_state(staging / folder, state)
-        if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
-            rotate_checkpoints(
-                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
-            )
+    def _rollout_state(self) -> RolloutState | None:
+        """What `StagedCheckpoints` writes beside the Trainer's checkpoint (rank 0, once training started)."""
+        progress = self._progress
+        if progress is None:
+            return None
+        return RolloutState(progress.trained_position, self.model_version, progress.trained_above)
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
