@@ -285,3 +285,17 @@ def test_reward_models_are_refused_where_the_trainer_is_built():
     for model in ("some-org/reward-model", torch.nn.Linear(2, 1)):
         with pytest.raises(TypeError, match=r"reward_funcs\[1\] is a \w+, not a reward function; reward models"):
             reward_func_list([length_reward, model])
+
+
+def test_without_a_dataset_a_reward_gets_no_column_to_ask_for():
+    """An environment that makes its own prompts (no train_dataset): each call passes prompts, completions
+    and completion_ids only."""
+    from asyncgrpo.tasks.counter import IncrementEnv
+    from asyncgrpo.train.inputs import check_prompt_source
+
+    def needs_target(completions, target, **kwargs):
+        return [0.0] * len(completions)
+
+    check_prompt_source([length_reward], None, IncrementEnv, max_steps=3)
+    with pytest.raises(TypeError, match=r"'needs_target' requires \['target'\], which no call passes"):
+        check_prompt_source([needs_target], None, IncrementEnv, max_steps=3)

@@ -66,6 +66,7 @@ def check_prompt_source(
             )
         if max_steps <= 0:
             raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
+        check_reward_signatures(reward_funcs, [])  # no row: prompts, completions, completion_ids only
         return
     check_reward_signatures(reward_funcs, getattr(train_dataset, "column_names", None))
     validate_prompt_dataset(
