@@ -20,19 +20,21 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+_MAIN = b"__main__"  # in a pickle: something found by reference in the launching script
+
 _PICKLE_ADVICE = (
     "the rollout process is spawned, so everything handed to it is pickled: use a module-level "
     "function, functools.partial or a callable class instance"
 )
 
 
-def check_picklable(obj: Any, what: str) -> None:
-    """Raise `TypeError` naming `what` when `obj` cannot be pickled for the spawned rollout process.
+def check_picklable(obj: Any, what: str) -> bytes:
+    """`obj` pickled, or `TypeError` naming `what` when it cannot be for the spawned rollout process.
 
     `what` is how the user knows the object, e.g. "reward_funcs[1]" or "environment_factory".
     """
     try:
-        pickle.dumps(obj)
+        return pickle.dumps(obj)
     except Exception as exc:  # pickle raises PicklingError, AttributeError or TypeError
         name = getattr(obj, "__name__", None) or type(obj).__name__
         raise TypeError(f"{what} ({name}) cannot be pickled: {exc}; {_PICKLE_ADVICE}.") from exc
@@ -62,9 +64,8 @@ def check_spawn_inputs(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
     Checks `reward_funcs[i]`, `tools[i]`, `environment_factory` (or each entry of a dict of
     factories) and `config`, so the error names the one object that fails.
     """
-    for what, obj in _user_objects(loop_cls, loop_kwargs):
-        check_picklable(obj, what)
-    from_main = [(what, obj) for what, obj in _user_objects(loop_cls, loop_kwargs) if _from_main(obj)]
+    from_main = [(what, obj) for what, obj in _user_objects(loop_cls, loop_kwargs)
+                 if _MAIN in check_picklable(obj, what)]
     if from_main:
         check_main_script(*from_main[0])
 
@@ -116,13 +117,9 @@ def _has_main_guard(path: Path) -> bool:
     return False
 
 
-def _from_main(obj: Any) -> bool:
-    return b"__main__" in pickle.dumps(obj)
-
-
 def needs_main_module(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> bool:
     """Whether something handed to the child is defined in the launching script (`__main__`)."""
-    return any(_from_main(obj) for _, obj in _user_objects(loop_cls, loop_kwargs))
+    return any(_MAIN in pickle.dumps(obj) for _, obj in _user_objects(loop_cls, loop_kwargs))
 
 
 @contextlib.contextmanager
