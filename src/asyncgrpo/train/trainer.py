@@ -207,7 +207,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         return info
 
     def _check_picklable(self) -> None:
-        """Before anything starts: everything the spawned rollout process receives must pickle."""
+        """Before anything starts: everything the spawned rollout process receives pickles and can be imported."""
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
@@ -229,7 +229,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "dataset_skip_positions": resumed.trained_above,
             # LoRA: rollouts ask for the adapter version they started under
             "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
-            "expects_pushed_weights": True,  # (train() pushed them): a server that restarts is an error
+            "expects_pushed_weights": True,  # (train() pushed them): tokens of a restarted server's own are asked again
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
