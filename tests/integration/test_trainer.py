@@ -115,6 +115,18 @@ def test_raising_reward_fails_fast_with_its_traceback(tmp_path, server):
     assert "raising_reward" in str(info.value)  # the child's traceback names the function
 
 
+def test_the_dtype_warning_compares_the_precision_of_the_trainers_matmuls(tmp_path, server, caplog):
+    """float32 weights under bf16 autocast multiply in bfloat16: against this float32 server that is the mismatch
+    to report (not the weights' float32, which matches it)."""
+    trainer = AsyncGRPOTrainer(model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
+                               args=_config(tmp_path, server, max_steps=1, bf16=True))
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    with caplog.at_level("WARNING", logger="asyncgrpo.train.serving"):
+        trainer.train()
+    assert "the server runs in float32 and the trainer in bfloat16" in caplog.text
+    assert "--dtype bfloat16" in caplog.text
+
+
 def test_lambda_reward_is_refused_at_train(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=lambda completions, **kw: [0.0] * len(completions),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.train.serving import warn_server_mismatches
+from asyncgrpo.train.serving import training_dtype, warn_server_mismatches
 
 
 def _info(max_model_len: int | None, dtype: str | None = "float32") -> ServerInfo:
@@ -34,3 +34,15 @@ def test_a_server_in_another_dtype_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.train.serving"):
         warn_server_mismatches(torch.float32, 16, _info(1024, dtype="bfloat16"))
     assert "the server runs in bfloat16 and the trainer in float32" in caplog.text
+
+
+@pytest.mark.parametrize("weights, bf16, server, warned", [
+    (torch.float32, True, "bfloat16", False),   # autocast: the trainer's matmuls run in the server's dtype
+    (torch.float32, False, "bfloat16", True),
+    (torch.bfloat16, False, "bfloat16", False),
+    (torch.bfloat16, False, "float32", True),
+])
+def test_the_dtype_warning_compares_the_precision_of_the_trainers_matmuls(caplog, weights, bf16, server, warned):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.train.serving"):
+        warn_server_mismatches(training_dtype(bf16=bf16, fp16=False, weights_dtype=weights), 16, _info(1024, server))
+    assert ("the server runs in" in caplog.text) is warned

@@ -34,16 +34,18 @@ def serving_dtype(info: ServerInfo) -> torch.dtype:
     return TORCH_DTYPES.get(dtype_name(info.dtype), torch.float32)
 
 
-def warn_server_mismatches(trainer_dtype: torch.dtype, max_completion_length: int | None, info: ServerInfo) -> None:
-    """What the server serves that the run's settings do not expect: each a warning with the fix."""
-    warn_dtype_mismatch(trainer_dtype, info)
+def warn_server_mismatches(matmul_dtype: torch.dtype, max_completion_length: int | None, info: ServerInfo) -> None:
+    """What the server serves that the run's settings do not expect: each a warning with the fix.
+    matmul_dtype: the precision of the trainer's matmuls (`training_dtype`), not its weights': float32
+    weights under bf16 autocast multiply in bfloat16, as a bfloat16 server does."""
+    warn_dtype_mismatch(matmul_dtype, info)
     warn_short_context(max_completion_length, info)
 
 
-def warn_dtype_mismatch(trainer_dtype: torch.dtype, info: ServerInfo) -> None:
+def warn_dtype_mismatch(matmul_dtype: torch.dtype, info: ServerInfo) -> None:
     if not info.dtype:
         return
-    trainer, server = dtype_name(trainer_dtype), dtype_name(info.dtype)
+    trainer, server = dtype_name(matmul_dtype), dtype_name(info.dtype)
     if server != trainer:
         logger.warning(
             "the server runs in %s and the trainer in %s: importance ratios will carry that mismatch "

@@ -165,12 +165,12 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         start_position, self.model_version = resumed.trained_position, resumed.model_version
         user_max_steps = args.max_steps
         try:
+            matmul_dtype = training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype)
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
-            info = broadcast_from_rank0(self._connect, "connecting to the inference server")
+            info = broadcast_from_rank0(lambda: self._connect(matmul_dtype), "connecting to the inference server")
             self._token_budget = token_budget(args.token_budget, info)
             self._serving_dtype = serving_dtype(info)
-            weights_dtype = next(self.model.parameters()).dtype
-            self._metrics.peak_flops = peak_flops(args.device, training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=weights_dtype))
+            self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
                 self.weight_transport = make_transport(self._server, args.device, info.device)
@@ -191,13 +191,13 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             args.max_steps = user_max_steps
             self._shutdown()
 
-    def _connect(self) -> Any:
+    def _connect(self, matmul_dtype: torch.dtype) -> Any:
         """Rank 0: open the server link, wait for the server and read what it serves."""
         args = self.args
         self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
                                   api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs)
         info = self._server.connect()
-        warn_server_mismatches(next(self.model.parameters()).dtype, args.max_completion_length, info)
+        warn_server_mismatches(matmul_dtype, args.max_completion_length, info)
         # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
         self._adapter_sync = start_adapter_sync(
             self._peft_config, info.lora, base_url=args.vllm_server_base_url, output_dir=args.output_dir,
