@@ -92,6 +92,10 @@ class AsyncGRPOConfig(TrainingArguments):
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.
+        vllm_server_restart_timeout (`float`, defaults to 0.0): Seconds to wait for a server that stops
+            answering during training to come back on the same address (restarted by a supervisor);
+            then the trainer pushes its weights into it and training goes on. 0: a server that does
+            not answer within the requests' retries (about 20 s) stops the run.
         vllm_server_api_key (`str`, optional): The server's API key (`vllm serve --api-key` or
             `asyncgrpo serve --api-key`), sent as `Authorization: Bearer <key>` by every request of the
             trainer and the rollout process. None: the `VLLM_API_KEY` environment variable, if set. The
@@ -240,6 +244,11 @@ class AsyncGRPOConfig(TrainingArguments):
         },
     )
 
+    vllm_server_restart_timeout: float = field(
+        default=0.0,
+        metadata={"help": "Seconds to wait for a server that stops answering during training to come back (restarted "
+                  "by a supervisor); 0: the run stops after the requests' retries (about 20 s)."},
+    )
     vllm_server_api_key: str | None = field(
         default=None,
         metadata={"help": "The server's API key, sent as a bearer token by the trainer and the rollout process; "

@@ -156,6 +156,8 @@ def validate(args: AsyncGRPOConfig) -> None:
         "its rollout forever); use a large value for slow tools",
     )
     _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
+    _require(args.vllm_server_restart_timeout >= 0,
+             f"vllm_server_restart_timeout={args.vllm_server_restart_timeout} must be >= 0 seconds (0: do not wait)")
     _require(
         0 < args.epsilon < 1,
         f"epsilon={args.epsilon} must be in (0, 1) so that the trust region [1 - epsilon, 1 + epsilon_high] is "

@@ -112,3 +112,44 @@ def test_a_server_restarted_mid_training_gets_the_weights_back_and_training_goes
 async def _served_checksum(url: str) -> dict[str, str]:
     async with GenerationClient(url, timeout_s=60) as client:
         return await client.weight_checksum()
+
+
+class _StopServerAt(TrainerCallback):
+    """Kill the server at the end of `step` and start it again `away_s` later (a supervisor's restart)."""
+
+    def __init__(self, server: EmbeddedServer, step: int, away_s: float) -> None:
+        self.server, self.step, self.away_s = server, step, away_s
+        self.restarter: threading.Timer | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.restarter is None:
+            self.server.process.kill()
+            self.server.process.wait()
+            self.restarter = threading.Timer(self.away_s, self.server.start)
+            self.restarter.start()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_server_away_longer_than_the_retries_is_waited_for_with_vllm_server_restart_timeout(tmp_path, caplog):
+    """Away ~25 s, past the requests' ~20 s of retries: with vllm_server_restart_timeout the rollout process
+    and the trainer wait for it, and the run ends with the trained weights in the server."""
+    with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as server:
+        stop = _StopServerAt(server, step=2, away_s=25)
+        trainer = AsyncGRPOTrainer(
+            model=MODEL, reward_funcs=spread_reward, callbacks=[stop],
+            args=short_run_config(tmp_path / "out", server.url, max_steps=5, vllm_server_restart_timeout=120),
+            train_dataset=Dataset.from_list(arithmetic.make_dataset(400, seed=0)),
+        )
+        try:
+            with caplog.at_level(logging.WARNING):
+                trainer.train()
+        finally:
+            stop.restarter.join()
+        version = call(server.url, "GET", "/weight_info")[1]["weight_version"]
+        served = asyncio.run(_served_checksum(server.url))
+    assert trainer.state.global_step == 5 and trainer._restarts.recoveries == 1
+    assert "waiting up to vllm_server_restart_timeout=120s for it to come back" in caplog.text
+    assert f"the inference server at {server.url} restarted" in caplog.text
+    assert version == "step-5"
+    assert checksum_mismatches(weights_checksum(weights_for_server(trainer.model, torch.float32)), served) == []

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -360,6 +361,58 @@ def test_connection_errors_give_up_after_max_retries():
         run(main())
     assert len(retries) == 2
     assert "(after 2 retries over" in str(err.value) and "start it again and resume training" in str(err.value)
+
+
+def test_a_server_that_stays_away_longer_than_the_retries_is_waited_for_within_the_restart_window(caplog):
+    """vllm_server_restart_timeout: past max_retries, connection errors are retried until the window ends
+    (a supervisor restarting the server), polling at least every OUTAGE_POLL_S, and the log says so."""
+    port = _free_port()
+    retries: list[int] = []
+
+    async def main():
+        async def late_start():
+            await asyncio.sleep(1.5)  # max_retries=2 at 0.01 s are spent long before
+            return await start_app(vllm_app(), port=port)
+
+        starter = asyncio.ensure_future(late_start())
+        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01, outage_s=10,
+                                    on_retry=lambda: retries.append(1)) as client:
+            try:
+                return await client.is_paused()
+            finally:
+                runner, _ = await starter
+                await runner.cleanup()
+
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.transport"):
+        assert run(main()) is True
+    assert len(retries) > 2
+    assert "waiting up to vllm_server_restart_timeout=10s for it to come back" in caplog.text
+    assert f"the inference server at http://127.0.0.1:{port} answers again" in caplog.text
+
+
+def test_the_restart_window_ends_with_an_error_that_says_how_long_it_waited():
+    port = _free_port()
+
+    async def main():
+        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01, outage_s=0.5) as client:
+            await client.is_paused()
+
+    t0 = time.monotonic()
+    with pytest.raises(ServerConnectionError) as err:
+        run(main())
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert "vllm_server_restart_timeout=0.5s" in str(err.value)
+
+
+def test_without_a_restart_window_the_error_names_the_setting():
+    port = _free_port()
+
+    async def main():
+        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01) as client:
+            await client.is_paused()
+
+    with pytest.raises(ServerConnectionError, match="set `vllm_server_restart_timeout`"):
+        run(main())
 
 
 def test_generation_timeouts_are_retried_but_control_timeouts_raise():

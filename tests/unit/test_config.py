@@ -44,7 +44,7 @@ SEED_FIELDS = {
 }
 # fields of ours that the seed lacks (each says why in its docstring)
 EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
-                    "keep_kv_across_syncs": False}
+                    "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0}
 
 
 def make(**kwargs):
@@ -149,6 +149,7 @@ def test_bad_json_dict_names_the_field(value):
         ({"top_k": -1}, ["top_k=-1"]),
         ({"max_concurrent_rollouts": 0}, ["max_concurrent_rollouts=0"]),
         ({"token_budget": 0}, ["token_budget=0"]),
+        ({"vllm_server_restart_timeout": -1.0}, ["vllm_server_restart_timeout=-1.0", ">= 0"]),
     ],
 )
 def test_invalid_settings_raise_naming_field_and_value(kwargs, words):

@@ -77,9 +77,12 @@ class GenerationClient(ServerTransport):
         backoff_s: float = 0.5,
         on_retry: Callable[[], None] | None = None,
         headers: dict[str, str] | None = None,
+        outage_s: float = 0.0,
     ) -> None:
+        """outage_s: `vllm_server_restart_timeout`, how long requests wait for a server that stopped
+        answering to come back (0: `max_retries` only)."""
         super().__init__(base_url, timeout_s=timeout_s, api_key=api_key, max_retries=max_retries,
-                         backoff_s=backoff_s, on_retry=on_retry, headers=headers)
+                         backoff_s=backoff_s, on_retry=on_retry, headers=headers, outage_s=outage_s)
         self.info: ServerInfo | None = None
         self._warned_top_logprobs = False
         # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it restarted,

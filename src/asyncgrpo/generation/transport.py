@@ -7,7 +7,9 @@ failures a request retries:
     retry_timeout (default off)     timeouts are retried; off: TimeoutError at once
     4xx is never retried: ServerRequestError at once (or returned, for the call's `pass_statuses`)
 
-Retries are bounded (`max_retries`), use exponential backoff with jitter, are logged (at most one
+Retries are bounded (`max_retries`; connection errors also by `outage_s`, the
+`vllm_server_restart_timeout`: a server that a supervisor restarts is waited for that long, polled at
+least every OUTAGE_POLL_S), use exponential backoff with jitter, are logged (at most one
 line per `RETRY_LOG_INTERVAL_S`, saying how many retries it stands for: hundreds of concurrent
 rollouts retry together when the server dies), and call `on_retry()` so the rollout loop can count
 `rollout/vllm_retry_count`. Every status is checked. A timeout names the knob to raise,
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 30.0
+OUTAGE_POLL_S = 5.0  # past max_retries, while waiting for a server to come back
 RETRY_LOG_INTERVAL_S = 10.0
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _RL_ROUTES = (
@@ -94,9 +97,10 @@ class _RetryLog:
         self._last: float | None = None
         self._unshown = 0
 
-    def warn(self, message: str) -> None:
+    def warn(self, message: str, *, now_or_never: bool = False) -> None:
+        """now_or_never: log it whatever the interval (a change the user must see at once)."""
         now = time.monotonic()
-        if self._last is not None and now - self._last < self.interval_s:
+        if not now_or_never and self._last is not None and now - self._last < self.interval_s:
             self._unshown += 1
             return
         if self._unshown:
@@ -125,16 +129,19 @@ class ServerTransport:
         backoff_s: float,
         on_retry: Callable[[], None] | None,
         headers: dict[str, str] | None,
+        outage_s: float = 0.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.outage_s = outage_s
         self.backoff_s = backoff_s
         self.on_retry = on_retry
         self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._session: aiohttp.ClientSession | None = None
         self._rng = random.Random()
         self._retry_log = _RetryLog()
+        self._waiting_for_restart = False  # some request is past max_retries, in the restart window
 
     # ---------------------------------------------------------------------------------- lifecycle
 
@@ -195,29 +202,53 @@ class ServerTransport:
                     ) from exc
                 reason = f"no answer within {timeout_s:.0f}s"
             except _TRANSPORT_ERRORS as exc:
-                if not retry_transient or attempt >= self.max_retries:
+                if not retry_transient or self._retries_spent(attempt, started):
                     tried = f" (after {attempt} retries over {time.monotonic() - started:.0f}s)" if attempt else ""
                     raise ServerConnectionError(
                         f"{method} {url} failed: {connection_failure(exc)}{tried}. The inference server at "
-                        f"{self.base_url} does not answer: if it stopped, its log says why; start it again and "
-                        "resume training from the last checkpoint"
+                        f"{self.base_url} does not answer: if it stopped, its log says why; " + self._after_outage()
                     ) from exc
                 reason = connection_failure(exc)
             else:
                 if status < 400 or status in pass_statuses:
+                    if self._waiting_for_restart:
+                        self._waiting_for_restart = False
+                        logger.warning("the inference server at %s answers again", self.base_url)
                     return status, text
                 message = error_message(text)
-                if status < 500 or not retry_transient or attempt >= self.max_retries:
+                if status < 500 or not retry_transient or attempt >= self.max_retries:  # it answers: no outage
                     raise ServerRequestError(method, path, status, message)
                 reason = f"HTTP {status}: {message}"
             attempt += 1
             delay = min(self.backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S) * (
                 1.0 + 0.5 * self._rng.random()
             )
-            self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} in {delay:.2f}s")
+            if attempt <= self.max_retries:
+                self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} in {delay:.2f}s")
+            else:  # the restart window: poll often enough to see the server as soon as it is back
+                away = time.monotonic() - started
+                delay = max(min(delay, OUTAGE_POLL_S, self.outage_s - away), 0.0)
+                self._retry_log.warn(
+                    f"{method} {path} failed ({reason}); the server has not answered for {away:.0f}s, waiting up to "
+                    f"vllm_server_restart_timeout={self.outage_s:g}s for it to come back",
+                    now_or_never=not self._waiting_for_restart,
+                )
+                self._waiting_for_restart = True
             if self.on_retry is not None:
                 self.on_retry()
             await asyncio.sleep(delay)
+
+    def _retries_spent(self, attempt: int, started: float) -> bool:
+        """No retry left: `max_retries` done and the restart window (`outage_s`) over."""
+        return attempt >= self.max_retries and time.monotonic() - started >= self.outage_s
+
+    def _after_outage(self) -> str:
+        """What to do once the server did not come back: the end of a connection error's message."""
+        if self.outage_s:
+            return (f"it did not come back within vllm_server_restart_timeout={self.outage_s:g}s. Start it again and "
+                    "resume training from the last checkpoint")
+        return ("start it again and resume training from the last checkpoint, or set `vllm_server_restart_timeout` "
+                "to wait for a server that a supervisor restarts")
 
     @staticmethod
     def _json(path: str, text: str) -> Any:

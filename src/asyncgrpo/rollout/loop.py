@@ -123,6 +123,7 @@ class AsyncRolloutLoop:
         self._server_load = ServerLoad(
             base_url=config.vllm_server_base_url,
             timeout_s=float(config.vllm_server_timeout),
+            restart_timeout_s=float(config.vllm_server_restart_timeout),
             api_key=config.vllm_server_api_key,
             max_concurrent_rollouts=self.max_concurrent_rollouts,
             record=self._record,

@@ -29,7 +29,8 @@ class ServerLoad:
     """One generation client per rollout process, and the concurrency cap that follows the server's load.
 
     Args:
-        base_url, timeout_s, api_key: `vllm_server_base_url`, `vllm_server_timeout`, `vllm_server_api_key`.
+        base_url, timeout_s, restart_timeout_s, api_key: `vllm_server_base_url`, `vllm_server_timeout`,
+            `vllm_server_restart_timeout`, `vllm_server_api_key`.
         max_concurrent_rollouts: The user's upper bound of the cap.
         record: Where (name, value) metrics go.
         expects_pushed_weights: A trainer pushed its weights before the rollouts started: tokens from the
@@ -44,12 +45,14 @@ class ServerLoad:
         timeout_s: float,
         api_key: str | None,
         max_concurrent_rollouts: int,
+        restart_timeout_s: float = 0.0,
         record: Callable[[str, float], None],
         expects_pushed_weights: bool = False,
     ) -> None:
         self.base_url = base_url
         self.expects_pushed_weights = expects_pushed_weights
         self.timeout_s = timeout_s
+        self.restart_timeout_s = restart_timeout_s
         self.api_key = api_key
         self.max_concurrent_rollouts = max_concurrent_rollouts
         self.record = record
@@ -69,6 +72,7 @@ class ServerLoad:
                     self.base_url,
                     timeout_s=self.timeout_s,
                     api_key=self.api_key,
+                    outage_s=self.restart_timeout_s,
                     on_retry=lambda: self.record(M.ROLLOUT_VLLM_RETRY_COUNT, 1),
                 )
                 client.expects_pushed_weights = self.expects_pushed_weights

@@ -38,8 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 class ServerLink:
-    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None, keep_kv: bool = False) -> None:
-        """keep_kv: a sync's pause keeps the KV cache of the requests in flight (`keep_kv_across_syncs`)."""
+    def __init__(self, base_url: str, *, timeout_s: float, api_key: str | None = None, keep_kv: bool = False,
+                 restart_timeout_s: float = 0.0) -> None:
+        """keep_kv: a sync's pause keeps the KV cache of the requests in flight (`keep_kv_across_syncs`).
+        restart_timeout_s: `vllm_server_restart_timeout`, how long a call waits for a server that stopped
+        answering (a pause before a push waits for it to come back; the push then finds it restarted)."""
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.keep_kv = keep_kv
@@ -47,8 +50,10 @@ class ServerLink:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
         self._thread.start()
         self.trainer_id = uuid.uuid4().hex[:12]
+        self.restart_timeout_s = restart_timeout_s
         self.client = GenerationClient(
-            base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id}
+            base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id},
+            outage_s=restart_timeout_s,
         )
         self._sender = None
         self.info = None
@@ -174,7 +179,7 @@ class ServerLink:
         if not self._pushes:
             return False
         try:
-            return self._run(self.client.weight_info(), timeout_s=30) == INITIAL_WEIGHT_VERSION
+            return self._run(self.client.weight_info(), timeout_s=30 + self.restart_timeout_s) == INITIAL_WEIGHT_VERSION
         except Exception:  # noqa: BLE001 -- unknown: whatever failed is reported by its own call
             return False
 

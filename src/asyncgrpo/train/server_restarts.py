@@ -11,8 +11,9 @@ weight-transfer group. Both processes find out:
                       -> close the transport, set it up again, push the current weights
 
 so no token of the initial weights is trained on, and neither side waits for the other. The server must be
-back within the requests' retries (5, about 20 s in all): one that takes longer stops the run as a dead
-server does (`generation/transport.py`). With several
+back within the requests' retries (5, about 20 s in all) or within `vllm_server_restart_timeout`, which both
+processes' clients wait for it (`generation/transport.py`); one that takes longer stops the run as a dead
+server does. With several
 training processes the push is collective and the wait is rank 0's alone: there the restart is an
 error (resume from the last checkpoint). Adapter-only LoRA sync has no transport to set up again and is
 not watched (the restarted server has none of its adapters).

@@ -195,7 +195,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         """Rank 0: open the server link, wait for the server and read what it serves."""
         args = self.args
         self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
-                                  api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs)
+                                  api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs,
+                                  restart_timeout_s=args.vllm_server_restart_timeout)
         info = self._server.connect()
         warn_server_mismatches(matmul_dtype, args.max_completion_length, info)
         # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
