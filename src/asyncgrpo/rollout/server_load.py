@@ -43,9 +43,9 @@ class ServerLoad:
         *,
         base_url: str,
         timeout_s: float,
+        restart_timeout_s: float = 0.0,
         api_key: str | None,
         max_concurrent_rollouts: int,
-        restart_timeout_s: float = 0.0,
         record: Callable[[str, float], None],
         expects_pushed_weights: bool = False,
     ) -> None:
