@@ -31,9 +31,6 @@ server finds the timed prompts in its prefix cache.
 `/stop_profile` routes): a Chrome trace of the engine thread and the device's kernels, and a table of
 what took the most time.
 
-`--vllm-start CMD` starts vLLM (in the background) only after the embedded server has stopped, so that each
-server has the GPU alone; by default vLLM is already running beside it.
-
 `--model-dir` keeps the random model so that vLLM can serve the same weights
 (`--build-only` writes it and exits). Writes bench/results/serve_throughput_<device>.json.
 
@@ -52,7 +49,6 @@ import gc
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -354,9 +350,6 @@ def main() -> None:
     p.add_argument("--logprobs", type=int, default=0, help="Also measure with this many top log-probs.")
     p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM (same model).")
     p.add_argument("--vllm-wait-s", type=float, default=600, help="How long to wait for vLLM's /health.")
-    p.add_argument("--vllm-start", default=None,
-                   help="Shell command that starts vLLM in the background, run after the embedded server has "
-                        "stopped: each server has the GPU alone (an 8B pair does not fit one 80 GB GPU at once).")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--loop-prompts", type=int, default=8, help="Prompts of the one-at-a-time generate loop.")
     p.add_argument("--server-arg", action="append", default=[], help="Extra `asyncgrpo serve` argument.")
@@ -413,9 +406,6 @@ def main() -> None:
     if args.vllm_url:
         import urllib.request
 
-        if args.vllm_start:
-            print(f"starting vLLM: {args.vllm_start}", flush=True)
-            subprocess.run(args.vllm_start, shell=True, check=True)
         wait_for_health(args.vllm_url, args.vllm_wait_s)
         with urllib.request.urlopen(f"{args.vllm_url}/v1/models") as r:
             vllm_model = json.loads(r.read())["data"][0]["id"]

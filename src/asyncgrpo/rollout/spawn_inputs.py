@@ -57,9 +57,10 @@ def _user_objects(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> Iterator[tu
         yield "config", loop_kwargs["config"]
 
 
-def check_spawn_inputs(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
+def check_spawn_inputs(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> bool:
     """Pickle the loop class and each user-supplied callable of `loop_kwargs` separately, and check that
-    the child can import those defined in the launching script.
+    the child can import those defined in the launching script. Returns whether there are any (the child
+    then needs the launching script as its `__main__`; see `main_module_hidden`).
 
     Checks `reward_funcs[i]`, `tools[i]`, `environment_factory` (or each entry of a dict of
     factories) and `config`, so the error names the one object that fails.
@@ -68,6 +69,7 @@ def check_spawn_inputs(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
                  if _MAIN in check_picklable(obj, what)]
     if from_main:
         check_main_script(*from_main[0])
+    return bool(from_main)
 
 
 def check_main_script(what: str, obj: Any) -> None:
@@ -115,11 +117,6 @@ def _has_main_guard(path: Path) -> bool:
                     and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides)):
                 return True
     return False
-
-
-def needs_main_module(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> bool:
-    """Whether something handed to the child is defined in the launching script (`__main__`)."""
-    return any(_MAIN in pickle.dumps(obj) for _, obj in _user_objects(loop_cls, loop_kwargs))
 
 
 @contextlib.contextmanager

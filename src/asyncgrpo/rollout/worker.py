@@ -28,7 +28,7 @@ from typing import Any
 
 from asyncgrpo.parent_watch import exit_with_parent
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME, RolloutChannel, WorkerError
-from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs, main_module_hidden, needs_main_module
+from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs, main_module_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class RolloutWorker:
     def start(self) -> None:
         """Check picklability, then spawn the child with a CUDA-free, torchrun-free environment."""
         assert self._process is None, "RolloutWorker.start() called twice"
-        check_spawn_inputs(self.loop_cls, self.loop_kwargs)
+        needs_main = check_spawn_inputs(self.loop_cls, self.loop_kwargs)
         ctx = mp.get_context("spawn")
         process = ctx.Process(
             target=run_rollout_process,
@@ -164,14 +164,13 @@ class RolloutWorker:
         )
         updates = _scrubbed_environ_updates()
         saved = {key: os.environ.get(key) for key in updates}
-        hide_main = not needs_main_module(self.loop_cls, self.loop_kwargs)
         try:
             for key, value in updates.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-            with main_module_hidden(hide_main):
+            with main_module_hidden(not needs_main):
                 process.start()
         finally:
             for key, value in saved.items():

@@ -50,7 +50,6 @@ class ServerLink:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
         self._thread.start()
         self.trainer_id = uuid.uuid4().hex[:12]
-        self.restart_timeout_s = restart_timeout_s
         self.client = GenerationClient(
             base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id},
             outage_s=restart_timeout_s,
@@ -179,7 +178,7 @@ class ServerLink:
         if not self._pushes:
             return False
         try:
-            return self._run(self.client.weight_info(), timeout_s=30 + self.restart_timeout_s) == INITIAL_WEIGHT_VERSION
+            return self._run(self.client.weight_info(), timeout_s=30 + self.client.outage_s) == INITIAL_WEIGHT_VERSION
         except Exception:  # noqa: BLE001 -- unknown: whatever failed is reported by its own call
             return False
 
