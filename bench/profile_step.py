@@ -27,7 +27,7 @@ measurement).
     python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \\
         --variants base compile+head
 
-Writes bench/results/profile_<workload>_<model>_<variant>_<device>.json (and a Chrome trace with --trace).
+Writes bench/results/profile_<workload>_<model>_<variant>_<device>.json (`+` in a variant's name as `_`) (and a Chrome trace with --trace).
 """
 
 from __future__ import annotations
@@ -316,7 +316,8 @@ def main(argv=None):
                       "device": torch.cuda.get_device_name(device) if gpu else "cpu", **result,
                       "seconds": time.perf_counter() - start,
                       "command": command_line(argv), "versions": package_versions()}
-            path = out / f"profile_{args.workload}_{shape}_{options.name}_{'cuda' if gpu else 'cpu'}.json"
+            variant = options.name.replace("+", "_")  # file names without shell-special characters
+            path = out / f"profile_{args.workload}_{shape}_{variant}_{'cuda' if gpu else 'cpu'}.json"
             path.write_text(json.dumps(result, indent=2) + "\n")
             if args.trace:
                 path.with_suffix(".trace.json").write_text(json.dumps(trace))

@@ -41,7 +41,12 @@ peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_STALENESS = 1  # two versions registered at once: routing by version is checked too
-MEAN_TOL = 0.05  # mean |log-prob difference| of bf16 vLLM vs bf16 transformers (as tests/gpu/test_vllm_push.py)
+# Mean |log-prob difference| of bf16 vLLM vs the bf16 transformers reference. vLLM applies an adapter
+# unmerged (x W + (x A) B, each product rounded to bf16) where the reference merges it into W: on the
+# random 1.7B shape (H100, 2026-12-05) base requests were 0.046 off and adapter requests 0.049-0.067,
+# while an adapter moves the log-probs by ~1.0; `to_base > 10 * own` below is what catches an adapter
+# loaded but not applied.
+MEAN_TOL = 0.1
 
 
 def _server_info():
