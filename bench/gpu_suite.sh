@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_keepkv one_gpu_mps engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
@@ -12,6 +12,7 @@
 #   hybrid       bench/packing.py on the Qwen3.5-2B shape, fla-core's kernel against the PyTorch delta rule
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_inprocess  the same with the embedded server inside the trainer's process (ServerThread)
+#   one_gpu_compile    in-process with the trainer's torch_compile=True (compiled layers, fused log-prob head)
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
@@ -39,7 +40,7 @@ section() {  # name, command...
     tail -n 15 "$OUT/$name.log"
 }
 
-SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_keepkv one_gpu_mps engine decode "
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -69,6 +70,9 @@ for name in "$@"; do
     one_gpu_inprocess)
         section one_gpu_inprocess python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --sharing in-process --output "$OUT/one_gpu_inprocess.json" ;;
+    one_gpu_compile)
+        section one_gpu_compile python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing in-process --torch-compile --output "$OUT/one_gpu_inprocess_compile.json" ;;
     one_gpu_keepkv)
         section one_gpu_keepkv python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --keep-kv-across-syncs --output "$OUT/one_gpu_keepkv.json" ;;

@@ -195,7 +195,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         max_completion_length=preset["max_completion"], token_budget=preset["token_budget"],
         gradient_accumulation_steps=preset["grad_accum"], gradient_checkpointing=not args.no_gradient_checkpointing,
         bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1,
-        seed=args.seed, keep_kv_across_syncs=args.keep_kv_across_syncs,
+        seed=args.seed, keep_kv_across_syncs=args.keep_kv_across_syncs, torch_compile=args.torch_compile,
     )
     print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
           f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
@@ -357,6 +357,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="The trainer's torch_compile=True (compiled decoder layers, fused log-prob head).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
