@@ -15,6 +15,9 @@
 #   one_gpu_compile    in-process with the trainer's torch_compile=True (compiled layers, fused log-prob head)
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
+#   vllm_one_gpu bench/one_gpu.py against vLLM 0.33 started here on the same GPU with its ipc backend
+#   vllm_lora    vLLM 0.33 serving LoRA adapters at run time (1.7B shape): tests/gpu/test_vllm_lora_sync.py,
+#                then bench/lora_sync.py against it and the embedded server
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
 #                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side, and the
 #                turn shape with 2,048 prompt tokens a step on graphs (`--max-prompt-rows 2048`)
@@ -22,7 +25,10 @@
 #                and soft-cap, Triton kernel against the gather path (0.6B, B = 256)
 #
 # SECTION_TIMEOUT (seconds, default 540) bounds each section; a section that fails or times out does
-# not stop the next one. PYTHONPATH gets src/ in front.
+# not stop the next one. PYTHONPATH gets src/ in front. ONE_GPU_SHAPE (default 0.6b) is the one_gpu*
+# sections' model shape. The vllm_* sections start `python -m vllm.entrypoints.openai.api_server` on port
+# VLLM_PORT (default 8001) with VLLM_PYTHONPATH (default: PYTHONPATH) and stop it at the end; its log
+# goes to OUT too.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_suite}
@@ -40,7 +46,36 @@ section() {  # name, command...
     tail -n 15 "$OUT/$name.log"
 }
 
-SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps engine decode "
+SHAPE=${ONE_GPU_SHAPE:-0.6b}
+VLLM_PORT=${VLLM_PORT:-8001}
+VLLM_PID=
+
+start_vllm() {  # log name, model dir, vLLM flags...: in the background, until /health answers
+    local log=$OUT/$1.log model=$2; shift 2
+    echo "== starting vLLM on :$VLLM_PORT ($model $*; log $log)"
+    PYTHONPATH=${VLLM_PYTHONPATH:-$PYTHONPATH} VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_NO_USAGE_STATS=1 \
+        setsid python -m vllm.entrypoints.openai.api_server --model "$model" --port "$VLLM_PORT" "$@" > "$log" 2>&1 < /dev/null &
+    VLLM_PID=$!
+    local start=$SECONDS
+    while (( SECONDS - start < LIMIT )); do
+        curl -sf "http://127.0.0.1:$VLLM_PORT/health" > /dev/null 2>&1 && { echo "== vLLM up after $((SECONDS - start)) s"; return 0; }
+        kill -0 "$VLLM_PID" 2> /dev/null || break
+        sleep 2
+    done
+    echo "== vLLM did not come up:"; tail -n 30 "$log"; stop_vllm; return 1
+}
+
+stop_vllm() {  # the server's whole process group (its engine core is a child process)
+    [[ -n $VLLM_PID ]] || return 0
+    kill -- "-$VLLM_PID" 2> /dev/null
+    for _ in $(seq 60); do kill -0 "$VLLM_PID" 2> /dev/null || break; sleep 1; done
+    kill -9 -- "-$VLLM_PID" 2> /dev/null
+    VLLM_PID=
+}
+trap stop_vllm EXIT
+
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -65,20 +100,42 @@ for name in "$@"; do
         section hybrid python bench/packing.py --device cuda --models qwen3.5-2b --warmup 2 --steps 3 \
             --out "$OUT/packing_hybrid_cuda.json" ;;
     one_gpu)
-        section one_gpu python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
-            --output "$OUT/one_gpu.json" ;;
+        section one_gpu python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --output "$OUT/one_gpu_$SHAPE.json" ;;
     one_gpu_inprocess)
-        section one_gpu_inprocess python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
-            --sharing in-process --output "$OUT/one_gpu_inprocess.json" ;;
+        section one_gpu_inprocess python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing in-process --output "$OUT/one_gpu_inprocess_$SHAPE.json" ;;
     one_gpu_compile)
-        section one_gpu_compile python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
-            --sharing in-process --torch-compile --output "$OUT/one_gpu_inprocess_compile.json" ;;
+        section one_gpu_compile python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing in-process --torch-compile --output "$OUT/one_gpu_inprocess_compile_$SHAPE.json" ;;
     one_gpu_keepkv)
-        section one_gpu_keepkv python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
-            --keep-kv-across-syncs --output "$OUT/one_gpu_keepkv.json" ;;
+        section one_gpu_keepkv python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --keep-kv-across-syncs --output "$OUT/one_gpu_keepkv_$SHAPE.json" ;;
     one_gpu_mps)
-        section one_gpu_mps python bench/one_gpu.py --shape 0.6b --max-seconds 60 --deadline-s $((LIMIT - 20)) \
-            --sharing mps --output "$OUT/one_gpu_mps.json" ;;
+        section one_gpu_mps python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing mps --output "$OUT/one_gpu_mps_$SHAPE.json" ;;
+    vllm_one_gpu)
+        model=/tmp/asyncgrpo-one-gpu/qwen3-$SHAPE-chat
+        python bench/one_gpu.py --shape "$SHAPE" --model-dir "$model" --build-only > /dev/null
+        if start_vllm vllm_one_gpu_server "$model" --weight-transfer-config '{"backend": "ipc"}' --enable-scale-out \
+                --logprobs-mode processed_logprobs --gpu-memory-utilization 0.35 --max-model-len 2048; then
+            section vllm_one_gpu python bench/one_gpu.py --shape "$SHAPE" --model-dir "$model" --server vllm \
+                --vllm-url "http://127.0.0.1:$VLLM_PORT" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+                --output "$OUT/one_gpu_vllm_$SHAPE.json"
+            stop_vllm
+        fi ;;
+    vllm_lora)
+        model=/tmp/qwen3-1.7b
+        python bench/serve_throughput.py --random-qwen3 1.7b --model-dir "$model" --build-only > /dev/null
+        if start_vllm vllm_lora_server "$model" --enable-lora --max-lora-rank 32 --max-loras 4 --enable-scale-out \
+                --logprobs-mode processed_logprobs --max-model-len 1024 --gpu-memory-utilization 0.45 \
+                --weight-transfer-config '{"backend": "ipc"}'; then
+            ASYNCGRPO_TEST_VLLM_URL=http://127.0.0.1:$VLLM_PORT ASYNCGRPO_TEST_VLLM_MODEL=$model \
+                section vllm_lora_tests python -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_vllm_lora_sync.py
+            section vllm_lora_bench python bench/lora_sync.py --shape 1.7b --device cuda --model-dir "$model" \
+                --vllm-url "http://127.0.0.1:$VLLM_PORT" --phase-timeout-s 90 --output "$OUT/lora_sync_cuda.json"
+            stop_vllm
+        fi ;;
     engine)
         python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
         section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
