@@ -5,7 +5,7 @@
 #   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
-#   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants
+#   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants (with sac)
 #   profile      bench/profile_step.py: where a step's time goes (0.6B, shared-prompt workload)
 #   deltanet     the fla-core kernel tests and bench/delta_rule.py (one layer, Qwen3.5-2B shape); fla-core
 #                compiles and autotunes on first use, so run it before hybrid on a fresh machine
@@ -88,7 +88,7 @@ for name in "$@"; do
             --ignore=tests/gpu/test_deltanet_kernels.py ;;
     packing)
         section packing python bench/packing.py --device cuda --workloads default shared-prompt \
-            --variants base compile+head compile+head+nockpt --layouts padfree --warmup 2 --steps 3 \
+            --variants base compile+head compile+head+nockpt compile+head+sac --layouts padfree --warmup 2 --steps 3 \
             --out "$OUT/packing_cuda_workloads.json" ;;
     profile)
         section profile python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \

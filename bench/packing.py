@@ -226,14 +226,14 @@ def logprob_diff(model, samples, device):
 def time_layout(model, name, rows, args, device, options):
     """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
     (an "error" entry when the GPU runs out of memory), and the first timed row's log-probs."""
-    from step_options import liger_rotary_scope
+    from step_options import variant_scope
 
     set_layout(model, name)
     layout = Layout(name, device)
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:
-        with liger_rotary_scope(options):
+        with variant_scope(options):
             warmup_start = time.perf_counter()
             for batch in batches[: args.warmup]:
                 fwd_bwd(model, batch, args.chunk_size, fused_head=options.head)

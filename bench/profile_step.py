@@ -67,7 +67,7 @@ from packing import (
     workload_sizes,
 )
 from provenance import command_line, package_versions
-from step_options import StepOptions, liger_rotary_scope, prepare_model
+from step_options import StepOptions, prepare_model, variant_scope
 
 MARK = "asyncgrpo::"  # prefix of this script's record_function ranges
 PHASES = ("mask", "forward", "logprob_head", "recompute", "backward")
@@ -226,7 +226,7 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
         batch["row"] = pack_row(r).to(device)
         batches.append(batch)
     try:
-        with liger_rotary_scope(options):
+        with variant_scope(options):
             for batch in batches[: args.warmup]:
                 profiled_step(model, batch, args, device, options, windows)
             if gpu:

@@ -5,11 +5,15 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
     compile   each decoder layer compiled in place (asyncgrpo.train.compiled_layers), dynamic row length
     head      the fused log-prob head (token_logprobs(fused=True): its elementwise work compiled)
     nockpt    no activation checkpointing (the trainer's gradient_checkpointing=False): nothing recomputed
+    sac       selective recomputation instead of whole-layer checkpointing: no checkpointing, and the
+              compiled layers' forward/backward partitioner keeps at most SAC_BUDGET of the activation
+              memory that saving everything would take, recomputing the cheapest ops first (torch's
+              `torch._functorch.config.activation_memory_budget`; needs `compile`)
     liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
 
 `compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds
 gradient_checkpointing=False. Each variant gets its own copy of the model (same weights), so one
-variant's patches never reach another's timing.
+variant's patches never reach another's timing; run a variant's steps inside `variant_scope`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import contextlib
 import copy
 from dataclasses import dataclass
 
-OPTIONS = ("compile", "head", "nockpt", "liger")
+OPTIONS = ("compile", "head", "nockpt", "sac", "liger")
+SAC_BUDGET = 0.5
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class StepOptions:
     compile: bool = False
     head: bool = False
     nockpt: bool = False
+    sac: bool = False
     liger: bool = False
 
     @classmethod
@@ -34,6 +40,9 @@ class StepOptions:
         unknown = sorted(set(parts) - set(OPTIONS))
         if unknown:
             raise ValueError(f"variant {text!r}: unknown option(s) {unknown}; combine 'base' or {OPTIONS} with '+'")
+        if "sac" in parts and ("compile" not in parts or "nockpt" in parts):
+            raise ValueError(f"variant {text!r}: 'sac' is the compiled layers' own recomputation: it needs 'compile' "
+                             "and replaces checkpointing ('nockpt' says there is none)")
         return cls(**{p: True for p in parts})
 
     @property
@@ -47,7 +56,7 @@ def prepare_model(base_model, options: StepOptions, *, recompute_context=None):
     recomputation runs under (the profiler's marker), or None."""
     model = copy.deepcopy(base_model) if options != StepOptions() else base_model
     model.config.use_cache = False
-    if not options.nockpt:
+    if not (options.nockpt or options.sac):
         kwargs = {"use_reentrant": False}
         if recompute_context is not None:
             kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
@@ -64,11 +73,35 @@ def prepare_model(base_model, options: StepOptions, *, recompute_context=None):
 
 
 @contextlib.contextmanager
-def liger_rotary_scope(options: StepOptions):
-    """liger-kernel swaps Qwen3's rotary function module-wide: keep the swap to this variant's runs."""
-    if not options.liger:
+def variant_scope(options: StepOptions):
+    """Around a variant's steps: what it changes for the whole process (liger's rotary function, the
+    partitioner's memory budget) holds for its runs only."""
+    with contextlib.ExitStack() as stack:
+        if options.liger:
+            stack.enter_context(liger_rotary_scope())
+        if options.sac:
+            stack.enter_context(activation_budget_scope(SAC_BUDGET))
         yield
-        return
+
+
+@contextlib.contextmanager
+def activation_budget_scope(budget: float):
+    """The partitioner splits a compiled layer's forward and backward when the layer first runs, with
+    the budget then in force; dynamo's caches are cleared on entry and exit so that this variant's
+    layers, and the next variant's, compile under their own budget."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def liger_rotary_scope():
+    """liger-kernel swaps Qwen3's rotary function module-wide: keep the swap to this variant's runs."""
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from transformers.models.qwen3 import modeling_qwen3
 

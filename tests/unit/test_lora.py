@@ -36,7 +36,8 @@ def _adapter(path, seed: int, **kwargs) -> torch.nn.Module:
     return model.merge_and_unload().eval()
 
 
-def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_reference(tmp_path):
+@pytest.mark.parametrize("slot_a, slot_b", [(2, 0), (2, 1)])  # every slot in use; only some (their rows gathered)
+def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_reference(tmp_path, slot_a, slot_b):
     refs = [
         _adapter(tmp_path / "a", 1, r=4, lora_alpha=8, target_modules="all-linear"),
         _adapter(tmp_path / "b", 2, r=2, lora_alpha=16, use_rslora=True, target_modules=["k_proj", "up_proj"],
@@ -46,10 +47,10 @@ def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_r
     model = _tiny()
     assert fuse_layers(model, triton=False).attention == 2  # the joined q/k/v and gate/up hooks are exercised
     lora = ServedLora(model, max_loras=3, max_rank=8)
-    for slot, name in ((2, "a"), (0, "b")):  # slots need not follow load order
+    for slot, name in ((slot_a, "a"), (slot_b, "b")):  # slots need not follow load order
         lora.write(slot, read_adapter(name, str(tmp_path / name), lora.targets(), 8))
     ids = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(0))
-    slots = np.repeat(np.array([2, 0, -1]), 10)
+    slots = np.repeat(np.array([slot_a, slot_b, -1]), 10)
     with torch.no_grad(), lora.step(slots):
         logits = model(ids).logits
     with torch.no_grad():
