@@ -275,6 +275,7 @@ def test_request_builders_send_every_sampling_field():
             "seed": 3,
             "logprobs": 5,
             "stop_token_ids": [2],
+            "detokenize": False,  # token ids back: vLLM need not decode them
         },
         "output_mode": "tokens",
         "request_id": "r1",

@@ -171,8 +171,11 @@ def build_generate_request(
     request_id: str | None = None,
     model: str | None = None,
 ) -> dict[str, Any]:
-    """Body of the token-in/token-out route. `output_mode` exists from 0.32 on."""
-    body: dict[str, Any] = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": params.to_vllm()}
+    """Body of the token-in/token-out route. `output_mode` exists from 0.32 on. `detokenize` is off:
+    the route answers with token ids, and vLLM otherwise decodes every generated token in its API
+    server process all the same (its default is on; stop strings, which need it, are not used)."""
+    sampling = {**params.to_vllm(), "detokenize": False}
+    body: dict[str, Any] = {"token_ids": [int(t) for t in prompt_ids], "sampling_params": sampling}
     if dialect >= (0, 32, 0):
         body["output_mode"] = "tokens"
     if request_id is not None:
