@@ -210,8 +210,12 @@ class RunRecorder(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "perf/step_s" not in logs:
             return
-        record = {"step": state.global_step, "t_s": self.elapsed_s(), "generated_tokens": self.read_generated(),
-                  "rollout_cpu_s": rollout_cpu_s()}
+        t_s = self.elapsed_s()
+        generated = self.read_generated()
+        # the read blocks the trainer between two steps: how long it took says how responsive the server's
+        # HTTP side is under load (and how much of the window the probe itself took)
+        record = {"step": state.global_step, "t_s": t_s, "generated_tokens": generated,
+                  "metrics_read_s": self.elapsed_s() - t_s, "rollout_cpu_s": rollout_cpu_s()}
         record.update({k: float(v) for k, v in logs.items()
                        if isinstance(v, (int, float)) and (k.startswith("perf/") or k in STEP_KEYS_KEPT)})
         self.steps.append(record)
