@@ -7,36 +7,27 @@ steps on a local GSM8K-shaped file, with weights synced by CUDA IPC after every 
 
 from __future__ import annotations
 
-import importlib
-import json
+import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from asyncgrpo.tasks import arithmetic
-
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600, method="thread"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+from test_one_gpu_example import import_example, write_gsm8k_file
 
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.delitem(sys.modules, "one_gpu", raising=False)  # bench/one_gpu.py has the same module name
-    return importlib.import_module("one_gpu")
+    return import_example(monkeypatch)
 
 
 @pytest.mark.parametrize("where", ["in-process", "server-process"])
 def test_the_recipe_trains_on_one_gpu(one_gpu, tmp_path, where):
-    data = tmp_path / "gsm8k.jsonl"
-    with data.open("w") as f:
-        for row in arithmetic.make_dataset(64, seed=0):
-            f.write(json.dumps({"question": row["prompt"][-1]["content"],
-                                "answer": f"{row['solution']}\n#### {row['answer']}"}) + "\n")
+    data = write_gsm8k_file(tmp_path / "gsm8k.jsonl")
     history = one_gpu.main(["--model", "asyncgrpo/tiny-chat", "--data-files", str(data), "--instruction", "",
                             "--device", "cuda", "--gpu-memory-utilization", "0.2",
                             "--max-steps", "2", "--num-generations", "4", "--max-completion-length", "48",

@@ -15,11 +15,16 @@ from asyncgrpo.tasks import arithmetic
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.fixture
-def one_gpu(monkeypatch):
+def import_example(monkeypatch):
+    """examples/one_gpu.py as a module."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.delitem(sys.modules, "one_gpu", raising=False)  # bench/one_gpu.py has the same module name
     return importlib.import_module("one_gpu")
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    return import_example(monkeypatch)
 
 
 def test_gsm8k_rows_become_prompts_with_the_number_after_the_last_marker(one_gpu):
@@ -31,13 +36,18 @@ def test_gsm8k_rows_become_prompts_with_the_number_after_the_last_marker(one_gpu
     assert one_gpu.to_prompt(row, instruction="")["prompt"][0]["content"] == row["question"]
 
 
-@pytest.mark.slow  # 15-25 s: the embedded server's start and two training steps on CPU
-def test_the_recipe_trains_the_tiny_model_on_a_local_gsm8k_file(one_gpu, tmp_path):
-    data = tmp_path / "gsm8k.jsonl"
-    with data.open("w") as f:
-        for row in arithmetic.make_dataset(64, seed=0):
+def write_gsm8k_file(path: Path, rows: int = 64) -> Path:
+    """GSM8K-shaped rows (`question`, `answer` ending in `#### <number>`) of the tiny model's arithmetic."""
+    with path.open("w") as f:
+        for row in arithmetic.make_dataset(rows, seed=0):
             question = row["prompt"][-1]["content"]
             f.write(json.dumps({"question": question, "answer": f"{row['solution']}\n#### {row['answer']}"}) + "\n")
+    return path
+
+
+@pytest.mark.slow  # 15-25 s: the embedded server's start and two training steps on CPU
+def test_the_recipe_trains_the_tiny_model_on_a_local_gsm8k_file(one_gpu, tmp_path):
+    data = write_gsm8k_file(tmp_path / "gsm8k.jsonl")
     # the tiny model knows its arithmetic questions as they are, without the recipe's instruction
     history = one_gpu.main(["--model", "asyncgrpo/tiny-chat", "--data-files", str(data), "--instruction", "",
                             "--device", "cpu",
