@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants (with sac)
@@ -15,8 +15,8 @@
 #   one_gpu_compile    in-process with the trainer's torch_compile=True (compiled layers, fused log-prob head)
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
-#   vllm_one_gpu bench/one_gpu.py against vLLM 0.33 started here on the same GPU with its ipc backend
-#   vllm_lora    vLLM 0.33 serving LoRA adapters at run time (1.7B shape): tests/gpu/test_vllm_lora_sync.py,
+#   vllm_one_gpu  bench/one_gpu.py against vLLM 0.33 started here on the same GPU with its ipc backend
+#   vllm_lora     vLLM 0.33 serving LoRA adapters at run time (1.7B shape): tests/gpu/test_vllm_lora_sync.py,
 #                then bench/lora_sync.py against it and the embedded server
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
 #                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side, and the
