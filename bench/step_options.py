@@ -9,6 +9,9 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
               compiled layers' forward/backward partitioner keeps at most SAC_BUDGET of the activation
               memory that saving everything would take, recomputing the cheapest ops first (torch's
               `torch._functorch.config.activation_memory_budget`; needs `compile`)
+    tune      the layers compiled with mode "max-autotune-no-cudagraphs": inductor times FlexAttention's
+              block sizes and its own matmul templates against cuBLAS at the first compile (minutes of
+              warm-up; needs `compile`)
     liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
 
 `compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds
@@ -22,7 +25,7 @@ import contextlib
 import copy
 from dataclasses import dataclass
 
-OPTIONS = ("compile", "head", "nockpt", "sac", "liger")
+OPTIONS = ("compile", "head", "nockpt", "sac", "tune", "liger")
 SAC_BUDGET = 0.5
 
 
@@ -32,6 +35,7 @@ class StepOptions:
     head: bool = False
     nockpt: bool = False
     sac: bool = False
+    tune: bool = False
     liger: bool = False
 
     @classmethod
@@ -43,6 +47,8 @@ class StepOptions:
         if "sac" in parts and ("compile" not in parts or "nockpt" in parts):
             raise ValueError(f"variant {text!r}: 'sac' is the compiled layers' own recomputation: it needs 'compile' "
                              "and replaces checkpointing ('nockpt' says there is none)")
+        if "tune" in parts and "compile" not in parts:
+            raise ValueError(f"variant {text!r}: 'tune' is a mode of the compiled layers: it needs 'compile'")
         return cls(**{p: True for p in parts})
 
     @property
@@ -68,7 +74,7 @@ def prepare_model(base_model, options: StepOptions, *, recompute_context=None):
     if options.compile:
         from asyncgrpo.train.compiled_layers import compile_decoder_layers
 
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, mode="max-autotune-no-cudagraphs" if options.tune else None)
     return model
 
 
