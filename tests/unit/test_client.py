@@ -147,6 +147,7 @@ def test_detect_and_generate_with_real_bodies():
         "max_tokens": 8,
         "seed": 1,
         "logprobs": 5,
+        "detokenize": False,
     }
     assert metrics.kv_cache_usage_frac == 0.0 and metrics.num_preemptions == 0.0
     assert paused is True
