@@ -1,6 +1,7 @@
 """examples/one_gpu.py on one GPU as its users run it: the embedded server inside the trainer's process
-(the recipe's CUDA default) and in its own process, each training the bundled tiny model for two
-steps on a local GSM8K-shaped file, with weights synced by CUDA IPC after every step.
+(the recipe's CUDA default, also with the trainer's layers compiled) and in its own process, each
+training the bundled tiny model for two steps on a local GSM8K-shaped file, with weights synced by
+CUDA IPC after every step.
 
     pytest -m gpu tests/gpu/test_one_gpu_recipe_cuda.py
 """
@@ -25,7 +26,7 @@ def one_gpu(monkeypatch):
     return import_example(monkeypatch)
 
 
-@pytest.mark.parametrize("where", ["in-process", "server-process"])
+@pytest.mark.parametrize("where", ["in-process", "server-process", "in-process, compiled trainer"])
 def test_the_recipe_trains_on_one_gpu(one_gpu, tmp_path, where):
     data = write_gsm8k_file(tmp_path / "gsm8k.jsonl")
     history = one_gpu.main(["--model", "asyncgrpo/tiny-chat", "--data-files", str(data), "--instruction", "",
@@ -33,7 +34,8 @@ def test_the_recipe_trains_on_one_gpu(one_gpu, tmp_path, where):
                             "--max-steps", "2", "--num-generations", "4", "--max-completion-length", "48",
                             "--token-budget", "512", "--grad-accum", "1", "--max-model-len", "256",
                             "--output-dir", str(tmp_path / "out"),
-                            *(["--server-process"] if where == "server-process" else [])])
+                            *(["--server-process"] if where == "server-process" else []),
+                            *(["--torch-compile"] if "compiled" in where else [])])
     steps = [e for e in history if "perf/step_s" in e]
     assert len(steps) == 2
     assert all(e["perf/weight_sync_s"] > 0 for e in steps)  # a sync after every step (CUDA IPC on one GPU)
