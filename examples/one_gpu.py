@@ -35,14 +35,15 @@ for 0.6B, 27 GB for 1.7B), the activations of one packed row of `--token-budget`
 buffer for the weight transfer. For example, 0.35 of an 80 GB GPU gives the server 28 GB (for
 Qwen3-1.7B: 3.4 GB of weights and about 200k tokens of KV cache) and leaves the trainer 52 GB.
 
-`--data-files` trains on a local JSON/JSONL file of GSM8K-shaped rows (`question`, `answer` ending in
-`#### <number>`) instead of the hub dataset; `--device cpu` runs everything on the CPU (what the test
-does with the bundled tiny model).
+`--data-files` trains on a local JSON (a list) or JSON Lines file of GSM8K-shaped rows (`question`,
+`answer` ending in `#### <number>`) instead of the hub dataset, read without `datasets`; `--device
+cpu` runs everything on the CPU (what the test does with the bundled tiny model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -63,12 +64,19 @@ def to_prompt(row: dict[str, Any], instruction: str = INSTRUCTION) -> dict[str, 
 
 
 def load_rows(args: argparse.Namespace):
-    from datasets import load_dataset  # only this example needs `datasets` at import time
-
+    """The training prompts: the hub dataset (through `datasets`), or the rows of a local file read as
+    they are (a JSON list, or JSON Lines), which needs nothing beyond the standard library."""
     if args.data_files:
-        dataset = load_dataset("json", data_files=args.data_files, split="train")
-    else:
-        dataset = load_dataset(args.dataset, args.dataset_config, split=args.split)
+        with open(args.data_files) as f:
+            text = f.read()
+        if text.lstrip().startswith("["):
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [to_prompt(row, args.instruction) for row in rows]
+    from datasets import load_dataset
+
+    dataset = load_dataset(args.dataset, args.dataset_config, split=args.split)
     return dataset.map(to_prompt, fn_kwargs={"instruction": args.instruction}, remove_columns=dataset.column_names)
 
 

@@ -3,6 +3,7 @@ GSM8K-shaped file and the CPU (the recipe's hub model, hub dataset and GPU are o
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
@@ -43,6 +44,15 @@ def write_gsm8k_file(path: Path, rows: int = 64) -> Path:
             question = row["prompt"][-1]["content"]
             f.write(json.dumps({"question": question, "answer": f"{row['solution']}\n#### {row['answer']}"}) + "\n")
     return path
+
+
+def test_a_local_file_is_read_as_a_json_list_or_json_lines_without_datasets(one_gpu, tmp_path):
+    lines = write_gsm8k_file(tmp_path / "gsm8k.jsonl", rows=3)
+    listed = tmp_path / "gsm8k.json"
+    listed.write_text(json.dumps([json.loads(line) for line in lines.read_text().splitlines()]))
+    from_lines = one_gpu.load_rows(argparse.Namespace(data_files=str(lines), instruction=""))
+    assert from_lines == one_gpu.load_rows(argparse.Namespace(data_files=str(listed), instruction=""))
+    assert len(from_lines) == 3 and from_lines[0]["prompt"][0]["role"] == "user" and from_lines[0]["answer"]
 
 
 @pytest.mark.slow  # 15-25 s: the embedded server's start and two training steps on CPU
