@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from asyncgrpo.generation.server_info import parse_server_device, parse_server_info
-from asyncgrpo.train.transport_choice import choose_transport, nccl_failure_hint, same_gpu
+from asyncgrpo.train.transport_choice import choose_transport, nccl_failure_hint, same_gpu, sharing_hint
 
 GPU_A = "5c1e0f3a-0000-4000-8000-00000000000a"
 GPU_B = "5c1e0f3a-0000-4000-8000-00000000000b"
 
 
-def embedded_body(device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True) -> dict:
+def embedded_body(device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True, pid: int = 4242) -> dict:
     device = {"device": device_type, "device_type": device_type}
     if uuid is not None:
         device["device_uuid"] = uuid
@@ -19,7 +19,7 @@ def embedded_body(device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool
     return {
         "vllm_config": {"model_config": {"max_model_len": 512, "dtype": "bfloat16"}, "device_config": device,
                         "weight_transfer_config": {"backend": "nccl"}},
-        "vllm_env": {}, "system_env": {}, "embedded": {"weight_transfer_backends": backends},
+        "vllm_env": {}, "system_env": {}, "embedded": {"weight_transfer_backends": backends, "pid": pid},
     }
 
 
@@ -109,3 +109,14 @@ def test_nccl_invalid_usage_gets_the_one_gpu_hint():
     hint = nccl_failure_hint("NCCL ncclCommInitRank (rank 0 of 2) failed: invalid usage")
     assert hint is not None and "one GPU" in hint and "ipc" in hint
     assert nccl_failure_hint("connection refused") is None
+
+
+def test_a_server_sharing_the_gpu_from_another_process_gets_the_in_process_hint():
+    own = parse_server_device(embedded_body(pid=7))
+    other = parse_server_device(embedded_body(pid=8))
+    vllm = parse_server_device(vllm_body("ipc", insecure=True))
+    assert own.pid == 7 and vllm.pid is None
+    assert sharing_hint("ipc", own, trainer_pid=7) is None  # ServerThread: already side by side
+    assert "ServerThread" in sharing_hint("ipc", other, trainer_pid=7)
+    assert "time-slices" in sharing_hint("vllm_ipc", vllm, trainer_pid=7)
+    assert sharing_hint("nccl", other, trainer_pid=7) is None  # another GPU: nothing shared

@@ -67,7 +67,8 @@ class ServerDevice:
     reports it on CUDA, vLLM does not. `transfer_backend`: vLLM's `--weight-transfer-config` backend
     (the embedded server: its default). `accepts_ipc`: the server copies weights from CUDA IPC handles
     (vLLM: backend "ipc"; the embedded server: its JSON IPC path). `insecure_serialization`: vLLM's
-    `VLLM_ALLOW_INSECURE_SERIALIZATION` (its ipc backend unpickles the handles only with it)."""
+    `VLLM_ALLOW_INSECURE_SERIALIZATION` (its ipc backend unpickles the handles only with it). `pid`: the
+    embedded server's process id (equal to the trainer's when it runs inside it), None for vLLM."""
 
     device_type: str | None
     device_uuid: str | None
@@ -75,6 +76,7 @@ class ServerDevice:
     accepts_ipc: bool
     embedded: bool
     insecure_serialization: bool = False
+    pid: int | None = None
 
 
 def parse_server_device(body: dict[str, Any]) -> ServerDevice:
@@ -96,6 +98,7 @@ def parse_server_device(body: dict[str, Any]) -> ServerDevice:
         accepts_ipc=accepts_ipc,
         embedded=isinstance(embedded, dict),
         insecure_serialization=str(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")).lower() in ("1", "true"),
+        pid=embedded.get("pid") if isinstance(embedded, dict) and isinstance(embedded.get("pid"), int) else None,
     )
 
 

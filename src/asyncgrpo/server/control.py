@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from typing import Any
 
@@ -105,6 +106,7 @@ class ControlRoutes:
             "prompt_attention": "flash_varlen" if self.runner.varlen_prompts else "padded",
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
+            "pid": os.getpid(),  # a trainer sees whether the server runs in its own process (ServerThread)
         }
         steps = request.query.get("steps")
         if steps is not None:  # the last N steps, oldest first (EngineStats.recent)

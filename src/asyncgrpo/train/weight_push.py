@@ -30,6 +30,7 @@ never comes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -40,7 +41,13 @@ from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta, plan_ch
 from asyncgrpo.train.distributed import broadcast_from_rank0, rank_and_world_size
 from asyncgrpo.train.model_setup import is_sharded, server_weight_metas, weights_for_server
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.transport_choice import all_gpus_visible, choose_transport, nccl_failure_hint, same_gpu
+from asyncgrpo.train.transport_choice import (
+    all_gpus_visible,
+    choose_transport,
+    nccl_failure_hint,
+    same_gpu,
+    sharing_hint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,9 @@ def make_transport(link: ServerLink, device: torch.device, server: ServerDevice 
     shared = same_gpu(uuid, server, link.base_url, host_gpus, all_gpus_visible())
     choice = choose_transport(device.type, server, shared)
     logger.info("weight transport: %s (trainer on %s, same GPU as the server: %s)", choice, device, shared)
+    hint = sharing_hint(choice, server, os.getpid())
+    if hint is not None:  # a warning where the fix is at hand (the embedded server can move in), else a note
+        (logger.warning if server.embedded else logger.info)(hint)
     if choice == "ipc":
         return IpcTransport(link, device, "embedded")
     if choice == "vllm_ipc":
