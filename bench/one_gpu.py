@@ -11,7 +11,9 @@ asynchronous (`max_staleness=4`) and strictly on-policy (`max_staleness=0`) runs
 settings get windows of the same length) and stops at the first step end past that.
 
 Per run (`steady_summary` in bench/one_gpu_probes.py says how each number is computed):
-  trained tokens/s, generated tokens/s (the server's own counter), the perf/* split of a step
+  trained tokens/s, generated tokens/s (the server's own counter, read by a thread every 0.5 s and
+  interpolated at each step's end, so that the trainer never waits on the server's /metrics; how
+  long those reads took is `metrics_read_s`), the perf/* split of a step
   (step, fwd_bwd, optimizer, rollout wait, weight sync and its transfer part), the weight transport
   used, peak GPU memory (trainer: torch.cuda.max_memory_allocated/reserved; every process: nvidia-smi
   per pid, sampled each second; the device), and the rollout process's CPU seconds per generated token
@@ -48,6 +50,7 @@ import logging
 import os
 import platform
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +61,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from gpu_sharing import SHARING_MODES, gpu_sharing
 from one_gpu_probes import (
+    CounterPoller,
     GpuMemory,
     RunRecorder,
     generated_tokens,
@@ -182,8 +186,9 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         print(progress_line(label, recorder.steps[-1]), flush=True)
         bench.save()
 
+    poller = CounterPoller(lambda: generated_tokens(url))
     recorder = RunRecorder(label=label, max_seconds=args.max_seconds, warmup_steps=args.warmup_steps,
-                           on_record=on_record, read_generated=lambda: generated_tokens(url))
+                           on_record=on_record, generated=poller)
     limit_s = args.max_seconds + args.grace_s
     watchdog = threading.Timer(limit_s, bench.abort, (f"{label} still running {limit_s:.0f} s after it started",))
     watchdog.daemon = True
@@ -200,33 +205,37 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
     print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
           f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
     memory = GpuMemory()
-    try:
-        with memory:
-            trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_token_fraction, train_dataset=rows,
-                                       args=config, callbacks=[recorder])
-            trainer.remove_callback(PrinterCallback)  # one progress line per step instead of the log dicts
-            recorder.trainer = trainer
-            bench.result["shapes"][shape]["num_parameters"] = sum(p.numel() for p in trainer.model.parameters())
-            trainer.train()
-        run["status"] = "done"
-    except BaseException as exc:
-        run["status"] = f"failed: {type(exc).__name__}: {exc}"
-        raise
-    finally:
-        watchdog.cancel()
-        run.update(steps=recorder.steps, transport=recorder.transport, elapsed_s=recorder.elapsed_s(),
-                   stopped_by_time=recorder.stopped_by_time,
-                   summary=steady_summary(recorder.steps, args.warmup_steps))
-        run["memory"] = {
-            "trainer_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "trainer_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
-            **memory.report(is_server),
-        }
-        bench.save()
-        trainer = recorder.trainer = None
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+    with poller:  # stopped after the finally below has read the generated tokens
+        try:
+            with memory:
+                trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_token_fraction, train_dataset=rows,
+                                           args=config, callbacks=[recorder])
+                trainer.remove_callback(PrinterCallback)  # one progress line per step instead of the log dicts
+                recorder.trainer = trainer
+                bench.result["shapes"][shape]["num_parameters"] = sum(p.numel() for p in trainer.model.parameters())
+                trainer.train()
+            run["status"] = "done"
+        except BaseException as exc:
+            run["status"] = f"failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            watchdog.cancel()
+            recorder.fill_generated()
+            run["metrics_read_s"] = {"reads": len(poller.read_s), "median": statistics.median(poller.read_s),
+                                     "max": max(poller.read_s)} if poller.read_s else None
+            run.update(steps=recorder.steps, transport=recorder.transport, elapsed_s=recorder.elapsed_s(),
+                       stopped_by_time=recorder.stopped_by_time,
+                       summary=steady_summary(recorder.steps, args.warmup_steps))
+            run["memory"] = {
+                "trainer_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                "trainer_max_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+                **memory.report(is_server),
+            }
+            bench.save()
+            trainer = recorder.trainer = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     return run
 
 

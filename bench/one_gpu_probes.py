@@ -4,10 +4,12 @@
                        device's used memory (torch.cuda.mem_get_info); peaks per pid
     rollout_cpu_s()    CPU seconds (user + system) of the rollout process (the trainer's spawned child)
     generated_tokens() the server's vllm:generation_tokens_total (the embedded server and vLLM both count it)
+    CounterPoller      a thread reading such a counter every half second, so that the trainer never waits
+                       on the server's HTTP side; `value_at(t)` interpolates between its readings
     wait_until_idle()  until the server runs no request (between runs)
     server_cache_config()  the server's KV cache size and scheduler settings (/server_info)
     RunRecorder        a TrainerCallback: per logged step the time, the step's metrics and the two
-                       counters above; stops training at the first step end `max_seconds` after the
+                       counters above (the generated tokens filled in from the poller after the run); stops training at the first step end `max_seconds` after the
                        warm-up steps (so both settings are measured over windows of the same length)
     steady_summary()   pure: the rates over the steps after the warm-up (see its docstring)
 
@@ -17,6 +19,7 @@ the Trainer to stop after the current step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -106,6 +109,67 @@ def rollout_cpu_s() -> float | None:
     return total
 
 
+def interpolate(samples: list[tuple[float, float]], t: float) -> float | None:
+    """The value at time t from (time, value) samples in time order: linear between the two around t,
+    the nearest one outside them, None without samples."""
+    if not samples:
+        return None
+    if t <= samples[0][0]:
+        return samples[0][1]
+    for (t0, v0), (t1, v1) in itertools.pairwise(samples):
+        if t <= t1:
+            return v0 + (v1 - v0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return samples[-1][1]
+
+
+class CounterPoller:
+    """Reads a counter (`read() -> float | None`) in a thread every `interval_s` and keeps the readings,
+    each stamped with the middle of its read (time.perf_counter). A read of a busy server's /metrics
+    can take seconds; made between two training steps it would stall the trainer, so the recorder
+    takes the value from here instead. `read_s` lists how long each read took."""
+
+    def __init__(self, read: Callable[[], float | None], interval_s: float = 0.5) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []
+        self.read_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _poll(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            value = self.read()
+            t1 = time.perf_counter()
+            self.read_s.append(t1 - t0)
+            if value is not None:
+                self.samples.append(((t0 + t1) / 2, value))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def latest(self) -> float | None:
+        return self.samples[-1][1] if self.samples else None
+
+    def value_at(self, t: float, wait_s: float = 15.0) -> float | None:
+        """The counter at time t, waiting up to `wait_s` for a reading after t (the last steps' readings
+        come up to one interval and one read later)."""
+        deadline = time.perf_counter() + wait_s
+        while (not self.samples or self.samples[-1][0] < t) and self._thread is not None \
+                and self._thread.is_alive() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        return interpolate(list(self.samples), t)
+
+    def __enter__(self) -> Self:
+        self._thread = threading.Thread(target=self._poll, name="counter-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+
+
 class GpuMemory:
     """Peaks of GPU memory while it runs: per process (nvidia-smi, MiB -> bytes) and device-wide."""
 
@@ -175,12 +239,12 @@ class RunRecorder(TrainerCallback):
     the first step end more than `max_seconds` after the end of step `warmup_steps` (at least 1):
     the steady window `steady_summary` measures, whatever the start-up and compilation took."""
 
-    def __init__(self, *, label: str, max_seconds: float, warmup_steps: int,
-                 read_generated: Callable[[], float | None], on_record: Callable[[RunRecorder], None]) -> None:
+    def __init__(self, *, label: str, max_seconds: float, warmup_steps: int, generated: CounterPoller,
+                 on_record: Callable[[RunRecorder], None]) -> None:
         self.label = label
         self.max_seconds = max_seconds
         self.warmup_steps = max(1, warmup_steps)
-        self.read_generated = read_generated
+        self.generated = generated
         self.on_record = on_record
         self.started = time.perf_counter()
         self.steps: list[dict[str, float]] = []
@@ -210,16 +274,18 @@ class RunRecorder(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs or "perf/step_s" not in logs:
             return
-        t_s = self.elapsed_s()
-        generated = self.read_generated()
-        # the read blocks the trainer between two steps: how long it took says how responsive the server's
-        # HTTP side is under load (and how much of the window the probe itself took)
-        record = {"step": state.global_step, "t_s": t_s, "generated_tokens": generated,
-                  "metrics_read_s": self.elapsed_s() - t_s, "rollout_cpu_s": rollout_cpu_s()}
+        # the poller's latest reading for the progress line; `fill_generated` puts in the value at t_s
+        record = {"step": state.global_step, "t_s": self.elapsed_s(), "generated_tokens": self.generated.latest(),
+                  "rollout_cpu_s": rollout_cpu_s()}
         record.update({k: float(v) for k, v in logs.items()
                        if isinstance(v, (int, float)) and (k.startswith("perf/") or k in STEP_KEYS_KEPT)})
         self.steps.append(record)
         self.on_record(self)
+
+    def fill_generated(self) -> None:
+        """After the run: each step's generated tokens at the time it was logged, from the poller."""
+        for record in self.steps:
+            record["generated_tokens"] = self.generated.value_at(self.started + record["t_s"])
 
 
 def _delta(steps: list[dict], key: str, first: int) -> float | None:

@@ -41,6 +41,10 @@ def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
         assert summary["mean_perf/weight_sync_s"] > 0 and "mean_perf/fwd_bwd_s" in summary
         assert summary["mean_frac_reward_zero_std"] < 0.5  # the reward varies within groups
         assert run["steps"][-1]["step"] == len(run["steps"])
+        # the server's counter is read off the trainer's path, and each step gets its value at its own time
+        assert run["metrics_read_s"]["reads"] >= 2
+        counts = [s["generated_tokens"] for s in run["steps"]]
+        assert None not in counts and counts == sorted(counts)
     comparison = tiny["comparison"]
     assert comparison["async_over_on_policy"]["trained_tokens_per_s"] > 0
     assert set(comparison["targets"]) >= {"weight_sync_s", "weight_sync_s_at_most_0.1"}

@@ -4,6 +4,8 @@ the comparison of the settings, the reward, and the prompt length it aims for.""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from one_gpu import even_token_fraction, make_prompts
-from one_gpu_probes import steady_summary
+from one_gpu_probes import CounterPoller, interpolate, steady_summary
 from one_gpu_report import compare_settings
 from random_qwen3 import chat_tokenizer, language_for_vocab
 
@@ -142,3 +144,29 @@ def test_mps_whose_clients_cannot_compute_stops_the_daemon_and_says_what_to_do(t
     started, stopped = calls.read_text().splitlines()
     assert started.startswith("args=-d") and stopped.endswith("stdin=quit")
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_interpolate_between_the_readings_around_a_time_and_the_nearest_outside_them():
+    samples = [(1.0, 100.0), (2.0, 300.0), (4.0, 700.0)]
+    assert interpolate(samples, 1.5) == 200.0 and interpolate(samples, 3.0) == 500.0
+    assert interpolate(samples, 0.0) == 100.0 and interpolate(samples, 9.0) == 700.0
+    assert interpolate([], 1.0) is None
+
+
+def test_the_poller_reads_in_its_own_thread_and_answers_for_a_time_after_the_caller_asked():
+    started = time.perf_counter()
+    calls = []
+
+    def read():  # a counter growing by 1000 a second, which takes 20 ms to read (its value: mid-read)
+        calls.append(threading.current_thread().name)
+        time.sleep(0.01)
+        value = 1000.0 * (time.perf_counter() - started)
+        time.sleep(0.01)
+        return value
+
+    with CounterPoller(read, interval_s=0.05) as poller:
+        time.sleep(0.1)
+        asked = time.perf_counter() + 0.1
+        value = poller.value_at(asked)  # waits for a reading after `asked`
+    assert set(calls) == {"counter-poller"} and len(poller.read_s) >= 3
+    assert abs(value - 1000.0 * (asked - started)) < 15.0  # interpolated: readings are stamped mid-read
