@@ -9,7 +9,8 @@
     wait_until_idle()  until the server runs no request (between runs)
     server_cache_config()  the server's KV cache size and scheduler settings (/server_info)
     RunRecorder        a TrainerCallback: per logged step the time, the step's metrics and the two
-                       counters above (the generated tokens filled in from the poller after the run); stops training at the first step end `max_seconds` after the
+                       counters above (the generated tokens filled in from the poller after the run);
+                       stops training at the first step end `max_seconds` after the
                        warm-up steps (so both settings are measured over windows of the same length)
     steady_summary()   pure: the rates over the steps after the warm-up (see its docstring)
 
@@ -122,45 +123,31 @@ def interpolate(samples: list[tuple[float, float]], t: float) -> float | None:
     return samples[-1][1]
 
 
-class CounterPoller:
-    """Reads a counter (`read() -> float | None`) in a thread every `interval_s` and keeps the readings,
-    each stamped with the middle of its read (time.perf_counter). A read of a busy server's /metrics
-    can take seconds; made between two training steps it would stall the trainer, so the recorder
-    takes the value from here instead. `read_s` lists how long each read took."""
+class _Sampler:
+    """A daemon thread that calls `sample()` at once and then every `interval_s` for as long as the
+    `with` block runs."""
 
-    def __init__(self, read: Callable[[], float | None], interval_s: float = 0.5) -> None:
-        self.read = read
+    thread_name = "sampler"
+
+    def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self.samples: list[tuple[float, float]] = []
-        self.read_s: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _poll(self) -> None:
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
         while True:
-            t0 = time.perf_counter()
-            value = self.read()
-            t1 = time.perf_counter()
-            self.read_s.append(t1 - t0)
-            if value is not None:
-                self.samples.append(((t0 + t1) / 2, value))
+            self.sample()
             if self._stop.wait(self.interval_s):
                 return
 
-    def latest(self) -> float | None:
-        return self.samples[-1][1] if self.samples else None
-
-    def value_at(self, t: float, wait_s: float = 15.0) -> float | None:
-        """The counter at time t, waiting up to `wait_s` for a reading after t (the last steps' readings
-        come up to one interval and one read later)."""
-        deadline = time.perf_counter() + wait_s
-        while (not self.samples or self.samples[-1][0] < t) and self._thread is not None \
-                and self._thread.is_alive() and time.perf_counter() < deadline:
-            time.sleep(0.05)
-        return interpolate(list(self.samples), t)
-
     def __enter__(self) -> Self:
-        self._thread = threading.Thread(target=self._poll, name="counter-poller", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
         return self
 
@@ -170,19 +157,61 @@ class CounterPoller:
             self._thread.join(timeout=15)
 
 
-class GpuMemory:
+class CounterPoller(_Sampler):
+    """Reads a counter (`read() -> float | None`) in a thread every `interval_s` and keeps the readings,
+    each stamped with the middle of its read (time.perf_counter). A read of a busy server's /metrics
+    can take seconds; made between two training steps it would stall the trainer, so the recorder
+    takes the value from here instead. `read_s` lists how long each read took."""
+
+    thread_name = "counter-poller"
+
+    def __init__(self, read: Callable[[], float | None], interval_s: float = 0.5) -> None:
+        super().__init__(interval_s)
+        self.read = read
+        self.samples: list[tuple[float, float]] = []
+        self.read_s: list[float] = []
+
+    def sample(self) -> None:
+        t0 = time.perf_counter()
+        value = self.read()
+        t1 = time.perf_counter()
+        self.read_s.append(t1 - t0)
+        if value is not None:
+            self.samples.append(((t0 + t1) / 2, value))
+
+    def latest(self) -> float | None:
+        return self.samples[-1][1] if self.samples else None
+
+    def value_at(self, t: float, wait_s: float = 15.0) -> float | None:
+        """The counter at time t, waiting up to `wait_s` for a reading after t (the last steps' readings
+        come up to one interval and one read later)."""
+        deadline = time.perf_counter() + wait_s
+        while (not self.samples or self.samples[-1][0] < t) and self.running() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        return interpolate(list(self.samples), t)
+
+
+class GpuMemory(_Sampler):
     """Peaks of GPU memory while it runs: per process (nvidia-smi, MiB -> bytes) and device-wide."""
+
+    thread_name = "gpu-memory"
 
     def __init__(self, interval_s: float = 1.0) -> None:
         import torch
 
-        self.interval_s = interval_s
+        super().__init__(interval_s)
         self.enabled = torch.cuda.is_available()
         self.nvidia_smi = shutil.which("nvidia-smi") if self.enabled else None
         self.peak_by_pid: dict[int, int] = {}
         self.peak_device_used = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        if not self.enabled:
+            return
+        try:
+            self._sample()
+        except (OSError, subprocess.SubprocessError, RuntimeError):
+            pass  # a missed sample; the next one counts
 
     def _sample(self) -> None:
         import torch
@@ -198,25 +227,6 @@ class GpuMemory:
             if pid.strip().isdigit() and used.strip().isdigit():
                 key = int(pid)
                 self.peak_by_pid[key] = max(self.peak_by_pid.get(key, 0), int(used) * 2**20)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._sample()
-            except (OSError, subprocess.SubprocessError, RuntimeError):
-                continue  # a missed sample; the next one counts
-
-    def __enter__(self) -> Self:
-        if self.enabled:
-            self._sample()
-            self._thread = threading.Thread(target=self._run, name="gpu-memory", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=15)
 
     def report(self, is_server: Callable[[int], bool]) -> dict[str, Any]:
         """Peaks in bytes: this process (the trainer), the server's processes (`is_server(pid)`), any other."""

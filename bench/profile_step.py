@@ -27,7 +27,8 @@ measurement).
     python bench/profile_step.py --device cuda --models qwen3-0.6b --workload shared-prompt \\
         --variants base compile+head
 
-Writes bench/results/profile_<workload>_<model>_<variant>_<device>.json (`+` in a variant's name as `_`) (and a Chrome trace with --trace).
+Writes bench/results/profile_<workload>_<model>_<variant>_<device>.json, a variant's `+` written `_`
+(and a Chrome trace with --trace).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def sharing_hint(choice: str, server: ServerDevice | None, trainer_pid: int) -> 
     if server.embedded and server.pid == trainer_pid:
         return None
     measured = ("on one H100 the asynchronous run trained 1.30x the on-policy run's tokens/s with the embedded "
-                "server inside the trainer's process, 0.98-1.13x with it in its own process and 1.23x with vLLM")
+                "server inside the trainer's process, 0.98x (1.7B) with it in its own process and 1.23x with vLLM")
     if server.embedded:
         return (f"the embedded server shares this GPU from another process, so CUDA time-slices the two ({measured}): "
                 "run it inside the trainer's process with asyncgrpo.server.serve.ServerThread for more throughput "
