@@ -51,6 +51,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -225,8 +226,8 @@ def logprob_diff(model, samples, device):
 
 def time_layout(model, name, rows, args, device, options):
     """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
-    (an "error" entry when the GPU runs out of memory), and the first timed row's log-probs."""
-    from step_options import variant_scope
+    (an "error" entry when the GPU runs out of memory, or when a variant's optional path fails), and the first timed row's log-probs."""
+    from step_options import StepOptions, variant_scope
 
     set_layout(model, name)
     layout = Layout(name, device)
@@ -254,6 +255,12 @@ def time_layout(model, name, rows, args, device, options):
     except torch.cuda.OutOfMemoryError as exc:
         model.zero_grad(set_to_none=True)
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}, None
+    except Exception as exc:  # an optional path (FlashAttention-4, liger-kernel) that fails here is a result too
+        if options == StepOptions():
+            raise
+        traceback.print_exc()
+        model.zero_grad(set_to_none=True)
+        return {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"}, None
     timed = batches[args.warmup:]
     tokens, trained = sum(b["tokens"] for b in timed), sum(b["trained"] for b in timed)
     flops = step_flops(model.config, args.n_body, tokens, trained, sum(b["pairs"] for b in timed))

@@ -12,6 +12,8 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
     tune      the layers compiled with mode "max-autotune-no-cudagraphs": inductor times FlexAttention's
               block sizes and its own matmul templates against cuBLAS at the first compile (minutes of
               warm-up; needs `compile`)
+    flash     FlexAttention's FlashAttention-4 backend (kernel_options BACKEND="FLASH": CuTe DSL kernels of
+              the flash-attn-4 package, optional) instead of its Triton kernels (needs `compile`)
     liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
 
 `compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds
@@ -25,7 +27,7 @@ import contextlib
 import copy
 from dataclasses import dataclass
 
-OPTIONS = ("compile", "head", "nockpt", "sac", "tune", "liger")
+OPTIONS = ("compile", "head", "nockpt", "sac", "tune", "flash", "liger")
 SAC_BUDGET = 0.5
 
 
@@ -36,6 +38,7 @@ class StepOptions:
     nockpt: bool = False
     sac: bool = False
     tune: bool = False
+    flash: bool = False
     liger: bool = False
 
     @classmethod
@@ -47,8 +50,9 @@ class StepOptions:
         if "sac" in parts and ("compile" not in parts or "nockpt" in parts):
             raise ValueError(f"variant {text!r}: 'sac' is the compiled layers' own recomputation: it needs 'compile' "
                              "and replaces checkpointing ('nockpt' says there is none)")
-        if "tune" in parts and "compile" not in parts:
-            raise ValueError(f"variant {text!r}: 'tune' is a mode of the compiled layers: it needs 'compile'")
+        for option in ("tune", "flash"):
+            if option in parts and "compile" not in parts:
+                raise ValueError(f"variant {text!r}: '{option}' is an option of the compiled layers: it needs 'compile'")
         return cls(**{p: True for p in parts})
 
     @property
@@ -87,6 +91,8 @@ def variant_scope(options: StepOptions):
             stack.enter_context(liger_rotary_scope())
         if options.sac:
             stack.enter_context(activation_budget_scope(SAC_BUDGET))
+        if options.flash:
+            stack.enter_context(flash_attention_scope())
         yield
 
 
@@ -100,6 +106,26 @@ def activation_budget_scope(budget: float):
     torch._dynamo.reset()
     try:
         with torch._functorch.config.patch(activation_memory_budget=budget):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def flash_attention_scope():
+    """FlexAttention on FlashAttention-4's kernels for this variant's layers, compiled afresh."""
+    import torch
+
+    from asyncgrpo.packing.attention import flex_kernel_options
+
+    try:
+        import flash_attn.cute  # noqa: F401 -- FlexAttention's FLASH backend imports it when it lowers
+    except ImportError as exc:
+        raise SystemExit(f"the 'flash' variant needs the flash-attn-4 package ({exc}); install it (pip install "
+                         "flash-attn-4) or leave 'flash' out of --variants") from None
+    torch._dynamo.reset()
+    try:
+        with flex_kernel_options({"BACKEND": "FLASH"}):
             yield
     finally:
         torch._dynamo.reset()

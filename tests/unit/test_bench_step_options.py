@@ -20,8 +20,9 @@ def test_variants_parse_in_a_fixed_order_and_refuse_what_cannot_combine():
     assert StepOptions.parse("compile+head+sac").sac
     with pytest.raises(ValueError, match="unknown option"):
         StepOptions.parse("compile+fast")
-    with pytest.raises(ValueError, match="'tune' is a mode of the compiled layers"):
-        StepOptions.parse("head+tune")
+    for option in ("tune", "flash"):
+        with pytest.raises(ValueError, match=f"'{option}' is an option of the compiled layers"):
+            StepOptions.parse(f"head+{option}")
     for text in ("sac", "head+sac", "compile+nockpt+sac"):
         with pytest.raises(ValueError, match="'sac' is the compiled layers' own recomputation"):
             StepOptions.parse(text)

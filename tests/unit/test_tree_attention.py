@@ -18,6 +18,7 @@ from asyncgrpo.packing.attention import (
     TreeMask,
     disable_tree_attention,
     enable_tree_attention,
+    flex_kernel_options,
     tree_attention_context,
 )
 from asyncgrpo.train.logprobs import token_logprobs
@@ -141,6 +142,25 @@ def test_flex_backend_matches_dense_on_cpu():
     samples = grpo_like_samples(np.random.default_rng(2))
     reference = unpacked_logprobs(model, samples)
     enable_tree_attention(model)
+    torch.testing.assert_close(packed_logprobs(model, samples, backend="flex"), reference, atol=1e-5, rtol=0)
+
+
+def test_flex_kernel_options_reach_flex_attention_and_are_restored():
+    """The options travel to FlexAttention itself (it refuses an unknown backend by name) and end with
+    the context; the defaults give the dense result."""
+    import asyncgrpo.packing.attention as attention
+
+    model = tiny_model("qwen3")
+    samples = grpo_like_samples(np.random.default_rng(2))
+    reference = unpacked_logprobs(model, samples)
+    enable_tree_attention(model)
+    with flex_kernel_options({"BACKEND": "NO_SUCH_BACKEND"}):
+        with pytest.raises(ValueError, match="NO_SUCH_BACKEND"):
+            packed_logprobs(model, samples, backend="flex")
+        with flex_kernel_options(None):
+            assert attention._FLEX_KERNEL_OPTIONS is None
+        assert attention._FLEX_KERNEL_OPTIONS == {"BACKEND": "NO_SUCH_BACKEND"}
+    assert attention._FLEX_KERNEL_OPTIONS is None
     torch.testing.assert_close(packed_logprobs(model, samples, backend="flex"), reference, atol=1e-5, rtol=0)
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "attention_windows",
     "disable_tree_attention",
     "enable_tree_attention",
+    "flex_kernel_options",
     "tree_attention_context",
     "tree_attention_forward",
 ]
@@ -60,6 +61,9 @@ _MASK_KWARG = "tree_mask"
 _HOOK_ATTR = "_asyncgrpo_tree_attention_hook"
 _NOT_PASSED = object()
 _ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("asyncgrpo_tree_mask", default=None)
+# FlexAttention's kernel_options for every tree attention call (None: its defaults). A plain global, not a
+# context variable: compiled layers read it while tracing and guard on its value.
+_FLEX_KERNEL_OPTIONS: dict | None = None
 
 
 @dataclass(eq=False)
@@ -275,7 +279,21 @@ def _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softca
     compiled = query.device.type != "cpu" and not torch.compiler.is_compiling()
     attend = _compiled_flex_attention() if compiled else flex_attention
     return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window), scale=scaling,
-                  enable_gqa=enable_gqa)
+                  enable_gqa=enable_gqa, kernel_options=_FLEX_KERNEL_OPTIONS)
+
+
+@contextlib.contextmanager
+def flex_kernel_options(options: dict | None) -> Iterator[None]:
+    """FlexAttention's `kernel_options` for the tree attention run inside, e.g. {"BACKEND": "FLASH"}
+    (FlashAttention-4's kernels, from the flash-attn-4 package) or Triton block sizes. Layers
+    compiled inside compile with these options; reset dynamo (`torch._dynamo.reset()`) around a
+    change so that no graph traced under other options is reused."""
+    global _FLEX_KERNEL_OPTIONS
+    previous, _FLEX_KERNEL_OPTIONS = _FLEX_KERNEL_OPTIONS, (dict(options) if options else None)
+    try:
+        yield
+    finally:
+        _FLEX_KERNEL_OPTIONS = previous
 
 
 def active_tree_mask() -> TreeMask | None:
