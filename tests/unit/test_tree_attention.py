@@ -148,7 +148,7 @@ def test_flex_backend_matches_dense_on_cpu():
 def test_flex_kernel_options_reach_flex_attention_and_are_restored():
     """The options travel to FlexAttention itself (it refuses an unknown backend by name) and end with
     the context; the defaults give the dense result."""
-    import asyncgrpo.packing.attention as attention
+    from asyncgrpo.packing import attention
 
     model = tiny_model("qwen3")
     samples = grpo_like_samples(np.random.default_rng(2))
