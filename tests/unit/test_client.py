@@ -348,6 +348,47 @@ def test_connection_errors_are_retried_until_the_server_appears():
     assert len(retries) >= 1
 
 
+@pytest.mark.parametrize("client_keepalive_s, retried", [(0.2, False), (30.0, True)])
+def test_idle_connections_are_dropped_before_the_server_closes_them(monkeypatch, client_keepalive_s, retried):
+    """A server that answers one request per connection and then closes on the next one, as vLLM's
+    server does with a request that arrives when its 5 s keep-alive runs out. A client that keeps idle
+    connections for less than the server does opens a fresh one and never meets the reset. (/pause is a
+    POST: aiohttp itself resends only idempotent requests that meet a closed connection.)"""
+    from asyncgrpo.generation import transport
+
+    monkeypatch.setattr(transport, "KEEPALIVE_S", client_keepalive_s)
+    assert transport.KEEPALIVE_S < 5 or retried  # the shipped value is below vLLM's default keep-alive
+    retries: list[int] = []
+
+    async def one_answer_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # a bodiless POST
+        body = b'{"status": "paused"}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # a second request on this connection: closed unanswered
+        except asyncio.IncompleteReadError:
+            pass
+        writer.transport.abort()
+
+    async def main():
+        server = await asyncio.start_server(one_answer_per_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with GenerationClient(f"http://127.0.0.1:{port}", backoff_s=0.01,
+                                        on_retry=lambda: retries.append(1)) as client:
+                await client.pause()
+                await asyncio.sleep(0.5)  # idle: longer than the client keeps a connection, or not
+                await client.pause()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    run(main())
+    assert bool(retries) is retried
+
+
 def test_connection_errors_give_up_after_max_retries():
     port = _free_port()
     retries: list[int] = []

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 30.0
 OUTAGE_POLL_S = 5.0  # past max_retries, while waiting for a server to come back
+# Idle connections are dropped before vLLM's own 5 s keep-alive (uvicorn, VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+# closes them: a request sent on a connection the server is closing meets "connection reset" and a retry.
+# The trainer's control calls (one /pause per step) idle longer than that between uses.
+KEEPALIVE_S = 4.0
 RETRY_LOG_INTERVAL_S = 10.0
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 _RL_ROUTES = (
@@ -148,7 +152,8 @@ class ServerTransport:
     async def start(self) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),  # concurrency is bounded by the rollout loop
+                # concurrency is bounded by the rollout loop
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=None),
             )
