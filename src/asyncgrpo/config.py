@@ -45,6 +45,8 @@ class AsyncGRPOConfig(TrainingArguments):
     `torch_compile` (with `torch_compile_backend`, `torch_compile_mode`) compiles each decoder layer in
     place, for any row length, and the elementwise work of the log-prob head, instead of the whole
     model (`asyncgrpo.train.compiled_layers`); the first steps take longer while the graphs compile.
+    With it, `activation_memory_budget` replaces whole-layer gradient checkpointing by selective
+    recomputation (see the field).
 
     Training length: `num_train_epochs` counts passes over the prompt dataset (distinct prompts
     trained, however many samples their rollouts fork into); an explicit `max_steps > 0` becomes the
@@ -58,6 +60,13 @@ class AsyncGRPOConfig(TrainingArguments):
             "float16" or "float32". float32 by default because the training-inference mismatch is
             sensitive to the trainer's own precision. A `dtype` in `model_init_kwargs` wins.
         trust_remote_code (`bool`, defaults to False): Allow models and tokenizers with custom code.
+        activation_memory_budget (`float`, optional): With `torch_compile=True`, recompute selectively
+            instead of whole layers: the compiled layers keep at most this fraction (in (0, 1]) of the
+            activation memory that keeping every activation would take and recompute the cheapest
+            operations for the rest (torch's `activation_memory_budget`, set for the process).
+            Whole-layer `gradient_checkpointing` is then off. 0.5 measured 9-16 % more tokens/s than
+            whole-layer checkpointing at about 3x its activation memory (README, "Training speed").
+            None (default): `gradient_checkpointing` as set.
         router_aux_loss_coef (`float`, optional): Weight of a Mixture-of-Experts model's load-balancing
             loss added to the training loss (logged before scaling as `aux_loss`). None: the model
             config's value; 0.0 disables it; a positive value on a model without a router is an error.
@@ -190,6 +199,13 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow models and tokenizers with custom code."}
+    )
+    activation_memory_budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "With torch_compile: recompute selectively instead of whole layers, keeping at most this "
+            "fraction (0, 1] of the activation memory (e.g. 0.5); whole-layer gradient_checkpointing is then off."
+        },
     )
     router_aux_loss_coef: float | None = field(
         default=None,

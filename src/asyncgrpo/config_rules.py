@@ -79,6 +79,10 @@ def resolve_defaults(args: AsyncGRPOConfig) -> None:
             args.gradient_checkpointing = None
     elif args.gradient_checkpointing is None:
         args.gradient_checkpointing = True
+    if args.activation_memory_budget is not None:  # the compiled layers recompute instead (validated below)
+        if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:
+            args.activation_checkpointing = False
+        args.gradient_checkpointing = False if args.gradient_checkpointing is not None else None
     if not args.ignore_data_skip:
         logger.warning(
             "ignore_data_skip=False has no effect: AsyncGRPOTrainer resumes from rollout_state.json, not by "
@@ -112,6 +116,13 @@ def _require(ok: bool, message: str) -> None:
 def validate(args: AsyncGRPOConfig) -> None:
     """Every field's rules, in declaration order: a broken rule raises, a no-op combination warns."""
     _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
+    budget = args.activation_memory_budget
+    _require(budget is None or 0 < budget <= 1,
+             f"activation_memory_budget={budget} must be in (0, 1] (the fraction of activation memory the compiled "
+             "layers keep; e.g. 0.5), or None for whole-layer gradient_checkpointing")
+    _require(budget is None or bool(args.torch_compile),
+             f"activation_memory_budget={budget} is the compiled layers' recomputation: set torch_compile=True as "
+             "well, or leave activation_memory_budget=None for whole-layer gradient_checkpointing")
     _require(
         args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
         f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",

@@ -44,7 +44,8 @@ SEED_FIELDS = {
 }
 # fields of ours that the seed lacks (each says why in its docstring)
 EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
-                    "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0}
+                    "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0,
+                    "activation_memory_budget": None}
 
 
 def make(**kwargs):
@@ -108,6 +109,12 @@ def test_gradient_checkpointing_is_this_configs_own_field_without_a_deprecation_
             assert getattr(config, "activation_checkpointing", value) is value
 
 
+def test_an_activation_memory_budget_replaces_whole_layer_checkpointing():
+    config = make(torch_compile=True, activation_memory_budget=0.5)
+    assert not config.gradient_checkpointing and not getattr(config, "activation_checkpointing", False)
+    assert make(torch_compile=True).gradient_checkpointing or make(torch_compile=True).activation_checkpointing
+
+
 def test_ignore_data_skip_false_is_overridden_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.config"):
         config = make(ignore_data_skip=False)
@@ -150,6 +157,9 @@ def test_bad_json_dict_names_the_field(value):
         ({"max_concurrent_rollouts": 0}, ["max_concurrent_rollouts=0"]),
         ({"token_budget": 0}, ["token_budget=0"]),
         ({"vllm_server_restart_timeout": -1.0}, ["vllm_server_restart_timeout=-1.0", ">= 0"]),
+        ({"activation_memory_budget": 0.5}, ["activation_memory_budget=0.5", "torch_compile=True"]),
+        ({"activation_memory_budget": 1.5, "torch_compile": True}, ["activation_memory_budget=1.5", "(0, 1]"]),
+        ({"activation_memory_budget": 0.0, "torch_compile": True}, ["activation_memory_budget=0.0", "(0, 1]"]),
     ],
 )
 def test_invalid_settings_raise_naming_field_and_value(kwargs, words):

@@ -13,6 +13,10 @@ chunked LM head and the Trainer's wrappers, for nothing.
 - Shapes: the row length is dynamic from the first compile (`dynamic=True`), so rows of any length
   reuse one graph. Padding rows to length buckets would cost compute for nothing: the tree mask makes
   the graph independent of the row's layout, and only the length varies.
+- Recomputation: under whole-layer gradient checkpointing a layer's backward reruns its compiled
+  forward. With `activation_memory_budget` there is no checkpointing; the partitioner that splits each
+  compiled layer into forward and backward keeps at most that fraction of the activations and
+  recomputes the cheapest operations (elementwise, norms) for the rest, keeping matmul outputs.
 - Masks: a forward pre-hook on the model builds the row's attention masks for every window the
   layers use (`TreeMask.prebuild`) before the first layer runs, so no graph builds a mask and every
   layer reads the same one.
@@ -50,9 +54,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "inductor", mode: str | None = None,
-                           dynamic: bool | None = True) -> int:
+                           dynamic: bool | None = True, activation_memory_budget: float | None = None) -> int:
     """Compile every decoder layer in place and prebuild each row's masks before the layers run;
-    returns the number of layers compiled. Call once, after `enable_tree_attention`."""
+    returns the number of layers compiled. Call once, after `enable_tree_attention`.
+    `activation_memory_budget` (0, 1]: the partitioner's budget, set for the whole process (the layers'
+    forward/backward split happens when they first run in training, later than this call)."""
     base = unwrap(model)
     body, _ = decoder_and_head(model)
     windows = attention_windows(base)
@@ -62,6 +68,8 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
     # runs the whole layer eagerly, unless the backward's recompute may skip it (it only routes calls)
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    if activation_memory_budget is not None:
+        torch._functorch.config.activation_memory_budget = activation_memory_budget
     for layer in layers:
         layer.compile(backend=backend or "inductor", mode=mode, dynamic=dynamic)
     if getattr(body, _PREBUILD_HOOK, None) is None:  # the decoder runs the layers, however it is called
@@ -71,6 +79,8 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
                 mask.prebuild(windows)
 
         setattr(body, _PREBUILD_HOOK, body.register_forward_pre_hook(prebuild, with_kwargs=True))
-    logger.info("compiled %d decoder layers of %s (backend %s, mode %s, dynamic row length); masks of windows %s "
-                "are built before the layers", len(layers), type(base).__name__, backend, mode, windows)
+    logger.info("compiled %d decoder layers of %s (backend %s, mode %s, dynamic row length%s); masks of windows %s "
+                "are built before the layers", len(layers), type(base).__name__, backend, mode,
+                "" if activation_memory_budget is None else f", activation memory budget {activation_memory_budget}",
+                windows)
     return len(layers)

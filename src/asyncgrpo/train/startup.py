@@ -75,7 +75,8 @@ def prepare_policy_and_tokenizer(
     if peft_config is not None:
         model = wrap_peft(model, peft_config)
     if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
-        compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode,
+                               activation_memory_budget=args.activation_memory_budget)
     return PreparedPolicy(model, model_id, processing_class, flop_model, aux_loss_coef, logit_proc)
 
 
