@@ -234,7 +234,7 @@ def time_layout(model, name, rows, args, device, options):
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:
-        with variant_scope(options):
+        with variant_scope(options, args.sac_budget):
             warmup_start = time.perf_counter()
             for batch in batches[: args.warmup]:
                 fwd_bwd(model, batch, args.chunk_size, fused_head=options.head)
@@ -402,6 +402,9 @@ def main(argv=None):
     parser.add_argument("--variant-layouts", nargs="+", default=["tree", "padfree"],
                         help="the layouts the variants other than base run")
     parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--sac-budget", type=float, default=None,
+                        help="the 'sac' variants' activation memory budget (the trainer's activation_memory_budget; "
+                        "default: step_options.SAC_BUDGET)")
     parser.add_argument("--diff-samples", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="default: the device's datasheet dense bf16 peak, as the trainer's perf/*_mfu")
@@ -418,8 +421,12 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     from peak import matmul_tflops, resolve_peak_tflops
-    from step_options import StepOptions
+    from step_options import SAC_BUDGET, StepOptions
 
+    if args.sac_budget is None:
+        args.sac_budget = SAC_BUDGET
+    if not 0 < args.sac_budget <= 1:
+        parser.error(f"--sac-budget {args.sac_budget} must be in (0, 1]")
     variants = [StepOptions.parse(v).name for v in args.variants]
     args.variants = ["base"] + [v for v in dict.fromkeys(variants) if v != "base"]  # base first: the reference
     args.peak_tflops = resolve_peak_tflops(args.peak_tflops, device)

@@ -6,7 +6,8 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
     head      the fused log-prob head (token_logprobs(fused=True): its elementwise work compiled)
     nockpt    no activation checkpointing (the trainer's gradient_checkpointing=False): nothing recomputed
     sac       selective recomputation instead of whole-layer checkpointing: no checkpointing, and the
-              compiled layers' forward/backward partitioner keeps at most SAC_BUDGET of the activation
+              compiled layers' forward/backward partitioner keeps at most SAC_BUDGET (or the run's
+              --sac-budget; the trainer's activation_memory_budget) of the activation
               memory that saving everything would take, recomputing the cheapest ops first (torch's
               `torch._functorch.config.activation_memory_budget`; needs `compile`)
     tune      the layers compiled with mode "max-autotune-no-cudagraphs": inductor times FlexAttention's
@@ -83,14 +84,14 @@ def prepare_model(base_model, options: StepOptions, *, recompute_context=None):
 
 
 @contextlib.contextmanager
-def variant_scope(options: StepOptions):
+def variant_scope(options: StepOptions, sac_budget: float = SAC_BUDGET):
     """Around a variant's steps: what it changes for the whole process (liger's rotary function, the
-    partitioner's memory budget) holds for its runs only."""
+    partitioner's memory budget, `sac_budget` for `sac`) holds for its runs only."""
     with contextlib.ExitStack() as stack:
         if options.liger:
             stack.enter_context(liger_rotary_scope())
         if options.sac:
-            stack.enter_context(activation_budget_scope(SAC_BUDGET))
+            stack.enter_context(activation_budget_scope(sac_budget))
         if options.flash:
             stack.enter_context(flash_attention_scope())
         yield

@@ -42,3 +42,6 @@ def test_sac_runs_without_whole_layer_checkpointing_under_the_memory_budget():
     with variant_scope(options):
         assert torch._functorch.config.activation_memory_budget == SAC_BUDGET
     assert torch._functorch.config.activation_memory_budget == before
+    with variant_scope(options, sac_budget=0.3):
+        assert torch._functorch.config.activation_memory_budget == 0.3
+    assert torch._functorch.config.activation_memory_budget == before
