@@ -13,7 +13,8 @@ settings get windows of the same length) and stops at the first step end past th
 Per run (`steady_summary` in bench/one_gpu_probes.py says how each number is computed):
   trained tokens/s, generated tokens/s (the server's own counter, read by a thread every 0.5 s and
   interpolated at each step's end, so that the trainer never waits on the server's /metrics; how
-  long those reads took is `metrics_read_s`), the perf/* split of a step
+  long those reads took is `metrics_read_s`; `round_trip_s`: how long a one-token completion sent every
+  0.5 s took to come back, i.e. how far behind the server's HTTP side ran), the perf/* split of a step
   (step, fwd_bwd, optimizer, rollout wait, weight sync and its transfer part), the weight transport
   used, peak GPU memory (trainer: torch.cuda.max_memory_allocated/reserved; every process: nvidia-smi
   per pid, sampled each second; the device), and the rollout process's CPU seconds per generated token
@@ -63,8 +64,10 @@ from gpu_sharing import SHARING_MODES, gpu_sharing
 from one_gpu_probes import (
     CounterPoller,
     GpuMemory,
+    RoundTrip,
     RunRecorder,
     generated_tokens,
+    served_model,
     server_cache_config,
     steady_summary,
     wait_until_idle,
@@ -187,6 +190,8 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         bench.save()
 
     poller = CounterPoller(lambda: generated_tokens(url))
+    round_trip = RoundTrip(url, served_model(url))
+    run_start = time.perf_counter()
     recorder = RunRecorder(label=label, max_seconds=args.max_seconds, warmup_steps=args.warmup_steps,
                            on_record=on_record, generated=poller)
     limit_s = args.max_seconds + args.grace_s
@@ -205,7 +210,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
     print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
           f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
     memory = GpuMemory()
-    with poller:  # stopped after the finally below has read the generated tokens
+    with poller, round_trip:  # stopped after the finally below has read the generated tokens
         try:
             with memory:
                 trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_token_fraction, train_dataset=rows,
@@ -223,6 +228,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
             recorder.fill_generated()
             run["metrics_read_s"] = {"reads": len(poller.read_s), "median": statistics.median(poller.read_s),
                                      "max": max(poller.read_s)} if poller.read_s else None
+            run["round_trip_s"] = round_trip.report(since=run_start)
             run.update(steps=recorder.steps, transport=recorder.transport, elapsed_s=recorder.elapsed_s(),
                        stopped_by_time=recorder.stopped_by_time,
                        summary=steady_summary(recorder.steps, args.warmup_steps))

@@ -1,5 +1,8 @@
 """What bench/one_gpu.py measures beside the trainer's own metrics, and the arithmetic over a run.
 
+    RoundTrip          a thread sending a one-token completion every half second and timing the answer:
+                       how far behind the server's HTTP side runs (a control call such as /pause
+                       waits in the same line)
     GpuMemory          a thread sampling, once a second, nvidia-smi's used memory per process and the
                        device's used memory (torch.cuda.mem_get_info); peaks per pid
     rollout_cpu_s()    CPU seconds (user + system) of the rollout process (the trainer's spawned child)
@@ -189,6 +192,55 @@ class CounterPoller(_Sampler):
         while (not self.samples or self.samples[-1][0] < t) and self.running() and time.perf_counter() < deadline:
             time.sleep(0.05)
         return interpolate(list(self.samples), t)
+
+
+def served_model(base_url: str) -> str | None:
+    """The first model id of the server's /v1/models (None when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as response:
+            return json.loads(response.read().decode())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
+class RoundTrip(_Sampler):
+    """Every `interval_s` a one-token completion of a three-token prompt (`/v1/completions`) and the
+    seconds until its answer. With the engine stepping every few tens of milliseconds, a late answer
+    means the server's HTTP side runs behind: vLLM's API server processes every step's outputs, and the
+    answers of control calls (/pause), in order. While a weight sync pauses the server the probe waits
+    for the resume too. Its two tokens a second go into the server's token counter."""
+
+    thread_name = "round-trip"
+
+    def __init__(self, base_url: str, model: str | None, interval_s: float = 0.5, timeout_s: float = 60.0) -> None:
+        super().__init__(interval_s)
+        self.url = f"{base_url}/v1/completions"
+        self.body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 1.0}).encode()
+        self.timeout_s = timeout_s
+        self.samples: list[tuple[float, float]] = []  # (sent at, time.perf_counter; seconds to the answer)
+        self.failures = 0
+
+    def sample(self) -> None:
+        request = urllib.request.Request(self.url, data=self.body, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                response.read()
+        except OSError:
+            self.failures += 1
+            return
+        self.samples.append((t0, time.perf_counter() - t0))
+
+    def report(self, since: float = 0.0) -> dict[str, Any] | None:
+        """Quantiles of the answers' seconds, and every (seconds after `since`, seconds) pair."""
+        seconds = sorted(s for _, s in self.samples)
+        if not seconds:
+            return {"probes": 0, "failures": self.failures}
+        def quantile(q: float) -> float:
+            return seconds[min(len(seconds) - 1, int(q * len(seconds)))]
+
+        return {"probes": len(seconds), "failures": self.failures, "median": quantile(0.5), "p90": quantile(0.9),
+                "max": seconds[-1], "samples": [[round(t - since, 3), round(s, 4)] for t, s in self.samples]}
 
 
 class GpuMemory(_Sampler):

@@ -43,6 +43,9 @@ def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
         assert run["steps"][-1]["step"] == len(run["steps"])
         # the server's counter is read off the trainer's path, and each step gets its value at its own time
         assert run["metrics_read_s"]["reads"] >= 2
+        # one-token completions sent through the run come back, and say how long they took
+        assert run["round_trip_s"]["probes"] >= 2 and run["round_trip_s"]["failures"] == 0
+        assert 0 < run["round_trip_s"]["median"] <= run["round_trip_s"]["max"]
         counts = [s["generated_tokens"] for s in run["steps"]]
         assert None not in counts and counts == sorted(counts)
     comparison = tiny["comparison"]

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from one_gpu import even_token_fraction, make_prompts
-from one_gpu_probes import CounterPoller, interpolate, steady_summary
+from one_gpu_probes import CounterPoller, RoundTrip, interpolate, served_model, steady_summary
 from one_gpu_report import compare_settings
 from random_qwen3 import chat_tokenizer, language_for_vocab
 
@@ -170,3 +170,51 @@ def test_the_poller_reads_in_its_own_thread_and_answers_for_a_time_after_the_cal
         value = poller.value_at(asked)  # waits for a reading after `asked`
     assert set(calls) == {"counter-poller"} and len(poller.read_s) >= 3
     assert abs(value - 1000.0 * (asked - started)) < 15.0  # interpolated: readings are stamped mid-read
+
+
+def test_the_round_trip_probe_times_one_token_completions_of_the_served_model():
+    """A peer that answers /v1/completions after 0.2 s, and refuses other models: the probe asks for the
+    served model, and its quantiles and samples say how long the answers took."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies = []
+
+    class Peer(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, status, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer(200, {"data": [{"id": "served-model"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            time.sleep(0.2)
+            ok = body["model"] == "served-model" and body["max_tokens"] == 1
+            self._answer(200 if ok else 404, {"choices": [{"text": "x"}]} if ok else {"error": "no such model"})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        start = time.perf_counter()
+        with RoundTrip(url, served_model(url), interval_s=0.05) as probe:
+            time.sleep(0.7)
+        report = probe.report(since=start)
+        assert served_model(url) == "served-model" and probe.failures == 0
+        assert 2 <= report["probes"] <= 4 and 0.2 <= report["median"] <= report["max"] < 1.0
+        assert all(0 <= t < 1.0 for t, _ in report["samples"]) and bodies[0]["prompt"] == [1, 2, 3]
+        with RoundTrip(url, "another-model", interval_s=0.05) as wrong:
+            time.sleep(0.3)
+        assert wrong.failures >= 1 and wrong.report()["probes"] == 0
+    finally:
+        server.shutdown()
