@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants (with sac)
@@ -13,6 +13,7 @@
 #   one_gpu      bench/one_gpu.py: trainer and embedded server on this GPU, async vs on-policy (0.6B)
 #   one_gpu_inprocess  the same with the embedded server inside the trainer's process (ServerThread)
 #   one_gpu_compile    in-process with the trainer's torch_compile=True (compiled layers, fused log-prob head)
+#   one_gpu_sac        the same with activation_memory_budget=0.5 (selective recomputation)
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
 #   vllm_one_gpu  bench/one_gpu.py against vLLM 0.33 started here on the same GPU with its ipc backend
@@ -77,7 +78,7 @@ stop_vllm() {  # the server's whole process group (its engine core is a child pr
 }
 trap stop_vllm EXIT
 
-SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode "
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -110,6 +111,10 @@ for name in "$@"; do
     one_gpu_compile)
         section one_gpu_compile python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --sharing in-process --torch-compile --output "$OUT/one_gpu_inprocess_compile_$SHAPE.json" ;;
+    one_gpu_sac)
+        section one_gpu_sac python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing in-process --torch-compile --activation-memory-budget 0.5 \
+            --output "$OUT/one_gpu_inprocess_sac_$SHAPE.json" ;;
     one_gpu_keepkv)
         section one_gpu_keepkv python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --keep-kv-across-syncs --output "$OUT/one_gpu_keepkv_$SHAPE.json" ;;
