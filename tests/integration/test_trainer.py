@@ -246,18 +246,18 @@ def test_torch_compile_compiles_each_decoder_layer_not_the_whole_model(tmp_path,
     assert len(_logged(trainer)) == 2
 
 
-def test_an_activation_memory_budget_trains_without_whole_layer_checkpointing(tmp_path, server, monkeypatch):
+def test_an_activation_memory_budget_trains_without_whole_layer_checkpointing(tmp_path, server):
     """activation_memory_budget: the compiled layers' partitioner gets the budget, and the Trainer does
     not wrap the layers in whole-layer checkpointing, even where gradient_checkpointing=True asks for it."""
-    import torch
+    import torch._functorch.config
 
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)  # restored after the test
-    trainer = AsyncGRPOTrainer(
-        model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
-        args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
-                     gradient_checkpointing=True, activation_memory_budget=0.5),
-    )
-    trainer.train()
-    assert not trainer.model.is_gradient_checkpointing
-    assert torch._functorch.config.activation_memory_budget == 0.5
+    with torch._functorch.config.patch(activation_memory_budget=1.0):  # the process-wide value comes back after
+        trainer = AsyncGRPOTrainer(
+            model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
+            args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
+                         gradient_checkpointing=True, activation_memory_budget=0.5),
+        )
+        trainer.train()
+        assert not trainer.model.is_gradient_checkpointing
+        assert torch._functorch.config.activation_memory_budget == 0.5
     assert len(_logged(trainer)) == 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch._functorch import config as functorch_config
 
 from asyncgrpo.packing.attention import active_tree_mask, attention_windows
 from asyncgrpo.train.model_setup import decoder_and_head, unwrap
@@ -69,7 +70,7 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if activation_memory_budget is not None:
-        torch._functorch.config.activation_memory_budget = activation_memory_budget
+        functorch_config.activation_memory_budget = activation_memory_budget
     for layer in layers:
         layer.compile(backend=backend or "inductor", mode=mode, dynamic=dynamic)
     if getattr(body, _PREBUILD_HOOK, None) is None:  # the decoder runs the layers, however it is called
