@@ -139,8 +139,8 @@ def make_rows(samples, token_budget):
 class Layout:
     """Turns a list of samples into model inputs and the trained-token index of one layout."""
 
-    def __init__(self, name, device):
-        self.name, self.device = name, device
+    def __init__(self, name, device, mask_capacity=None):
+        self.name, self.device, self.mask_capacity = name, device, mask_capacity
 
     def prepare(self, samples):
         from asyncgrpo.packing import pack_row
@@ -149,7 +149,8 @@ class Layout:
         dev = self.device
         if self.name in ("tree", "tree_torch", "padfree"):
             row = pack_row(samples, share_prefixes=self.name != "padfree").to(dev)
-            mask = TreeMask.from_row(row, deltanet_backend="torch" if self.name == "tree_torch" else "auto")
+            mask = TreeMask.from_row(row, deltanet_backend="torch" if self.name == "tree_torch" else "auto",
+                                     mask_capacity=self.mask_capacity)
             return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": mask,
                         "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages, "tokens": row.num_tokens,
                         "pairs": row.attention_pairs, "trained": row.num_trained}
@@ -230,7 +231,8 @@ def time_layout(model, name, rows, args, device, options):
     from step_options import StepOptions, variant_scope
 
     set_layout(model, name)
-    layout = Layout(name, device)
+    # FlashAttention-4 under FlexAttention takes no symbolic size in the mask: pad its tensors to the budget
+    layout = Layout(name, device, mask_capacity=args.token_budget if options.flash else None)
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:

@@ -14,7 +14,9 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
               block sizes and its own matmul templates against cuBLAS at the first compile (minutes of
               warm-up; needs `compile`)
     flash     FlexAttention's FlashAttention-4 backend (kernel_options BACKEND="FLASH": CuTe DSL kernels of
-              the flash-attn-4 package, optional) instead of its Triton kernels (needs `compile`)
+              the flash-attn-4 package, optional) instead of its Triton kernels (needs `compile`); the
+              rows' masks read tensors padded to the token budget (TreeMask.mask_capacity), since the
+              backend refuses a mask that captures a symbolic size
     liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
 
 `compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds

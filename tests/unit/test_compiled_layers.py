@@ -91,3 +91,39 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
         torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[-1] <= 2, graphs
+
+
+def test_a_mask_capacity_leaves_no_symbolic_size_in_the_compiled_mask_function():
+    """With `mask_capacity` the mask function of layers compiled for any row length reads tensors of a
+    static size: its captured inputs hold no SymInt (FlexAttention's FLASH backend refuses one), and
+    rows of two lengths still run through one graph with packed == unpacked."""
+    full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
+    model, reference = tiny_model("qwen3", **full), tiny_model("qwen3", **full)
+    model.config.use_cache = False
+    enable_tree_attention(model)
+    captured = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                captured.append([type(a.meta.get("example_value")).__name__ for a in node.args[-1]])
+        return gm.forward
+
+    compile_decoder_layers(model, backend=backend)
+    torch._dynamo.reset()
+    rng = np.random.default_rng(0)
+    for capacity in (None, 2048):
+        for n in (5, 7):
+            samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
+            row = pack_row(samples)
+            mask = TreeMask.from_row(row, backend="flex", mask_capacity=capacity)
+            with torch.no_grad(), tree_attention_context(mask):
+                hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+                lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+            torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
+        torch._dynamo.reset()
+    without, with_capacity = captured[0], captured[-1]
+    assert "SymInt" in without  # the row length, lifted with the mask's per-token tensor
+    assert "SymInt" not in with_capacity and "FakeTensor" in with_capacity
+    with pytest.raises(ValueError, match="mask_capacity=16 is below"):
+        TreeMask.from_row(row, backend="flex", mask_capacity=16)

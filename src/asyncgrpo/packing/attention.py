@@ -75,6 +75,9 @@ class TreeMask:
     segment_parent / segment_start / segment_len: the row's segments ([S], `PackedRow`), which the
     recurrent layers of hybrid models walk (`recurrent_layout`); deltanet_backend: their delta rule
     kernel, "auto" (fla-core on CUDA where installed), "torch" or "fla".
+    mask_capacity: on the flex backend, the per-token tensors the mask function reads are padded to
+    this many tokens and marked static, so that layers compiled for any row length capture no
+    symbolic size in it (FlexAttention's FLASH backend refuses one); None: the row's own length.
     """
 
     position_ids: torch.Tensor
@@ -85,6 +88,7 @@ class TreeMask:
     segment_start: torch.Tensor | None = None
     segment_len: torch.Tensor | None = None
     deltanet_backend: str = "auto"
+    mask_capacity: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -93,10 +97,14 @@ class TreeMask:
         if self.deltanet_backend not in DELTA_RULE_BACKENDS:
             raise ValueError(f"TreeMask.deltanet_backend must be one of {DELTA_RULE_BACKENDS}, "
                              f"got {self.deltanet_backend!r}")
+        if self.mask_capacity is not None and self.mask_capacity < self.num_tokens:
+            raise ValueError(f"TreeMask.mask_capacity={self.mask_capacity} is below the row's {self.num_tokens} "
+                             "tokens; give at least the longest row's length (the token budget), or None")
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
-                 block_size: int = 128, min_flex_tokens: int = 512, deltanet_backend: str = "auto") -> TreeMask:
+                 block_size: int = 128, min_flex_tokens: int = 512, deltanet_backend: str = "auto",
+                 mask_capacity: int | None = None) -> TreeMask:
         """backend "auto": "flex" on CUDA for rows of at least `min_flex_tokens` tokens, else "dense".
         Short rows gain nothing from block sparsity, and compiled FlexAttention failed to lower for a
         102-token row on torch 2.11 / H200 (queries shorter than one block take its decoding path)."""
@@ -106,7 +114,7 @@ class TreeMask:
         span_end = row.segment_subtree_end[row.segment_ids]
         return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
                    block_size=block_size, segment_parent=row.segment_parent, segment_start=row.segment_start,
-                   segment_len=row.segment_len, deltanet_backend=deltanet_backend)
+                   segment_len=row.segment_len, deltanet_backend=deltanet_backend, mask_capacity=mask_capacity)
 
     def recurrent_layout(self, conv_width: int) -> RecurrentLayout:
         """The index plan of the row's recurrent layers (`packing/recurrent.py`), cached per width."""
@@ -190,6 +198,8 @@ def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
     # The closure holds only tensors and an int, so a compiled FlexAttention sees the same graph for
     # every row (new rows change tensor values and sizes, not the traced code).
     span_end, depth = mask.span_end, mask.position_ids
+    if mask.mask_capacity is not None:
+        span_end, depth = _static_padded(span_end, mask.mask_capacity), _static_padded(depth, mask.mask_capacity)
     if window is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < span_end[kv_idx])
@@ -201,6 +211,14 @@ def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
     full_num, full_idx = to_indices(all_pairs)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=size, mask_mod=mask_mod,
                                     seq_lengths=(total, total))
+
+
+def _static_padded(values: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`values` padded with zeros to `capacity` entries, its size marked static for dynamo (the mask
+    function only reads entries below the row's length)."""
+    padded = F.pad(values, (0, capacity - values.numel()))
+    torch._dynamo.mark_static(padded, 0)
+    return padded
 
 
 @functools.cache
