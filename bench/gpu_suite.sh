@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants (with sac)
@@ -21,6 +21,8 @@
 #                then bench/lora_sync.py against it and the embedded server
 #   packing_tune  bench/packing.py, 0.6B shared-prompt: the compiled layers with inductor's autotuning against
 #                without (FlexAttention block sizes, matmul templates)
+#   packing_flash  bench/packing.py, 0.6B and 1.7B shared-prompt, tree rows: FlexAttention's FlashAttention-4
+#                backend (needs the flash-attn-4 package and its CuTe DSL on PYTHONPATH) against its Triton kernels
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
 #                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side, and the
 #                turn shape with 2,048 prompt tokens a step on graphs (`--max-prompt-rows 2048`)
@@ -78,7 +80,7 @@ stop_vllm() {  # the server's whole process group (its engine core is a child pr
 }
 trap stop_vllm EXIT
 
-SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune engine decode "
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -147,6 +149,10 @@ for name in "$@"; do
         section packing_tune python bench/packing.py --device cuda --models qwen3-0.6b --workloads shared-prompt \
             --variants base compile+head compile+head+tune --layouts padfree --warmup 2 --steps 3 \
             --out "$OUT/packing_tune.json" ;;
+    packing_flash)
+        section packing_flash python bench/packing.py --device cuda --workloads shared-prompt \
+            --variants compile+head compile+head+flash --variant-layouts tree --layouts tree_torch --warmup 2 --steps 3 \
+            --out "$OUT/packing_flash.json" ;;
     engine)
         python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
         section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \
