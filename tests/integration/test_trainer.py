@@ -234,21 +234,9 @@ def test_seed_curriculum_loop_runs_unchanged(tmp_path, server):
 
 def test_torch_compile_compiles_each_decoder_layer_not_the_whole_model(tmp_path, server):
     """torch_compile=True: the layers are compiled in place (parameter names unchanged for the weight
-    sync), accelerate leaves the model itself alone, and training runs (aot_eager: no code generation)."""
-    trainer = AsyncGRPOTrainer(
-        model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
-        args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager"),
-    )
-    names = [n for n, _ in trainer.model.named_parameters()]
-    trainer.train()
-    assert all(layer._compiled_call_impl is not None for layer in trainer.model.model.layers)
-    assert [n for n, _ in trainer.model_wrapped.named_parameters()] == names
-    assert len(_logged(trainer)) == 2
-
-
-def test_an_activation_memory_budget_trains_without_whole_layer_checkpointing(tmp_path, server):
-    """activation_memory_budget: the compiled layers' partitioner gets the budget, and the Trainer does
-    not wrap the layers in whole-layer checkpointing, even where gradient_checkpointing=True asks for it."""
+    sync), accelerate leaves the model itself alone, and training runs (aot_eager: no code generation).
+    With activation_memory_budget the partitioner gets the budget and the Trainer does not wrap the
+    layers in whole-layer checkpointing, even where gradient_checkpointing=True asks for it."""
     import torch._functorch.config
 
     with torch._functorch.config.patch(activation_memory_budget=1.0):  # the process-wide value comes back after
@@ -257,7 +245,10 @@ def test_an_activation_memory_budget_trains_without_whole_layer_checkpointing(tm
             args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",
                          gradient_checkpointing=True, activation_memory_budget=0.5),
         )
+        names = [n for n, _ in trainer.model.named_parameters()]
         trainer.train()
         assert not trainer.model.is_gradient_checkpointing
         assert torch._functorch.config.activation_memory_budget == 0.5
+    assert all(layer._compiled_call_impl is not None for layer in trainer.model.model.layers)
+    assert [n for n, _ in trainer.model_wrapped.named_parameters()] == names
     assert len(_logged(trainer)) == 2
