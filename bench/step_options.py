@@ -93,45 +93,38 @@ def variant_scope(options: StepOptions, sac_budget: float = SAC_BUDGET):
         if options.liger:
             stack.enter_context(liger_rotary_scope())
         if options.sac:
-            stack.enter_context(activation_budget_scope(sac_budget))
+            import torch._functorch.config
+
+            stack.enter_context(compiled_afresh(torch._functorch.config.patch(activation_memory_budget=sac_budget)))
         if options.flash:
-            stack.enter_context(flash_attention_scope())
+            from asyncgrpo.packing.attention import flex_kernel_options
+
+            require_flash_attn()
+            stack.enter_context(compiled_afresh(flex_kernel_options({"BACKEND": "FLASH"})))
         yield
 
 
 @contextlib.contextmanager
-def activation_budget_scope(budget: float):
-    """The partitioner splits a compiled layer's forward and backward when the layer first runs, with
-    the budget then in force; dynamo's caches are cleared on entry and exit so that this variant's
-    layers, and the next variant's, compile under their own budget."""
+def compiled_afresh(setting):
+    """`setting` (a context manager) in force for the layers compiled inside: dynamo's caches are
+    cleared on entry and exit, so that neither this variant nor the next reuses a graph compiled under
+    another setting (the partitioner's budget, FlexAttention's kernel options are read at compile time)."""
     import torch
 
     torch._dynamo.reset()
     try:
-        with torch._functorch.config.patch(activation_memory_budget=budget):
+        with setting:
             yield
     finally:
         torch._dynamo.reset()
 
 
-@contextlib.contextmanager
-def flash_attention_scope():
-    """FlexAttention on FlashAttention-4's kernels for this variant's layers, compiled afresh."""
-    import torch
-
-    from asyncgrpo.packing.attention import flex_kernel_options
-
+def require_flash_attn() -> None:
     try:
         import flash_attn.cute  # noqa: F401 -- FlexAttention's FLASH backend imports it when it lowers
     except ImportError as exc:
         raise SystemExit(f"the 'flash' variant needs the flash-attn-4 package ({exc}); install it (pip install "
                          "flash-attn-4) or leave 'flash' out of --variants") from None
-    torch._dynamo.reset()
-    try:
-        with flex_kernel_options({"BACKEND": "FLASH"}):
-            yield
-    finally:
-        torch._dynamo.reset()
 
 
 @contextlib.contextmanager

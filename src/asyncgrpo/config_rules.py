@@ -82,7 +82,8 @@ def resolve_defaults(args: AsyncGRPOConfig) -> None:
     if args.activation_memory_budget is not None:  # the compiled layers recompute instead (validated below)
         if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:
             args.activation_checkpointing = False
-        args.gradient_checkpointing = False if args.gradient_checkpointing is not None else None
+        else:
+            args.gradient_checkpointing = False
     if not args.ignore_data_skip:
         logger.warning(
             "ignore_data_skip=False has no effect: AsyncGRPOTrainer resumes from rollout_state.json, not by "

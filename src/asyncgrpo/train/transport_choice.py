@@ -80,14 +80,12 @@ def sharing_hint(choice: str, server: ServerDevice | None, trainer_pid: int) -> 
         return None
     if server.embedded and server.pid == trainer_pid:
         return None
-    measured = ("on one H100 the asynchronous run trained 1.30x the on-policy run's tokens/s with the embedded "
-                "server inside the trainer's process, 0.98x (1.7B) with it in its own process and 1.23x with vLLM")
     if server.embedded:
-        return (f"the embedded server shares this GPU from another process, so CUDA time-slices the two ({measured}): "
-                "run it inside the trainer's process with asyncgrpo.server.serve.ServerThread for more throughput "
-                "(README, 'One GPU')")
-    return (f"vLLM shares this GPU from another process, so CUDA time-slices the two ({measured}); the embedded "
-            "server can run inside the trainer's process instead (README, 'One GPU')")
+        return ("the embedded server shares this GPU from another process, so CUDA time-slices the two: run it "
+                "inside the trainer's process with asyncgrpo.server.serve.ServerThread for more throughput (measured "
+                "in the README, 'One GPU')")
+    return ("vLLM shares this GPU from another process, so CUDA time-slices the two; the embedded server can run "
+            "inside the trainer's process instead (measured in the README, 'One GPU')")
 
 
 def same_gpu(trainer_uuid: str | None, server: ServerDevice | None, server_url: str, host_gpu_count: int,
