@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks of the project on one CUDA machine, section by section, each bounded in
 # time; logs and JSON go to OUT (default bench/results/gpu_suite). Sections run in the order given:
 #
-#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode
+#   bash bench/gpu_suite.sh tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_flash one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode
 #
 #   tests        pytest -m gpu of everything that needs neither a running vLLM nor fla-core
 #   packing      bench/packing.py: default and shared-prompt workloads, 0.6B and 1.7B, step variants (with sac)
@@ -14,6 +14,7 @@
 #   one_gpu_inprocess  the same with the embedded server inside the trainer's process (ServerThread)
 #   one_gpu_compile    in-process with the trainer's torch_compile=True (compiled layers, fused log-prob head)
 #   one_gpu_sac        the same with activation_memory_budget=0.5 (selective recomputation)
+#   one_gpu_flash      the same with activation_memory_budget=0.75 and flex_attention_backend="flash" (FlashAttention-4)
 #   one_gpu_keepkv     the same (two processes) with syncs that keep the KV of rollouts in flight
 #   one_gpu_mps  the same under an MPS daemon
 #   vllm_one_gpu  bench/one_gpu.py against vLLM 0.33 started here on the same GPU with its ipc backend
@@ -21,8 +22,9 @@
 #                then bench/lora_sync.py against it and the embedded server
 #   packing_tune  bench/packing.py, 0.6B shared-prompt: the compiled layers with inductor's autotuning against
 #                without (FlexAttention block sizes, matmul templates)
-#   packing_flash  bench/packing.py, 0.6B and 1.7B shared-prompt, tree rows: FlexAttention's FlashAttention-4
-#                backend (needs the flash-attn-4 package and its CuTe DSL on PYTHONPATH) against its Triton kernels
+#   packing_flash  bench/packing.py, 0.6B and 1.7B, both workloads, tree rows: FlexAttention's FlashAttention-4
+#                backend (needs the flash-attn-4 package and its CuTe DSL on PYTHONPATH) against its Triton kernels,
+#                and with selective recomputation (budget 0.75)
 #   engine       bench/engine_phases.py: the server's steps for the group and multi-turn shapes (0.6B),
 #                synchronous and asynchronous scheduling, packed and padded prompt chunks side by side, and the
 #                turn shape with 2,048 prompt tokens a step on graphs (`--max-prompt-rows 2048`)
@@ -80,7 +82,7 @@ stop_vllm() {  # the server's whole process group (its engine core is a child pr
 }
 trap stop_vllm EXIT
 
-SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode "
+SECTIONS=" tests packing profile deltanet hybrid one_gpu one_gpu_inprocess one_gpu_compile one_gpu_sac one_gpu_flash one_gpu_keepkv one_gpu_mps vllm_one_gpu vllm_lora packing_tune packing_flash engine decode "
 for name in "$@"; do  # every name is checked before any section runs
     [[ $SECTIONS == *" $name "* ]] || { echo "unknown section $name (see the top of $0)"; exit 2; }
 done
@@ -117,6 +119,10 @@ for name in "$@"; do
         section one_gpu_sac python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --sharing in-process --torch-compile --activation-memory-budget 0.5 \
             --output "$OUT/one_gpu_inprocess_sac_$SHAPE.json" ;;
+    one_gpu_flash)
+        section one_gpu_flash python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
+            --sharing in-process --torch-compile --activation-memory-budget 0.75 --flex-attention-backend flash \
+            --output "$OUT/one_gpu_inprocess_flash_$SHAPE.json" ;;
     one_gpu_keepkv)
         section one_gpu_keepkv python bench/one_gpu.py --shape "$SHAPE" --max-seconds 60 --deadline-s $((LIMIT - 20)) \
             --keep-kv-across-syncs --output "$OUT/one_gpu_keepkv_$SHAPE.json" ;;
@@ -150,9 +156,9 @@ for name in "$@"; do
             --variants base compile+head compile+head+tune --layouts padfree --warmup 2 --steps 3 \
             --out "$OUT/packing_tune.json" ;;
     packing_flash)
-        section packing_flash python bench/packing.py --device cuda --workloads shared-prompt \
-            --variants compile+head compile+head+flash --variant-layouts tree --layouts tree_torch --warmup 2 --steps 3 \
-            --out "$OUT/packing_flash.json" ;;
+        section packing_flash python bench/packing.py --device cuda --workloads shared-prompt default \
+            --variants compile+head compile+head+flash compile+head+sac+flash --sac-budget 0.75 --variant-layouts tree \
+            --layouts tree_torch --warmup 2 --steps 3 --out "$OUT/packing_flash.json" ;;
     engine)
         python bench/serve_throughput.py --random-qwen3 0.6b --build-only --model-dir /tmp/asyncgrpo-m06 > /dev/null 2>&1
         section engine_group python bench/engine_phases.py --random-qwen3 0.6b --model-dir /tmp/asyncgrpo-m06 \

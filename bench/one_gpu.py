@@ -206,7 +206,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         gradient_accumulation_steps=preset["grad_accum"], gradient_checkpointing=not args.no_gradient_checkpointing,
         bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1,
         seed=args.seed, keep_kv_across_syncs=args.keep_kv_across_syncs, torch_compile=args.torch_compile,
-        activation_memory_budget=args.activation_memory_budget,
+        activation_memory_budget=args.activation_memory_budget, flex_attention_backend=args.flex_attention_backend,
     )
     print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
           f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
@@ -377,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="The trainer's torch_compile=True (compiled decoder layers, fused log-prob head).")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="The trainer's activation_memory_budget (with --torch-compile): selective recomputation.")
+    p.add_argument("--flex-attention-backend", choices=("triton", "flash"), default="triton",
+                   help="The trainer's flex_attention_backend (with --torch-compile): 'flash' is FlashAttention-4.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)

@@ -231,8 +231,10 @@ def time_layout(model, name, rows, args, device, options):
     from step_options import StepOptions, variant_scope
 
     set_layout(model, name)
-    # FlashAttention-4 under FlexAttention takes no symbolic size in the mask: pad its tensors to the budget
-    layout = Layout(name, device, mask_capacity=args.token_budget if options.flash else None)
+    # FlashAttention-4 under FlexAttention takes no symbolic size in the mask: pad its tensors to one size, the
+    # token budget (a tree row's most), or a padding-free layout's longest row (its prompts repeated)
+    longest = max(sum(s.num_tokens for s in r) for r in rows) if name == "padfree" else args.token_budget
+    layout = Layout(name, device, mask_capacity=longest if options.flash else None)
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:

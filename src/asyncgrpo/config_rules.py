@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncgrpo.config")
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+FLEX_BACKENDS = ("triton", "flash")  # flex_attention_backend: FlexAttention's Triton kernels, or FlashAttention-4
 _TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -124,6 +125,11 @@ def validate(args: AsyncGRPOConfig) -> None:
     _require(budget is None or bool(args.torch_compile),
              f"activation_memory_budget={budget} is the compiled layers' recomputation: set torch_compile=True as "
              "well, or leave activation_memory_budget=None for whole-layer gradient_checkpointing")
+    _require(args.flex_attention_backend in FLEX_BACKENDS,
+             f"flex_attention_backend={args.flex_attention_backend!r} is not one of {FLEX_BACKENDS}; pick one of them")
+    _require(args.flex_attention_backend != "flash" or bool(args.torch_compile),
+             "flex_attention_backend='flash' runs in the compiled layers: set torch_compile=True as well, or leave "
+             "flex_attention_backend='triton'")
     _require(
         args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
         f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",

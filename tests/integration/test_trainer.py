@@ -143,6 +143,13 @@ def test_plain_text_prompts_are_refused_up_front(tmp_path, server):
                          args=_config(tmp_path, server, max_steps=1))
 
 
+def test_flash_attention_on_a_cpu_trainer_is_refused_at_init_with_the_fix(tmp_path, server):
+    with pytest.raises(ValueError, match="trains on cpu: set flex_attention_backend='triton'"):
+        AsyncGRPOTrainer(model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(8),
+                         args=_config(tmp_path, server, max_steps=1, torch_compile=True,
+                                      flex_attention_backend="flash"))
+
+
 def constant_reward_for_even_rows(completions, answer, **kwargs):
     """1/0 accuracy on odd answers, a constant on even ones: the even groups have zero std."""
     scores = accuracy_reward(completions, answer=answer)

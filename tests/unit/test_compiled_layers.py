@@ -3,6 +3,9 @@ new lengths reuse the compiled graphs."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,7 @@ from test_tree_attention import grpo_like_samples, tiny_model, unpacked_logprobs
 
 from asyncgrpo.packing import pack_row
 from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
-from asyncgrpo.train.compiled_layers import compile_decoder_layers, decoder_layers
+from asyncgrpo.train.compiled_layers import compile_decoder_layers, decoder_layers, flex_backend_options
 from asyncgrpo.train.logprobs import token_logprobs
 
 
@@ -127,3 +130,37 @@ def test_a_mask_capacity_leaves_no_symbolic_size_in_the_compiled_mask_function()
     assert "SymInt" not in with_capacity and "FakeTensor" in with_capacity
     with pytest.raises(ValueError, match="mask_capacity=16 is below"):
         TreeMask.from_row(row, backend="flex", mask_capacity=16)
+
+
+def test_the_triton_backend_needs_no_kernel_options_and_flash_is_refused_off_a_gpu_with_the_fix():
+    assert flex_backend_options("triton", "cpu") is None
+    with pytest.raises(ValueError) as info:
+        flex_backend_options("flash", "cpu")
+    assert "trains on cpu" in str(info.value) and "flex_attention_backend='triton'" in str(info.value)
+
+
+def test_flash_on_a_pre_hopper_gpu_or_without_the_package_says_what_to_do(monkeypatch):
+    import builtins
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError) as info:
+        flex_backend_options("flash", "cuda:0")
+    assert "NVIDIA A100 is 8.0" in str(info.value) and "9.0 or later" in str(info.value)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real_import = builtins.__import__
+
+    def no_flash_attn(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flash_attn)
+    with pytest.raises(ImportError) as info:
+        flex_backend_options("flash", "cuda:0")
+    assert "pip install flash-attn-4" in str(info.value)
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    for name in ("flash_attn", "flash_attn.cute"):  # an installed package, as far as the check can tell
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert flex_backend_options("flash", "cuda:0") == {"BACKEND": "FLASH"}

@@ -20,6 +20,9 @@ chunked LM head and the Trainer's wrappers, for nothing.
 - Masks: a forward pre-hook on the model builds the row's attention masks for every window the
   layers use (`TreeMask.prebuild`) before the first layer runs, so no graph builds a mask and every
   layer reads the same one.
+- Attention kernels (`flex_attention_backend`): FlexAttention's Triton kernels, or its FlashAttention-4
+  backend, which refuses a mask that captures a symbolic size: the rows' masks then read tensors padded
+  to the token budget (`TreeMask.mask_capacity`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from asyncgrpo.train.model_setup import decoder_and_head, unwrap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_decoder_layers", "decoder_layers"]
+__all__ = ["compile_decoder_layers", "decoder_layers", "flex_backend_options"]
 
 _PREBUILD_HOOK = "_asyncgrpo_prebuild_masks_hook"
 
@@ -85,3 +88,25 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
                 "" if activation_memory_budget is None else f", activation memory budget {activation_memory_budget}",
                 windows)
     return len(layers)
+
+
+def flex_backend_options(backend: str, device: torch.device | str) -> dict | None:
+    """FlexAttention's kernel_options for `flex_attention_backend` (None: its Triton kernels), checked at
+    start: "flash" needs a Hopper or Blackwell GPU and the flash-attn-4 package."""
+    if backend == "triton":
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and this process "
+                         f"trains on {device}: set flex_attention_backend='triton'")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise ValueError(f"flex_attention_backend={backend!r}: FlashAttention-4 runs on Hopper or Blackwell GPUs "
+                         f"(compute capability 9.0 or later), and {torch.cuda.get_device_name(device)} is "
+                         f"{major}.{minor}: set flex_attention_backend='triton'")
+    try:
+        import flash_attn.cute  # noqa: F401 -- FlexAttention imports it when it lowers the FLASH backend
+    except ImportError as exc:
+        raise ImportError(f"flex_attention_backend={backend!r} needs the flash-attn-4 package ({exc}): pip install "
+                          "flash-attn-4, or set flex_attention_backend='triton'") from None
+    return {"BACKEND": "FLASH"}

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.chat_templates import prepare_chat_template
-from asyncgrpo.train.compiled_layers import compile_decoder_layers
+from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
 from asyncgrpo.train.flops import FlopModel
 from asyncgrpo.train.inputs import check_fsdp_version
 from asyncgrpo.train.model_setup import (
@@ -43,6 +43,7 @@ class PreparedPolicy:
     model_id: str
     tokenizer: PreTrainedTokenizerBase
     flop_model: FlopModel | None  # of the base model: adapters are not the model's FLOPs
+    flex_options: dict | None  # FlexAttention's kernel_options for the tree attention (flex_attention_backend)
     router_aux_loss_coef: float
     logit_processing: dict[str, float | None]
 
@@ -74,10 +75,11 @@ def prepare_policy_and_tokenizer(
     )
     if peft_config is not None:
         model = wrap_peft(model, peft_config)
+    flex_options = flex_backend_options(args.flex_attention_backend, args.device)
     if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
         compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode,
                                activation_memory_budget=args.activation_memory_budget)
-    return PreparedPolicy(model, model_id, processing_class, flop_model, aux_loss_coef, logit_proc)
+    return PreparedPolicy(model, model_id, processing_class, flop_model, flex_options, aux_loss_coef, logit_proc)
 
 
 def fit_accelerator(accelerator: Any, args: AsyncGRPOConfig, *, is_fsdp_enabled: bool) -> None:

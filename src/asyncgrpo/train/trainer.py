@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
-from asyncgrpo.packing.attention import TreeMask, tree_attention_context
+from asyncgrpo.packing.attention import TreeMask, flex_kernel_options, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
@@ -110,6 +110,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             tools_enabled=bool(tools) or environment_factory is not None,
         )
         self.model_id = policy.model_id
+        self._flex_options = policy.flex_options  # FlexAttention's kernels (flex_attention_backend)
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
         self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
@@ -297,7 +298,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         device = self.args.device
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
-        with self.compute_loss_context_manager(), tree_attention_context(TreeMask.from_row(row, device)):
+        # FlashAttention-4 takes masks of one static size: the row's tensors padded to the token budget
+        mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None)
+        with self.compute_loss_context_manager(), tree_attention_context(mask), flex_kernel_options(self._flex_options):
             result = row_loss(
                 model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
             )
