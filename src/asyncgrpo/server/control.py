@@ -101,6 +101,8 @@ class ControlRoutes:
             "num_preemptions": st.num_preemptions,
             "graph_captures": 0 if graphs is None else graphs.num_captures,  # each one stalled a step
             "graph_capture_seconds": 0.0 if graphs is None else graphs.capture_s,
+            # steps of a new shape run eagerly while a trainer in this process computed (capture_gate.py)
+            "graph_captures_deferred": 0 if graphs is None else graphs.captures_deferred,
             "prefix_cache": {"queries": self.scheduler.pool.stats.queries, "hits": self.scheduler.pool.stats.hits},
             # how prompt chunks attend: packed for FlashAttention's variable-length kernel, or padded
             "prompt_attention": "flash_varlen" if self.runner.varlen_prompts else "padded",

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.server.attention_math import attention_variants
+from asyncgrpo.server.capture_gate import capture_window
 from asyncgrpo.server.decode_attention import check_decode_variants, triton_serves
 from asyncgrpo.server.decode_kernels import one_split_programs
 from asyncgrpo.server.host_copy import copy_into
@@ -137,6 +138,7 @@ class StepGraphs:
         self._full = False  # MAX_GRAPHS reached (and said so)
         self.num_captures = 0  # graphs captured so far and the seconds it took (/server_info reports them: a
         self.capture_s = 0.0  # capture mid-run stalls the step that meets a new shape)
+        self.captures_deferred = 0  # steps of a new shape run eagerly while a trainer in this process computed
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._capture_stream: torch.cuda.Stream | None = None  # warm-ups and captures (see _capture)
         self._scratch_slot = cache.scratch_block * cache.block_size
@@ -237,9 +239,13 @@ class StepGraphs:
                     logger.info("%d CUDA graphs captured; steps of shapes not met yet run eagerly", MAX_GRAPHS)
                     self._full = True
                 return fn()
-            if not self._captured(key, fn):
-                self.use_graphs = False
-                return fn()
+            with capture_window() as free:
+                if not free:  # a trainer in this process computes (capture_gate.py): capture at a later step
+                    self.captures_deferred += 1
+                    return fn()
+                if not self._captured(key, fn):
+                    self.use_graphs = False
+                    return fn()
         graph, out = self._graphs[key]
         graph.replay()
         return out

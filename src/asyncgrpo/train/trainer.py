@@ -41,6 +41,7 @@ from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
+from asyncgrpo.server.capture_gate import device_work
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import broadcast_from_rank0
@@ -300,17 +301,19 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         # FlashAttention-4 takes masks of one static size: the row's tensors padded to the token budget
         mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None)
-        with self.compute_loss_context_manager(), tree_attention_context(mask), flex_kernel_options(self._flex_options):
-            result = row_loss(
-                model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
-            )
-            loss = result.loss
-        _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
-        t_fwd = time.perf_counter()
-        # The loss is already normalised by the trained tokens of all processes; data-parallel
-        # gradient averaging divides by the world size once more, which this undoes.
-        self.accelerator.backward(loss * self.accelerator.num_processes)
-        _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
+        # device_work: no graph capture of a server in this process meanwhile (compilation may sync the device)
+        with device_work():
+            with self.compute_loss_context_manager(), tree_attention_context(mask), flex_kernel_options(self._flex_options):
+                result = row_loss(
+                    model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
+                )
+                loss = result.loss
+            _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
+            t_fwd = time.perf_counter()
+            # The loss is already normalised by the trained tokens of all processes; data-parallel
+            # gradient averaging divides by the world size once more, which this undoes.
+            self.accelerator.backward(loss * self.accelerator.num_processes)
+            _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
         t_bwd = time.perf_counter()
         self._metrics.add_micro_batch(row, inputs, result.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._nonfinite.add_loss(loss)
