@@ -74,3 +74,52 @@ def test_compiled_layers_with_flex_masks_match_eager_layers():
         (lp_eager, grad_eager), (lp_compiled, grad_compiled) = results
         torch.testing.assert_close(lp_compiled, lp_eager, atol=3e-2, rtol=0)
         torch.testing.assert_close(grad_compiled, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
+
+
+def _flash_attention_4_runs() -> bool:
+    from asyncgrpo.train.compiled_layers import flex_backend_options
+
+    try:
+        flex_backend_options("flash", "cuda")
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
+                    reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")
+def test_compiled_layers_on_flash_attention_4_match_eager_layers():
+    """flex_attention_backend="flash": the masks padded to one capacity, rows of three lengths."""
+    import torch._dynamo
+    from test_tree_attention import grpo_like_samples, tiny_model
+
+    from asyncgrpo.packing.attention import flex_kernel_options
+
+    shape = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+             "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
+    eager = tiny_model("qwen3", **shape).cuda().to(torch.bfloat16).train()
+    eager.config.use_cache = False
+    enable_tree_attention(eager)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()  # no graph traced under the Triton kernels' options is reused
+    compile_decoder_layers(compiled)
+    rng = np.random.default_rng(0)
+    capacity = 2048
+    try:
+        for num_sets in (6, 9, 12):
+            row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
+            results = []
+            for model, options in ((eager, None), (compiled, {"BACKEND": "FLASH"})):
+                model.zero_grad()
+                mask = TreeMask.from_row(row, mask_capacity=capacity if options else None)
+                with tree_attention_context(mask), flex_kernel_options(options):
+                    hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None])
+                lp = token_logprobs(hidden.last_hidden_state[0], model.lm_head.weight, row.pred_index,
+                                    row.target_ids).target_logprobs
+                lp.sum().backward()
+                results.append((lp.detach(), model.model.embed_tokens.weight.grad.float().clone()))
+            (lp_eager, grad_eager), (lp_flash, grad_flash) = results
+            torch.testing.assert_close(lp_flash, lp_eager, atol=3e-2, rtol=0)
+            torch.testing.assert_close(grad_flash, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
+    finally:
+        torch._dynamo.reset()
