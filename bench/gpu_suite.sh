@@ -35,7 +35,8 @@
 # not stop the next one. PYTHONPATH gets src/ in front. ONE_GPU_SHAPE (default 0.6b) is the one_gpu*
 # sections' model shape. The vllm_* sections start `python -m vllm.entrypoints.openai.api_server` on port
 # VLLM_PORT (default 8001) with VLLM_PYTHONPATH (default: PYTHONPATH) and stop it at the end; its log
-# goes to OUT too.
+# goes to OUT too. With STACK_SAMPLES=1 its processes' main threads are sampled every 50 ms
+# (bench/stack_sampler) and bench/stack_report.py writes where they stayed to OUT/<server log>_stacks.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_suite}
@@ -58,9 +59,13 @@ VLLM_PORT=${VLLM_PORT:-8001}
 VLLM_PID=
 
 start_vllm() {  # log name, model dir, vLLM flags...: in the background, until /health answers
-    local log=$OUT/$1.log model=$2; shift 2
+    local log=$OUT/$1.log model=$2 path=${VLLM_PYTHONPATH:-$PYTHONPATH}; shift 2
     echo "== starting vLLM on :$VLLM_PORT ($model $*; log $log)"
-    PYTHONPATH=${VLLM_PYTHONPATH:-$PYTHONPATH} VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+    if [[ -n ${STACK_SAMPLES:-} ]]; then  # its processes' main-thread stacks, for bench/stack_report.py
+        path=$PWD/bench/stack_sampler:$path
+        export ASYNCGRPO_STACK_SAMPLES=$OUT/$1_stacks
+    fi
+    PYTHONPATH=$path VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_NO_USAGE_STATS=1 \
         setsid python -m vllm.entrypoints.openai.api_server --model "$model" --port "$VLLM_PORT" "$@" > "$log" 2>&1 < /dev/null &
     VLLM_PID=$!
@@ -79,6 +84,11 @@ stop_vllm() {  # the server's whole process group (its engine core is a child pr
     for _ in $(seq 60); do kill -0 "$VLLM_PID" 2> /dev/null || break; sleep 1; done
     kill -9 -- "-$VLLM_PID" 2> /dev/null
     VLLM_PID=
+    if [[ -n ${ASYNCGRPO_STACK_SAMPLES:-} ]]; then
+        python bench/stack_report.py "$ASYNCGRPO_STACK_SAMPLES" --out "$ASYNCGRPO_STACK_SAMPLES.json" \
+            > "$ASYNCGRPO_STACK_SAMPLES.txt" 2>&1 && head -n 40 "$ASYNCGRPO_STACK_SAMPLES.txt"
+        unset ASYNCGRPO_STACK_SAMPLES
+    fi
 }
 trap stop_vllm EXIT
 

@@ -173,3 +173,10 @@ def test_packing_bench_runs_both_workloads_and_step_variants_on_cpu(tmp_path):
             for layout in ("tree", "padfree"):
                 assert entries[layout]["logprob_max_abs_diff_vs_base"] < 1e-5
         assert r["logprob_max_abs_diff"] < 1e-4 and r["tree"]["mfu"] > 0
+
+
+def test_the_vllm_response_cost_bench_says_what_it_needs_without_vllm():
+    proc = subprocess.run([sys.executable, str(BENCH / "vllm_response_cost.py"), "--repeats", "1"], check=False,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode != 0
+    assert "vLLM's source or one of its pure-Python dependencies is missing" in proc.stderr
