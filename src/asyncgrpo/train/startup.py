@@ -57,6 +57,7 @@ def prepare_policy_and_tokenizer(
     tools_enabled: bool,
 ) -> PreparedPolicy:
     """The policy loaded (or taken) and prepared, and its tokenizer (loaded from the model when None)."""
+    flex_options = flex_backend_options(args.flex_attention_backend, args.device)  # before loading anything
     model, model_id = prepare_policy(model, args)
     aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
     flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
@@ -75,7 +76,6 @@ def prepare_policy_and_tokenizer(
     )
     if peft_config is not None:
         model = wrap_peft(model, peft_config)
-    flex_options = flex_backend_options(args.flex_attention_backend, args.device)
     if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
         compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode,
                                activation_memory_budget=args.activation_memory_budget)

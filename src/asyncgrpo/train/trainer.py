@@ -188,7 +188,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
             self._batches = self._make_batches(total_positions, start_position)
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            with flex_kernel_options(self._flex_options):  # one set for the run: compiled layers guard on it
+                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             args.max_steps = user_max_steps
             self._shutdown()
@@ -303,7 +304,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None)
         # device_work: no graph capture of a server in this process meanwhile (compilation may sync the device)
         with device_work():
-            with self.compute_loss_context_manager(), tree_attention_context(mask), flex_kernel_options(self._flex_options):
+            with self.compute_loss_context_manager(), tree_attention_context(mask):
                 result = row_loss(
                     model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
                 )
