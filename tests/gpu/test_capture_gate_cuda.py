@@ -36,9 +36,9 @@ def _complete(url: str, seed: int) -> dict:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphs_survive_a_trainer_thread_that_synchronizes_the_device(tmp_path):
+    from asyncgrpo.capture_gate import device_work
     from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import free_port
-    from asyncgrpo.server.capture_gate import device_work
     from asyncgrpo.server.serve import ServerThread
 
     _tiny_qwen3(tmp_path / "tiny")

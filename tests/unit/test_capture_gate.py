@@ -1,11 +1,11 @@
-"""Tests for asyncgrpo.server.capture_gate: the engine captures a graph only while no trainer thread computes."""
+"""Tests for asyncgrpo.capture_gate: the engine captures a graph only while no trainer thread computes."""
 
 from __future__ import annotations
 
 import threading
 import types
 
-from asyncgrpo.server.capture_gate import capture_window, device_work
+from asyncgrpo.capture_gate import capture_window, device_work
 from asyncgrpo.server.step_graphs import StepGraphs
 
 

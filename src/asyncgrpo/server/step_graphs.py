@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from asyncgrpo.capture_gate import capture_window
 from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.capture_gate import capture_window
 from asyncgrpo.server.decode_attention import check_decode_variants, triton_serves
 from asyncgrpo.server.decode_kernels import one_split_programs
 from asyncgrpo.server.host_copy import copy_into

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from asyncgrpo.capture_gate import device_work
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
@@ -41,7 +42,6 @@ from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
-from asyncgrpo.server.capture_gate import device_work
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
 from asyncgrpo.train.completions_table import print_completions
 from asyncgrpo.train.distributed import broadcast_from_rank0
