@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 
@@ -9,9 +10,9 @@ from asyncgrpo.capture_gate import capture_window, device_work
 from asyncgrpo.server.step_graphs import StepGraphs
 
 
-def test_a_capture_window_opens_only_while_no_thread_does_device_work():
-    with capture_window() as free:
-        assert free
+@contextlib.contextmanager
+def _trainer_computing():
+    """Another thread inside device_work() for the duration of the block."""
     entered, leave = threading.Event(), threading.Event()
 
     def train():
@@ -23,11 +24,17 @@ def test_a_capture_window_opens_only_while_no_thread_does_device_work():
     trainer.start()
     entered.wait(10)
     try:
-        with capture_window() as free:
-            assert not free  # the engine runs its step eagerly instead
+        yield
     finally:
         leave.set()
         trainer.join()
+
+
+def test_a_capture_window_opens_only_while_no_thread_does_device_work():
+    with capture_window() as free:
+        assert free
+    with _trainer_computing(), capture_window() as free:
+        assert not free  # the engine runs its step eagerly instead
     with capture_window() as free:
         assert free
 
@@ -65,21 +72,8 @@ def test_a_step_of_a_new_shape_meeting_a_computing_trainer_runs_eagerly_and_is_c
         return True
 
     graphs = types.SimpleNamespace(use_graphs=True, _graphs={}, _full=False, captures_deferred=0, _captured=capture)
-    entered, leave = threading.Event(), threading.Event()
-
-    def train():
-        with device_work():
-            entered.set()
-            leave.wait(10)
-
-    trainer = threading.Thread(target=train)
-    trainer.start()
-    entered.wait(10)
-    try:
+    with _trainer_computing():
         assert StepGraphs._replay(graphs, ("forward", 8), lambda: "eager output") == "eager output"
-    finally:
-        leave.set()
-        trainer.join()
     assert captured == [] and graphs.captures_deferred == 1 and graphs.use_graphs
     assert StepGraphs._replay(graphs, ("forward", 8), lambda: "eager output") == "graph output"
     assert captured == [("forward", 8)]
