@@ -36,7 +36,7 @@
 # sections' model shape. The vllm_* sections start `python -m vllm.entrypoints.openai.api_server` on port
 # VLLM_PORT (default 8001) with VLLM_PYTHONPATH (default: PYTHONPATH) and stop it at the end; its log
 # goes to OUT too. With STACK_SAMPLES=1 its processes' main threads are sampled every 50 ms
-# (bench/stack_sampler) and bench/stack_report.py writes where they stayed to OUT/<server log>_stacks.txt.
+# (bench/stack_sampler) and bench/stack_report.py writes where they were busy to OUT/<server log>_stacks.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_suite}

@@ -1,12 +1,13 @@
-"""Where each sampled process's main thread stayed: the stack samples of bench/stack_sampler.
+"""Where each sampled process's main thread was busy: the stack samples of bench/stack_sampler.
 
     ASYNCGRPO_STACK_SAMPLES=/tmp/stacks PYTHONPATH=bench/stack_sampler:$PYTHONPATH python -m some.server ...
     python bench/stack_report.py /tmp/stacks [--min-s 0.5] [--out report.json]
 
-For each process: the longest stays (consecutive samples with the same innermost frames, event-loop
-waits such as selectors' select left out) and gaps (no sample for at least --min-s: the main thread
-held the interpreter lock in one call into C, or the process was not scheduled), each with its wall
-time and stack, longest first.
+For each process: the longest busy stretches (consecutive samples not waiting in an event loop, a sleep
+or a wait, for at least --min-s), each with the functions on its samples' stacks and the share of its
+samples each is on (an event loop blocked for seconds shows what blocks it), and the gaps (no sample for
+at least --min-s: the main thread held the interpreter lock in one call into C, or the process was not
+scheduled), each with its wall time, longest first.
 """
 
 from __future__ import annotations
@@ -42,33 +43,48 @@ def _idle(frames: list[str]) -> bool:
     return not frames or frames[0].rsplit(":", 1)[-1] in IDLE
 
 
-def stays_and_gaps(samples: list[tuple[float, list[str]]], min_s: float, depth: int = 6):
-    """Runs of samples whose innermost `depth` frames stay the same for at least `min_s` (not idle), and
-    gaps of at least `min_s` between samples; each a dict with start, seconds and the stack."""
-    stays, gaps = [], []
-    run_start = 0
-    for i in range(1, len(samples) + 1):
-        if i < len(samples):
-            (t0, before), (t1, after) = samples[i - 1], samples[i]
-            if t1 - t0 >= min_s:
-                gaps.append({"start": t0, "seconds": round(t1 - t0, 3), "before": before, "after": after})
-            if after[:depth] == samples[run_start][1][:depth]:
-                continue
-        t_start, frames = samples[run_start]
-        seconds = samples[i - 1][0] - t_start
-        if seconds >= min_s and not _idle(frames):
-            stays.append({"start": t_start, "seconds": round(seconds, 3), "stack": frames})
-        run_start = i
-    key = lambda entry: -entry["seconds"]
-    return sorted(stays, key=key), sorted(gaps, key=key)
+def _function(frame: str) -> str:
+    """file:function of a `file:line:function` frame (lines vary within a busy stretch)."""
+    file, _, rest = frame.partition(":")
+    return f"{file}:{rest.partition(':')[2]}"
+
+
+def busy_stretches_and_gaps(samples: list[tuple[float, list[str]]], min_s: float, top: int = 12):
+    """Stretches of consecutive non-idle samples spanning at least `min_s` seconds, each with the
+    functions on its samples' stacks, most frequent first (the share of the stretch's samples each is
+    on); and gaps of at least `min_s` between two samples. Longest first."""
+    stretches, gaps = [], []
+    start = None
+    for i, (stamp, frames) in enumerate(samples):
+        if i and stamp - samples[i - 1][0] >= min_s:
+            gaps.append({"start": samples[i - 1][0], "seconds": round(stamp - samples[i - 1][0], 3),
+                         "before": samples[i - 1][1], "after": frames})
+        busy = not _idle(frames)
+        if busy and start is None:
+            start = i
+        end_of_stretch = start is not None and (not busy or i == len(samples) - 1)
+        if end_of_stretch:
+            last = i if busy else i - 1
+            seconds = samples[last][0] - samples[start][0]
+            if seconds >= min_s:
+                counts: dict[str, int] = {}
+                for _, stack in samples[start:last + 1]:
+                    for name in dict.fromkeys(_function(f) for f in stack):
+                        counts[name] = counts.get(name, 0) + 1
+                n = last + 1 - start
+                functions = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+                stretches.append({"start": samples[start][0], "seconds": round(seconds, 3), "samples": n,
+                                  "functions": [[name, round(c / n, 3)] for name, c in functions]})
+            start = None
+    return sorted(stretches, key=lambda e: -e["seconds"]), sorted(gaps, key=lambda e: -e["seconds"])
 
 
 def report(folder: Path, min_s: float) -> list[dict]:
     processes = []
     for path in sorted(folder.glob("stacks-*.tsv")):
         header, samples = read_samples(path)
-        stays, gaps = stays_and_gaps(samples, min_s)
-        processes.append({"file": path.name, "process": header, "samples": len(samples), "stays": stays,
+        busy, gaps = busy_stretches_and_gaps(samples, min_s)
+        processes.append({"file": path.name, "process": header, "samples": len(samples), "busy": busy,
                           "gaps": gaps})
     return processes
 
@@ -77,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder")
     p.add_argument("--min-s", type=float, default=0.5)
-    p.add_argument("--top", type=int, default=8, help="stays and gaps printed per process")
+    p.add_argument("--top", type=int, default=8, help="busy stretches and gaps printed per process")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     processes = report(Path(args.folder), args.min_s)
@@ -86,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                          f"{args.folder} and bench/stack_sampler first on PYTHONPATH")
     for proc in processes:
         print(f"== {proc['file']} ({proc['samples']} samples): {proc['process']}")
-        for stay in proc["stays"][: args.top]:
-            print(f"  stayed {stay['seconds']:.2f} s at {stay['start']:.3f}: " + " <- ".join(stay["stack"][:8]))
+        for stretch in proc["busy"][: args.top]:
+            print(f"  busy {stretch['seconds']:.2f} s from {stretch['start']:.3f} ({stretch['samples']} samples): "
+                  + ", ".join(f"{name} {share:.0%}" for name, share in stretch["functions"]))
         for gap in proc["gaps"][: args.top]:
             print(f"  no sample for {gap['seconds']:.2f} s at {gap['start']:.3f}; after: "
                   + " <- ".join(gap["after"][:8]))

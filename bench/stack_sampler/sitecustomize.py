@@ -6,7 +6,7 @@ When ASYNCGRPO_STACK_SAMPLES names a folder, a daemon thread writes the main thr
 ASYNCGRPO_STACK_INTERVAL_S seconds (default 0.05) to `<folder>/stacks-<pid>.tsv`: the wall time, a tab,
 then `file:line:function` frames, innermost first, joined by ';'. A gap between two samples means the
 main thread held the interpreter lock (a long call into C) or the process did not run.
-`python bench/stack_report.py <folder>` finds where each main thread stayed, and the gaps.
+`python bench/stack_report.py <folder>` finds where each main thread was busy, and the gaps.
 """
 
 import os
