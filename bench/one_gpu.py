@@ -66,6 +66,7 @@ from one_gpu_probes import (
     GpuMemory,
     RoundTrip,
     RunRecorder,
+    embedded_graph_counts,
     generated_tokens,
     served_model,
     server_cache_config,
@@ -230,6 +231,7 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
             run["metrics_read_s"] = {"reads": len(poller.read_s), "median": statistics.median(poller.read_s),
                                      "max": max(poller.read_s)} if poller.read_s else None
             run["round_trip_s"] = round_trip.report(since=run_start)
+            run["server_graphs"] = embedded_graph_counts(url)  # cumulative over the server's runs
             run.update(steps=recorder.steps, transport=recorder.transport, elapsed_s=recorder.elapsed_s(),
                        stopped_by_time=recorder.stopped_by_time,
                        summary=steady_summary(recorder.steps, args.warmup_steps))

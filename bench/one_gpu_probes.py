@@ -11,6 +11,7 @@
                        on the server's HTTP side; `value_at(t)` interpolates between its readings
     wait_until_idle()  until the server runs no request (between runs)
     server_cache_config()  the server's KV cache size and scheduler settings (/server_info)
+    embedded_graph_counts()  the embedded server's CUDA-graph captures, and those deferred (/server_info)
     RunRecorder        a TrainerCallback: per logged step the time, the step's metrics and the two
                        counters above (the generated tokens filled in from the poller after the run);
                        stops training at the first step end `max_seconds` after the
@@ -74,6 +75,19 @@ def server_cache_config(base_url: str) -> dict[str, Any] | None:
         return None
     return {"cache_config": config.get("cache_config"), "scheduler_config": config.get("scheduler_config"),
             "device_config": config.get("device_config")}
+
+
+def embedded_graph_counts(base_url: str) -> dict[str, Any] | None:
+    """The embedded server's CUDA-graph counters from /server_info (captures, their seconds, and steps of a
+    new shape run eagerly while a trainer in its process computed); None for another server."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/server_info?config_format=json", timeout=10) as response:
+            embedded = json.loads(response.read().decode()).get("embedded")
+    except (OSError, ValueError):
+        return None
+    if not embedded:
+        return None
+    return {k: embedded.get(k) for k in ("graph_captures", "graph_capture_seconds", "graph_captures_deferred")}
 
 
 def wait_until_idle(base_url: str, timeout_s: float = 60.0) -> float:

@@ -46,6 +46,7 @@ def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
         # one-token completions sent through the run come back, and say how long they took
         assert run["round_trip_s"]["probes"] >= 2 and run["round_trip_s"]["failures"] == 0
         assert 0 < run["round_trip_s"]["median"] <= run["round_trip_s"]["max"]
+        assert run["server_graphs"] == {"graph_captures": 0, "graph_capture_seconds": 0.0, "graph_captures_deferred": 0}  # CPU: no graphs
         counts = [s["generated_tokens"] for s in run["steps"]]
         assert None not in counts and counts == sorted(counts)
     comparison = tiny["comparison"]
