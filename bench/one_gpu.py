@@ -243,8 +243,11 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
             bench.save()
             trainer = recorder.trainer = None
             gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            if cuda:  # freeing device memory synchronizes the device: not during an in-process server's capture
+                from asyncgrpo.capture_gate import device_work
+
+                with device_work():
+                    torch.cuda.empty_cache()
     return run
 
 
