@@ -1,5 +1,6 @@
 """The serving benchmarks run end to end on CPU with the bundled tiny model (tiny sizes), so that the
-GPU runs they are made for find them working."""
+GPU runs they are made for find them working: `pytest -m slow tests/integration/test_bench_smoke.py` before
+a GPU session (about 100 s on 2 cores, outside the default suite's 15 minutes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -20,6 +23,7 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_serve_throughput_side_by_side_on_cpu(tmp_path):
     out = tmp_path / "serve.json"
     _run("serve_throughput.py", "--concurrency", "1,3", "--prompt-len", "8", "--max-tokens", "4",
@@ -34,6 +38,7 @@ def test_serve_throughput_side_by_side_on_cpu(tmp_path):
     assert result["hf_generate"]["0:loop"]["tokens"] == 4
 
 
+@pytest.mark.slow
 def test_serve_throughput_group_shape_on_cpu(tmp_path):
     out = tmp_path / "groups.json"
     _run("serve_throughput.py", "--concurrency", "4", "--prompt-len", "40", "--max-tokens", "3",
@@ -51,6 +56,7 @@ def test_serve_throughput_group_shape_on_cpu(tmp_path):
     assert sum(r["decode"] for r in engine["recent_steps"]) == 4 * 2
 
 
+@pytest.mark.slow
 def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
     out = tmp_path / "turns.json"
     _run("serve_throughput.py", "--concurrency", "2", "--prompt-len", "20", "--max-tokens", "3", "--turns", "3",
@@ -62,6 +68,7 @@ def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
     assert 0 < engine["busy_frac"] <= 1.05 and engine["mean_step_ms"] > 0
 
 
+@pytest.mark.slow
 def test_engine_phases_on_cpu(tmp_path):
     out = tmp_path / "phases.json"
     _run("engine_phases.py", "--device", "cpu", "--shape", "group", "--concurrency", "6", "--prompt-len", "70",
@@ -79,6 +86,7 @@ def test_engine_phases_on_cpu(tmp_path):
             assert run["profiles"]["decode"]["top_level_aten_ops"] > 0
 
 
+@pytest.mark.slow
 def test_decode_step_profile_on_cpu(tmp_path):
     out = tmp_path / "decode_step.json"
     proc = _run("decode_step.py", "--device", "cpu", "--batch", "3", "--prompt-len", "8", "--max-tokens", "6",
@@ -93,6 +101,7 @@ def test_decode_step_profile_on_cpu(tmp_path):
         assert {"schedule", "step", "record", "plan", "sample_launch", "to_host"} <= set(engine["host_ms"])
 
 
+@pytest.mark.slow
 def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
     """The tree-packing benchmark on a tiny Gated DeltaNet hybrid: both delta rule paths, packed
     log-probs equal to unpacked ones (float32 on CPU)."""
@@ -107,6 +116,7 @@ def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
     assert result["packing_ratio"] > 1 and result["logprob_max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_delta_rule_bench_times_both_parts_and_layouts_on_cpu(tmp_path):
     """bench/delta_rule.py on small rows at the 2B head shape: the delta rule alone and a whole
     Qwen3.5 DeltaNet layer, tree and padding-free, with a profile."""
@@ -123,6 +133,7 @@ def test_delta_rule_bench_times_both_parts_and_layouts_on_cpu(tmp_path):
         assert len(r["profile"]["by_op"]) == 3
 
 
+@pytest.mark.slow
 def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
     """bench/lora_sync.py --shape tiny: both syncs ran through the trainer's paths, and the adapter
     generation really went through the adapter (its tokens differ from the base model's)."""
@@ -143,6 +154,7 @@ def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
     assert side["bytes_merged_over_adapter"] == side["merged_sync"]["bytes"] / adapter_bytes
 
 
+@pytest.mark.slow
 def test_lora_sync_bench_writes_partial_results_when_phases_run_out_of_time(tmp_path):
     out = tmp_path / "lora.json"
     _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "4", "--phase-timeout-s", "0",
@@ -155,6 +167,7 @@ def test_lora_sync_bench_writes_partial_results_when_phases_run_out_of_time(tmp_
     assert "bytes_merged_over_adapter" not in side
 
 
+@pytest.mark.slow
 def test_packing_bench_runs_both_workloads_and_step_variants_on_cpu(tmp_path):
     """Both workloads in one run, the base layouts plus the fused-head and no-checkpointing variants
     on tree and padfree, each variant's log-probs equal to the base path's."""
