@@ -57,15 +57,17 @@ section() {  # name, command...
 SHAPE=${ONE_GPU_SHAPE:-0.6b}
 VLLM_PORT=${VLLM_PORT:-8001}
 VLLM_PID=
+STACKS=  # where the running vLLM's stack samples go (STACK_SAMPLES=1)
 
 start_vllm() {  # log name, model dir, vLLM flags...: in the background, until /health answers
     local log=$OUT/$1.log model=$2 path=${VLLM_PYTHONPATH:-$PYTHONPATH}; shift 2
     echo "== starting vLLM on :$VLLM_PORT ($model $*; log $log)"
+    STACKS=
     if [[ -n ${STACK_SAMPLES:-} ]]; then  # its processes' main-thread stacks, for bench/stack_report.py
         path=$PWD/bench/stack_sampler:$path
-        export ASYNCGRPO_STACK_SAMPLES=$OUT/$1_stacks
+        STACKS=$OUT/$1_stacks
     fi
-    PYTHONPATH=$path VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+    ASYNCGRPO_STACK_SAMPLES=$STACKS PYTHONPATH=$path VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_NO_USAGE_STATS=1 \
         setsid python -m vllm.entrypoints.openai.api_server --model "$model" --port "$VLLM_PORT" "$@" > "$log" 2>&1 < /dev/null &
     VLLM_PID=$!
@@ -84,10 +86,9 @@ stop_vllm() {  # the server's whole process group (its engine core is a child pr
     for _ in $(seq 60); do kill -0 "$VLLM_PID" 2> /dev/null || break; sleep 1; done
     kill -9 -- "-$VLLM_PID" 2> /dev/null
     VLLM_PID=
-    if [[ -n ${ASYNCGRPO_STACK_SAMPLES:-} ]]; then
-        python bench/stack_report.py "$ASYNCGRPO_STACK_SAMPLES" --out "$ASYNCGRPO_STACK_SAMPLES.json" \
-            > "$ASYNCGRPO_STACK_SAMPLES.txt" 2>&1 && head -n 40 "$ASYNCGRPO_STACK_SAMPLES.txt"
-        unset ASYNCGRPO_STACK_SAMPLES
+    if [[ -n ${STACKS:-} ]]; then
+        python bench/stack_report.py "$STACKS" --out "$STACKS.json" > "$STACKS.txt" 2>&1 && head -n 40 "$STACKS.txt"
+        STACKS=
     fi
 }
 trap stop_vllm EXIT

@@ -348,6 +348,8 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from asyncgrpo.config_rules import FLEX_BACKENDS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", choices=sorted(PRESETS), default=["0.6b", "1.7b"])
     p.add_argument("--server", choices=("embedded", "vllm"), default="embedded")
@@ -382,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="The trainer's torch_compile=True (compiled decoder layers, fused log-prob head).")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="The trainer's activation_memory_budget (with --torch-compile): selective recomputation.")
-    p.add_argument("--flex-attention-backend", choices=("triton", "flash"), default="triton",
+    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
                    help="The trainer's flex_attention_backend (with --torch-compile): 'flash' is FlashAttention-4.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)

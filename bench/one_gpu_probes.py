@@ -66,13 +66,21 @@ def generated_tokens(base_url: str, api_key: str | None = None) -> float | None:
         return None
 
 
-def server_cache_config(base_url: str) -> dict[str, Any] | None:
-    """The server's KV-cache and scheduler settings from /server_info (None without the route)."""
+def _server_info(base_url: str) -> dict[str, Any] | None:
+    """The server's /server_info (None without the route)."""
     try:
         with urllib.request.urlopen(f"{base_url}/server_info?config_format=json", timeout=10) as response:
-            config = json.loads(response.read().decode()).get("vllm_config") or {}
+            return json.loads(response.read().decode())
     except (OSError, ValueError):
         return None
+
+
+def server_cache_config(base_url: str) -> dict[str, Any] | None:
+    """The server's KV-cache and scheduler settings from /server_info (None without the route)."""
+    info = _server_info(base_url)
+    if info is None:
+        return None
+    config = info.get("vllm_config") or {}
     return {"cache_config": config.get("cache_config"), "scheduler_config": config.get("scheduler_config"),
             "device_config": config.get("device_config")}
 
@@ -80,11 +88,7 @@ def server_cache_config(base_url: str) -> dict[str, Any] | None:
 def embedded_graph_counts(base_url: str) -> dict[str, Any] | None:
     """The embedded server's CUDA-graph counters from /server_info (captures, their seconds, and steps of a
     new shape run eagerly while a trainer in its process computed); None for another server."""
-    try:
-        with urllib.request.urlopen(f"{base_url}/server_info?config_format=json", timeout=10) as response:
-            embedded = json.loads(response.read().decode()).get("embedded")
-    except (OSError, ValueError):
-        return None
+    embedded = (_server_info(base_url) or {}).get("embedded")
     if not embedded:
         return None
     return {k: embedded.get(k) for k in ("graph_captures", "graph_capture_seconds", "graph_captures_deferred")}

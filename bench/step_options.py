@@ -96,11 +96,15 @@ def variant_scope(options: StepOptions, sac_budget: float = SAC_BUDGET):
             import torch._functorch.config
 
             stack.enter_context(compiled_afresh(torch._functorch.config.patch(activation_memory_budget=sac_budget)))
-        if options.flash:
+        if options.flash:  # the trainer's flex_attention_backend="flash", checked as the trainer checks it
             from asyncgrpo.packing.attention import flex_kernel_options
+            from asyncgrpo.train.compiled_layers import flex_backend_options
 
-            require_flash_attn()
-            stack.enter_context(compiled_afresh(flex_kernel_options({"BACKEND": "FLASH"})))
+            try:
+                kernel_options = flex_backend_options("flash", "cuda")
+            except (ImportError, ValueError) as exc:
+                raise SystemExit(f"the 'flash' variant: {exc} (or leave 'flash' out of --variants)") from None
+            stack.enter_context(compiled_afresh(flex_kernel_options(kernel_options)))
         yield
 
 
@@ -117,14 +121,6 @@ def compiled_afresh(setting):
             yield
     finally:
         torch._dynamo.reset()
-
-
-def require_flash_attn() -> None:
-    try:
-        import flash_attn.cute  # noqa: F401 -- FlexAttention's FLASH backend imports it when it lowers
-    except ImportError as exc:
-        raise SystemExit(f"the 'flash' variant needs the flash-attn-4 package ({exc}); install it (pip install "
-                         "flash-attn-4) or leave 'flash' out of --variants") from None
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.cli import serve_arguments
+from asyncgrpo.config_rules import FLEX_BACKENDS
 from asyncgrpo.launch import EmbeddedServer, free_port
 from asyncgrpo.rewards import accuracy_reward
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="With --torch-compile: recompute selectively instead of whole layers, keeping this fraction "
                         "of the activation memory (0.5: 9-16%% more tokens/s than checkpointing, ~3x its memory).")
-    p.add_argument("--flex-attention-backend", choices=("triton", "flash"), default="triton",
+    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
                    help="With --torch-compile on a Hopper or Blackwell GPU: 'flash' runs the tree attention on "
                         "FlashAttention-4 (pip install flash-attn-4; 10-19%% more tokens/s in bench/packing.py).")
     p.add_argument("--max-model-len", type=int, default=2048)

@@ -1,6 +1,7 @@
 """The compiled training paths on CUDA (what `torch_compile=True` runs): the fused log-prob head's compiled
 kernels against the plain path, and compiled decoder layers with FlexAttention tree masks against eager
-layers, forward and backward, over rows of different lengths.
+layers (FlexAttention's Triton kernels, and its FlashAttention-4 backend where installed), forward and
+backward, over rows of different lengths.
 
     pytest -m gpu tests/gpu/test_compiled_training_step.py
 """
@@ -17,8 +18,13 @@ import pytest
 import torch
 
 from asyncgrpo.packing import pack_row
-from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
-from asyncgrpo.train.compiled_layers import compile_decoder_layers
+from asyncgrpo.packing.attention import (
+    TreeMask,
+    enable_tree_attention,
+    flex_kernel_options,
+    tree_attention_context,
+)
+from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
 from asyncgrpo.train.logprobs import token_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of test_tree_attention
@@ -48,7 +54,22 @@ def test_compiled_fused_head_matches_the_plain_path(softcap):
         torch.testing.assert_close(fused, plain, atol=1e-3 + 2e-2 * float(plain.abs().max()), rtol=0)
 
 
-def test_compiled_layers_with_flex_masks_match_eager_layers():
+def _flash_attention_4_runs() -> bool:
+    try:
+        flex_backend_options("flash", "cuda")
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", [
+    "triton",
+    # flex_attention_backend="flash": the masks' tensors padded to one capacity for rows of three lengths
+    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
+                                                   reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")),
+])
+def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
+    import torch._dynamo
     from test_tree_attention import grpo_like_samples, tiny_model
 
     shape = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -58,68 +79,26 @@ def test_compiled_layers_with_flex_masks_match_eager_layers():
     eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     enable_tree_attention(eager)
     compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()  # no graph traced under another backend's kernel options is reused
     compile_decoder_layers(compiled)
+    options = flex_backend_options(backend, "cuda")
+    capacity = 2048 if options else None
     rng = np.random.default_rng(0)
-    for num_sets in (6, 9, 12):  # rows of about 600 to 1200 tokens
-        row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
-        results = []
-        for model in (eager, compiled):
-            model.zero_grad()
-            with tree_attention_context(TreeMask.from_row(row)):
-                hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None])
-            lp = token_logprobs(hidden.last_hidden_state[0], model.lm_head.weight, row.pred_index,
-                                row.target_ids).target_logprobs
-            lp.sum().backward()
-            results.append((lp.detach(), model.model.embed_tokens.weight.grad.float().clone()))
-        (lp_eager, grad_eager), (lp_compiled, grad_compiled) = results
-        torch.testing.assert_close(lp_compiled, lp_eager, atol=3e-2, rtol=0)
-        torch.testing.assert_close(grad_compiled, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
-
-
-def _flash_attention_4_runs() -> bool:
-    from asyncgrpo.train.compiled_layers import flex_backend_options
-
     try:
-        flex_backend_options("flash", "cuda")
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
-                    reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")
-def test_compiled_layers_on_flash_attention_4_match_eager_layers():
-    """flex_attention_backend="flash": the masks padded to one capacity, rows of three lengths."""
-    import torch._dynamo
-    from test_tree_attention import grpo_like_samples, tiny_model
-
-    from asyncgrpo.packing.attention import flex_kernel_options
-
-    shape = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-             "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
-    eager = tiny_model("qwen3", **shape).cuda().to(torch.bfloat16).train()
-    eager.config.use_cache = False
-    enable_tree_attention(eager)
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()  # no graph traced under the Triton kernels' options is reused
-    compile_decoder_layers(compiled)
-    rng = np.random.default_rng(0)
-    capacity = 2048
-    try:
-        for num_sets in (6, 9, 12):
+        for num_sets in (6, 9, 12):  # rows of about 600 to 1200 tokens
             row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
             results = []
-            for model, options in ((eager, None), (compiled, {"BACKEND": "FLASH"})):
+            for model, kernel_options, mask_capacity in ((eager, None, None), (compiled, options, capacity)):
                 model.zero_grad()
-                mask = TreeMask.from_row(row, mask_capacity=capacity if options else None)
-                with tree_attention_context(mask), flex_kernel_options(options):
+                mask = TreeMask.from_row(row, mask_capacity=mask_capacity)
+                with tree_attention_context(mask), flex_kernel_options(kernel_options):
                     hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None])
                 lp = token_logprobs(hidden.last_hidden_state[0], model.lm_head.weight, row.pred_index,
                                     row.target_ids).target_logprobs
                 lp.sum().backward()
                 results.append((lp.detach(), model.model.embed_tokens.weight.grad.float().clone()))
-            (lp_eager, grad_eager), (lp_flash, grad_flash) = results
-            torch.testing.assert_close(lp_flash, lp_eager, atol=3e-2, rtol=0)
-            torch.testing.assert_close(grad_flash, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
+            (lp_eager, grad_eager), (lp_compiled, grad_compiled) = results
+            torch.testing.assert_close(lp_compiled, lp_eager, atol=3e-2, rtol=0)
+            torch.testing.assert_close(grad_compiled, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
     finally:
         torch._dynamo.reset()

@@ -137,11 +137,15 @@ def test_the_triton_backend_needs_no_kernel_options_and_flash_is_refused_off_a_g
     with pytest.raises(ValueError) as info:
         flex_backend_options("flash", "cpu")
     assert "trains on cpu" in str(info.value) and "flex_attention_backend='triton'" in str(info.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="has no CUDA device"):
+            flex_backend_options("flash", "cuda")
 
 
 def test_flash_on_a_pre_hopper_gpu_or_without_the_package_says_what_to_do(monkeypatch):
     import builtins
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError) as info:

@@ -96,9 +96,10 @@ def flex_backend_options(backend: str, device: torch.device | str) -> dict | Non
     if backend == "triton":
         return None
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
+        where = f"trains on {device}" if device.type != "cuda" else "has no CUDA device"
         raise ValueError(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and this process "
-                         f"trains on {device}: set flex_attention_backend='triton'")
+                         f"{where}: set flex_attention_backend='triton'")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         raise ValueError(f"flex_attention_backend={backend!r}: FlashAttention-4 runs on Hopper or Blackwell GPUs "
