@@ -139,8 +139,9 @@ def make_rows(samples, token_budget):
 class Layout:
     """Turns a list of samples into model inputs and the trained-token index of one layout."""
 
-    def __init__(self, name, device, mask_capacity=None):
-        self.name, self.device, self.mask_capacity = name, device, mask_capacity
+    def __init__(self, name, device, mask_capacity=None, kernel_options=None):
+        self.name, self.device = name, device
+        self.mask_capacity, self.kernel_options = mask_capacity, kernel_options
 
     def prepare(self, samples):
         from asyncgrpo.packing import pack_row
@@ -150,7 +151,7 @@ class Layout:
         if self.name in ("tree", "tree_torch", "padfree"):
             row = pack_row(samples, share_prefixes=self.name != "padfree").to(dev)
             mask = TreeMask.from_row(row, deltanet_backend="torch" if self.name == "tree_torch" else "auto",
-                                     mask_capacity=self.mask_capacity)
+                                     mask_capacity=self.mask_capacity, kernel_options=self.kernel_options)
             return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": mask,
                         "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages, "tokens": row.num_tokens,
                         "pairs": row.attention_pairs, "trained": row.num_trained}
@@ -228,13 +229,14 @@ def logprob_diff(model, samples, device):
 def time_layout(model, name, rows, args, device, options):
     """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
     (an "error" entry when the GPU runs out of memory, or when a variant's optional path fails), and the first timed row's log-probs."""
-    from step_options import StepOptions, variant_scope
+    from step_options import StepOptions, flex_kernel_options, variant_scope
 
     set_layout(model, name)
     # FlashAttention-4 under FlexAttention takes no symbolic size in the mask: pad its tensors to one size, the
     # token budget (a tree row's most), or a padding-free layout's longest row (its prompts repeated)
     longest = max(sum(s.num_tokens for s in r) for r in rows) if name == "padfree" else args.token_budget
-    layout = Layout(name, device, mask_capacity=longest if options.flash else None)
+    kernel_options = flex_kernel_options(options)
+    layout = Layout(name, device, mask_capacity=longest if kernel_options else None, kernel_options=kernel_options)
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:

@@ -15,8 +15,9 @@ A variant is a '+'-joined list of options; `base` (none) is the trainer's defaul
               warm-up; needs `compile`)
     flash     FlexAttention's FlashAttention-4 backend (kernel_options BACKEND="FLASH": CuTe DSL kernels of
               the flash-attn-4 package, optional) instead of its Triton kernels (needs `compile`); the
-              rows' masks read tensors padded to the token budget (TreeMask.mask_capacity), since the
-              backend refuses a mask that captures a symbolic size
+              rows' masks carry these options (TreeMask.kernel_options) and read tensors padded to the
+              token budget (TreeMask.mask_capacity), since the backend refuses a mask that captures a
+              symbolic size
     liger     liger-kernel's RMSNorm / SwiGLU / rotary Triton kernels (Qwen3 shapes; optional package, CUDA)
 
 `compile+head` is what the trainer runs with torch_compile=True; `compile+head+nockpt` adds
@@ -96,23 +97,29 @@ def variant_scope(options: StepOptions, sac_budget: float = SAC_BUDGET):
             import torch._functorch.config
 
             stack.enter_context(compiled_afresh(torch._functorch.config.patch(activation_memory_budget=sac_budget)))
-        if options.flash:  # the trainer's flex_attention_backend="flash", checked as the trainer checks it
-            from asyncgrpo.packing.attention import flex_kernel_options
-            from asyncgrpo.train.compiled_layers import flex_backend_options
-
-            try:
-                kernel_options = flex_backend_options("flash", "cuda")
-            except (ImportError, ValueError) as exc:
-                raise SystemExit(f"the 'flash' variant: {exc} (or leave 'flash' out of --variants)") from None
-            stack.enter_context(compiled_afresh(flex_kernel_options(kernel_options)))
+        if options.flash:  # its rows' masks carry the options (`flex_kernel_options`): only fresh graphs here
+            stack.enter_context(compiled_afresh(contextlib.nullcontext()))
         yield
+
+
+def flex_kernel_options(options: StepOptions) -> dict | None:
+    """The FlexAttention kernel_options a variant's rows' masks carry (TreeMask.kernel_options): for
+    `flash` the trainer's flex_attention_backend="flash", checked as the trainer checks it."""
+    if not options.flash:
+        return None
+    from asyncgrpo.train.compiled_layers import flex_backend_options
+
+    try:
+        return flex_backend_options("flash", "cuda")
+    except (ImportError, ValueError) as exc:
+        raise SystemExit(f"the 'flash' variant: {exc} (or leave 'flash' out of --variants)") from None
 
 
 @contextlib.contextmanager
 def compiled_afresh(setting):
     """`setting` (a context manager) in force for the layers compiled inside: dynamo's caches are
     cleared on entry and exit, so that neither this variant nor the next reuses a graph compiled under
-    another setting (the partitioner's budget, FlexAttention's kernel options are read at compile time)."""
+    another setting (the partitioner's budget is read at compile time)."""
     import torch
 
     torch._dynamo.reset()

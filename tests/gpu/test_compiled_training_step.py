@@ -21,7 +21,6 @@ from asyncgrpo.packing import pack_row
 from asyncgrpo.packing.attention import (
     TreeMask,
     enable_tree_attention,
-    flex_kernel_options,
     tree_attention_context,
 )
 from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
@@ -90,11 +89,14 @@ def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
             results = []
             for model, kernel_options, mask_capacity in ((eager, None, None), (compiled, options, capacity)):
                 model.zero_grad()
-                mask = TreeMask.from_row(row, mask_capacity=mask_capacity)
-                with tree_attention_context(mask), flex_kernel_options(kernel_options):
+                mask = TreeMask.from_row(row, mask_capacity=mask_capacity, kernel_options=kernel_options)
+                with tree_attention_context(mask):
                     hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None])
                 lp = token_logprobs(hidden.last_hidden_state[0], model.lm_head.weight, row.pred_index,
                                     row.target_ids).target_logprobs
+                # outside the context, as a trainer's may be: the checkpointed layers recompute on the
+                # mask's kernels (with FA4 options in a context around the forward only, the recomputation
+                # ran Triton's and the gradients were wrong)
                 lp.sum().backward()
                 results.append((lp.detach(), model.model.embed_tokens.weight.grad.float().clone()))
             (lp_eager, grad_eager), (lp_compiled, grad_compiled) = results
@@ -102,3 +104,44 @@ def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
             torch.testing.assert_close(grad_compiled, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", [
+    "triton",
+    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
+                                                   reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")),
+])
+@pytest.mark.parametrize("kv_heads", [8, 16])
+def test_flex_attention_on_tree_masks_matches_a_float32_reference(backend, kv_heads):
+    """FlexAttention alone on tree masks (plain and padded to a capacity), forward and backward of q, k, v,
+    against softmax attention in float32 on the dense mask: the kernel, apart from the layers around it."""
+    from test_tree_attention import grpo_like_samples
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = torch.compile(flex_attention)
+    options = flex_backend_options(backend, "cuda")
+    rng = np.random.default_rng(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for num_sets, capacity in ((6, None), (6, 2048), (9, 2048)):
+        row = pack_row([s for _ in range(num_sets) for s in grpo_like_samples(rng)]).to("cuda")
+        mask = TreeMask.from_row(row, backend="flex", mask_capacity=capacity, kernel_options=options)
+        length = row.num_tokens
+        q, k, v = (torch.randn(1, heads, length, 128, device="cuda", generator=g).bfloat16()
+                   for heads in (16, kv_heads, kv_heads))
+        grad_out = torch.randn(1, 16, length, 128, device="cuda", generator=g)
+        results = []
+        for run in ("flex", "reference"):
+            cast = torch.float32 if run == "reference" else torch.bfloat16
+            inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+            if run == "flex":
+                out = attend(*inputs, block_mask=mask.block_mask(None), enable_gqa=kv_heads != 16,
+                             kernel_options=mask.kernel_options)
+            else:
+                qf, kf, vf = inputs[0], *(t.repeat_interleave(16 // kv_heads, 1) for t in inputs[1:])
+                scores = (qf @ kf.transpose(-1, -2)) * 128 ** -0.5
+                out = torch.softmax(scores.masked_fill(~mask.dense(None), float("-inf")), -1) @ vf
+            (out.float() * grad_out).sum().backward()
+            results.append([out.detach().float()] + [t.grad.float() for t in inputs])
+        for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+            error = float((got - want).abs().max() / want.abs().max())
+            assert error < 0.02, f"{backend} {name}: relative error {error:.4f}, {length}-token row, capacity {capacity}"

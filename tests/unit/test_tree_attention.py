@@ -7,9 +7,11 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from torch.nn.attention.flex_attention import create_mask
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -18,7 +20,6 @@ from asyncgrpo.packing.attention import (
     TreeMask,
     disable_tree_attention,
     enable_tree_attention,
-    flex_kernel_options,
     tree_attention_context,
 )
 from asyncgrpo.train.logprobs import token_logprobs
@@ -145,23 +146,50 @@ def test_flex_backend_matches_dense_on_cpu():
     torch.testing.assert_close(packed_logprobs(model, samples, backend="flex"), reference, atol=1e-5, rtol=0)
 
 
-def test_flex_kernel_options_reach_flex_attention_and_are_restored():
-    """The options travel to FlexAttention itself (it refuses an unknown backend by name) and end with
-    the context; the defaults give the dense result."""
-    from asyncgrpo.packing import attention
-
+def test_a_masks_kernel_options_reach_flex_attention():
+    """TreeMask.kernel_options travel to FlexAttention itself (it refuses an unknown backend by name);
+    a mask without them gives the dense result."""
     model = tiny_model("qwen3")
     samples = grpo_like_samples(np.random.default_rng(2))
     reference = unpacked_logprobs(model, samples)
     enable_tree_attention(model)
-    with flex_kernel_options({"BACKEND": "NO_SUCH_BACKEND"}):
-        with pytest.raises(ValueError, match="NO_SUCH_BACKEND"):
-            packed_logprobs(model, samples, backend="flex")
-        with flex_kernel_options(None):
-            assert attention._FLEX_KERNEL_OPTIONS is None
-        assert attention._FLEX_KERNEL_OPTIONS == {"BACKEND": "NO_SUCH_BACKEND"}
-    assert attention._FLEX_KERNEL_OPTIONS is None
+    row = pack_row(samples)
+    mask = TreeMask.from_row(row, backend="flex", kernel_options={"BACKEND": "NO_SUCH_BACKEND"})
+    with pytest.raises(ValueError, match="NO_SUCH_BACKEND"), torch.no_grad(), tree_attention_context(mask):
+        hidden_states_and_head(model, row.input_ids, row.position_ids)
     torch.testing.assert_close(packed_logprobs(model, samples, backend="flex"), reference, atol=1e-5, rtol=0)
+
+
+def test_checkpointing_recomputes_under_the_masks_kernel_options(monkeypatch):
+    """Activation checkpointing runs the forward again inside backward, wherever backward runs: the
+    recomputation must use the same FlexAttention kernels as the forward, so the options travel with
+    the mask. (With them in a context around the forward only, a FlashAttention-4 forward was
+    recomputed on the Triton kernels and the gradients were wrong, on an H100.)"""
+    from asyncgrpo.packing import attention
+
+    seen = []
+
+    def recording_flex_attention(query, key, value, *, block_mask, scale=None, enable_gqa=False, kernel_options=None,
+                                 **kwargs):  # FlexAttention has no backward on CPU: its mask through SDPA
+        seen.append(kernel_options)
+        length = query.shape[2]
+        dense = create_mask(block_mask.mask_mod, None, None, length, length, device=query.device)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=dense, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(attention, "flex_attention", recording_flex_attention)
+    model = tiny_model("qwen3")
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_tree_attention(model)
+    row = pack_row(grpo_like_samples(np.random.default_rng(3)))
+    options = {"PRESCALE_QK": False}  # a real FlexAttention option that changes nothing here
+    with tree_attention_context(TreeMask.from_row(row, backend="flex", kernel_options=options)):
+        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+    forward_calls = len(seen)
+    hidden.float().pow(2).sum().backward()  # outside the context
+    assert forward_calls == model.config.num_hidden_layers
+    assert len(seen) == 2 * forward_calls, "backward recomputed no layer: checkpointing is off"
+    assert seen == [options] * len(seen)
 
 
 def test_gradients_flow_through_dense_tree_attention_with_checkpointing():

@@ -51,7 +51,6 @@ __all__ = [
     "attention_windows",
     "disable_tree_attention",
     "enable_tree_attention",
-    "flex_kernel_options",
     "tree_attention_context",
     "tree_attention_forward",
 ]
@@ -61,9 +60,6 @@ _MASK_KWARG = "tree_mask"
 _HOOK_ATTR = "_asyncgrpo_tree_attention_hook"
 _NOT_PASSED = object()
 _ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("asyncgrpo_tree_mask", default=None)
-# FlexAttention's kernel_options for every tree attention call (None: its defaults). A plain global, not a
-# context variable: compiled layers read it while tracing and guard on its value.
-_FLEX_KERNEL_OPTIONS: dict | None = None
 
 
 @dataclass(eq=False)
@@ -78,6 +74,10 @@ class TreeMask:
     mask_capacity: on the flex backend, the per-token tensors the mask function reads are padded to
     this many tokens and marked static, so that layers compiled for any row length capture no
     symbolic size in it (FlexAttention's FLASH backend refuses one); None: the row's own length.
+    kernel_options: FlexAttention's kernel_options for the row's attention, e.g. {"BACKEND": "FLASH"}
+    (FlashAttention-4, from the flash-attn-4 package); None: its Triton kernels. They travel with the
+    mask, not with the code around the forward, because activation checkpointing recomputes the forward
+    inside backward, wherever that runs: a recomputation under other kernels gave wrong gradients.
     """
 
     position_ids: torch.Tensor
@@ -89,6 +89,7 @@ class TreeMask:
     segment_len: torch.Tensor | None = None
     deltanet_backend: str = "auto"
     mask_capacity: int | None = None
+    kernel_options: dict | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -104,7 +105,7 @@ class TreeMask:
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
                  block_size: int = 128, min_flex_tokens: int = 512, deltanet_backend: str = "auto",
-                 mask_capacity: int | None = None) -> TreeMask:
+                 mask_capacity: int | None = None, kernel_options: dict | None = None) -> TreeMask:
         """backend "auto": "flex" on CUDA for rows of at least `min_flex_tokens` tokens, else "dense".
         Short rows gain nothing from block sparsity, and compiled FlexAttention failed to lower for a
         102-token row on torch 2.11 / H200 (queries shorter than one block take its decoding path)."""
@@ -114,7 +115,8 @@ class TreeMask:
         span_end = row.segment_subtree_end[row.segment_ids]
         return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
                    block_size=block_size, segment_parent=row.segment_parent, segment_start=row.segment_start,
-                   segment_len=row.segment_len, deltanet_backend=deltanet_backend, mask_capacity=mask_capacity)
+                   segment_len=row.segment_len, deltanet_backend=deltanet_backend, mask_capacity=mask_capacity,
+                   kernel_options=kernel_options)
 
     def recurrent_layout(self, conv_width: int) -> RecurrentLayout:
         """The index plan of the row's recurrent layers (`packing/recurrent.py`), cached per width."""
@@ -297,21 +299,7 @@ def _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softca
     compiled = query.device.type != "cpu" and not torch.compiler.is_compiling()
     attend = _compiled_flex_attention() if compiled else flex_attention
     return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window), scale=scaling,
-                  enable_gqa=enable_gqa, kernel_options=_FLEX_KERNEL_OPTIONS)
-
-
-@contextlib.contextmanager
-def flex_kernel_options(options: dict | None) -> Iterator[None]:
-    """FlexAttention's `kernel_options` for the tree attention run inside, e.g. {"BACKEND": "FLASH"}
-    (FlashAttention-4's kernels, from the flash-attn-4 package) or Triton block sizes. Layers
-    compiled inside compile with these options; reset dynamo (`torch._dynamo.reset()`) around a
-    change so that no graph traced under other options is reused."""
-    global _FLEX_KERNEL_OPTIONS
-    previous, _FLEX_KERNEL_OPTIONS = _FLEX_KERNEL_OPTIONS, (dict(options) if options else None)
-    try:
-        yield
-    finally:
-        _FLEX_KERNEL_OPTIONS = previous
+                  enable_gqa=enable_gqa, kernel_options=tree_mask.kernel_options)
 
 
 def active_tree_mask() -> TreeMask | None:

@@ -22,7 +22,8 @@ chunked LM head and the Trainer's wrappers, for nothing.
   layer reads the same one.
 - Attention kernels (`flex_attention_backend`): FlexAttention's Triton kernels, or its FlashAttention-4
   backend, which refuses a mask that captures a symbolic size: the rows' masks then read tensors padded
-  to the token budget (`TreeMask.mask_capacity`).
+  to the token budget (`TreeMask.mask_capacity`). The masks carry the choice (`TreeMask.kernel_options`),
+  so checkpointing's recomputation inside backward runs the forward's kernels.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from asyncgrpo.capture_gate import device_work
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
-from asyncgrpo.packing.attention import TreeMask, flex_kernel_options, tree_attention_context
+from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
@@ -188,8 +188,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
             self._batches = self._make_batches(total_positions, start_position)
-            with flex_kernel_options(self._flex_options):  # one set for the run: compiled layers guard on it
-                return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             args.max_steps = user_max_steps
             self._shutdown()
@@ -301,7 +300,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         # FlashAttention-4 takes masks of one static size: the row's tensors padded to the token budget
-        mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None)
+        mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None,
+                                 kernel_options=self._flex_options)
         # device_work: no graph capture of a server in this process meanwhile (compilation may sync the device)
         with device_work():
             with self.compute_loss_context_manager(), tree_attention_context(mask):
