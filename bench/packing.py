@@ -143,6 +143,19 @@ class Layout:
         self.name, self.device = name, device
         self.mask_capacity, self.kernel_options = mask_capacity, kernel_options
 
+    @classmethod
+    def for_variant(cls, name, device, options, rows, token_budget):
+        """The layout of a step variant's rows: under `flash` their masks carry FlashAttention-4's kernel
+        options and, since it takes no symbolic size in a mask, tensors padded to one size: the token
+        budget (a tree row's most), or a padding-free layout's longest row (its prompts repeated)."""
+        from step_options import flex_kernel_options
+
+        kernel_options = flex_kernel_options(options)
+        if kernel_options is None:
+            return cls(name, device)
+        longest = max(sum(s.num_tokens for s in r) for r in rows) if name == "padfree" else token_budget
+        return cls(name, device, mask_capacity=longest, kernel_options=kernel_options)
+
     def prepare(self, samples):
         from asyncgrpo.packing import pack_row
         from asyncgrpo.packing.attention import TreeMask
@@ -229,14 +242,10 @@ def logprob_diff(model, samples, device):
 def time_layout(model, name, rows, args, device, options):
     """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
     (an "error" entry when the GPU runs out of memory, or when a variant's optional path fails), and the first timed row's log-probs."""
-    from step_options import StepOptions, flex_kernel_options, variant_scope
+    from step_options import StepOptions, variant_scope
 
     set_layout(model, name)
-    # FlashAttention-4 under FlexAttention takes no symbolic size in the mask: pad its tensors to one size, the
-    # token budget (a tree row's most), or a padding-free layout's longest row (its prompts repeated)
-    longest = max(sum(s.num_tokens for s in r) for r in rows) if name == "padfree" else args.token_budget
-    kernel_options = flex_kernel_options(options)
-    layout = Layout(name, device, mask_capacity=longest if kernel_options else None, kernel_options=kernel_options)
+    layout = Layout.for_variant(name, device, options, rows, args.token_budget)
     batches = [layout.prepare(r) for r in rows]
     first_logprobs = None
     try:

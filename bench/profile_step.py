@@ -220,7 +220,7 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
     attention = tree_attention_forward if options.compile else marked_attention(tree_attention_forward)
     AttentionInterface.register(TREE_ATTENTION, attention)
     windows = attention_windows(model)
-    layout = Layout("tree", device)
+    layout = Layout.for_variant("tree", device, options, rows, args.token_budget)
     batches = []
     for r in rows:
         batch = layout.prepare(r)
