@@ -22,6 +22,7 @@ from asyncgrpo.packing.attention import (
     TreeMask,
     enable_tree_attention,
     tree_attention_context,
+    tree_attention_forward,
 )
 from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
 from asyncgrpo.train.logprobs import token_logprobs
@@ -112,13 +113,14 @@ def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
                                                    reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")),
 ])
 @pytest.mark.parametrize("kv_heads", [8, 16])
-def test_flex_attention_on_tree_masks_matches_a_float32_reference(backend, kv_heads):
-    """FlexAttention alone on tree masks (plain and padded to a capacity), forward and backward of q, k, v,
-    against softmax attention in float32 on the dense mask: the kernel, apart from the layers around it."""
+# Gemma-2-like layers: a sliding window (the rows' trees are 24 tokens deep) and soft-capping
+@pytest.mark.parametrize("window, softcap", [(None, None), (8, 10.0)])
+def test_flex_attention_on_tree_masks_matches_a_float32_reference(backend, kv_heads, window, softcap):
+    """The layers' tree attention on FlexAttention alone (`tree_attention_forward`), on tree masks (plain
+    and padded to a capacity), forward and backward of q, k, v, against softmax attention in float32 on
+    the dense mask: the kernel, apart from the layers around it."""
     from test_tree_attention import grpo_like_samples
-    from torch.nn.attention.flex_attention import flex_attention
 
-    attend = torch.compile(flex_attention)
     options = flex_backend_options(backend, "cuda")
     rng = np.random.default_rng(0)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -128,20 +130,24 @@ def test_flex_attention_on_tree_masks_matches_a_float32_reference(backend, kv_he
         length = row.num_tokens
         q, k, v = (torch.randn(1, heads, length, 128, device="cuda", generator=g).bfloat16()
                    for heads in (16, kv_heads, kv_heads))
-        grad_out = torch.randn(1, 16, length, 128, device="cuda", generator=g)
+        q = q * 4  # scores of a few units, where soft-capping at 10 bends them
+        grad_out = torch.randn(1, length, 16, 128, device="cuda", generator=g)
         results = []
         for run in ("flex", "reference"):
             cast = torch.float32 if run == "reference" else torch.bfloat16
             inputs = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
             if run == "flex":
-                out = attend(*inputs, block_mask=mask.block_mask(None), enable_gqa=kv_heads != 16,
-                             kernel_options=mask.kernel_options)
+                out, _ = tree_attention_forward(torch.nn.Module(), *inputs, None, tree_mask=mask,
+                                                sliding_window=window, softcap=softcap)
             else:
                 qf, kf, vf = inputs[0], *(t.repeat_interleave(16 // kv_heads, 1) for t in inputs[1:])
                 scores = (qf @ kf.transpose(-1, -2)) * 128 ** -0.5
-                out = torch.softmax(scores.masked_fill(~mask.dense(None), float("-inf")), -1) @ vf
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out = (torch.softmax(scores.masked_fill(~mask.dense(window), float("-inf")), -1) @ vf).transpose(1, 2)
             (out.float() * grad_out).sum().backward()
             results.append([out.detach().float()] + [t.grad.float() for t in inputs])
         for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
             error = float((got - want).abs().max() / want.abs().max())
-            assert error < 0.02, f"{backend} {name}: relative error {error:.4f}, {length}-token row, capacity {capacity}"
+            assert error < 0.02, (f"{backend} {name}: relative error {error:.4f}, {length}-token row, "
+                                  f"capacity {capacity}, window {window}, softcap {softcap}")
