@@ -70,11 +70,13 @@ def test_decoder_layers_are_the_repeated_blocks():
     assert decoder_layers(model) == list(model.model.layers)
 
 
-def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph():
+@pytest.mark.parametrize("kernel_options", [None, {"PRESCALE_QK": False}])
+def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(kernel_options):
     """The CUDA path's masks (FlexAttention BlockMask, forward on CPU): rows of 600 to 1300 tokens run
     through the same compiled graphs and keep packed == unpacked. The graphs are one, or two where the
     `kernels` package (transformers >= 5.2x) routes the attention module's functions through a variable
-    that its first compiled call sets: the second call compiles once more, and no row length after it."""
+    that its first compiled call sets: the second call compiles once more, and no row length after it.
+    Masks that carry kernel options (`flex_attention_backend`), each its own dict, reuse the graphs too."""
     full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
     model, reference = tiny_model("qwen3", **full), tiny_model("qwen3", **full)
     model.config.use_cache = False
@@ -87,7 +89,7 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
     for n in (5, 7, 9, 11):
         samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
         row = pack_row(samples)
-        mask = TreeMask.from_row(row, backend="flex")
+        mask = TreeMask.from_row(row, backend="flex", kernel_options=dict(kernel_options) if kernel_options else None)
         with torch.no_grad(), tree_attention_context(mask):
             hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
             lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
