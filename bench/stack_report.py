@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_gpu_report import write_json
+from provenance import command_line
 
 # innermost Python functions of a main thread that waits for work: an idle asyncio loop (selectors), or
 # uvloop's, whose loop has no Python frame (the runner's is innermost), a sleep, a wait
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  no sample for {gap['seconds']:.2f} s at {gap['start']:.3f}; after: "
                   + " <- ".join(gap["after"][:8]))
     if args.out:
-        write_json(Path(args.out), {"benchmark": "stack_report", "command": " ".join(sys.argv), "min_s": args.min_s,
+        write_json(Path(args.out), {"benchmark": "stack_report", "command": command_line(argv), "min_s": args.min_s,
                                     "processes": processes})
 
 

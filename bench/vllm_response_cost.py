@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from one_gpu_report import write_json
+from provenance import command_line
 
 
 def routes(num_tokens: int):
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {median * 1e3:.1f} ms per {args.tokens}-token response ({len(body) / 1e3:.0f} kB JSON), "
               f"{median * args.responses:.2f} s for {args.responses}")
     if args.out:
-        write_json(Path(args.out), {"benchmark": "vllm_response_cost", "command": " ".join(sys.argv),
+        write_json(Path(args.out), {"benchmark": "vllm_response_cost", "command": command_line(argv),
                                     "host": platform.node(), "cpu": platform.processor() or platform.machine(),
                                     "python": platform.python_version(), "args": vars(args), "results": results})
 
