@@ -60,12 +60,12 @@ VLLM_PID=
 STACKS=  # where the running vLLM's stack samples go (STACK_SAMPLES=1)
 
 start_vllm() {  # log name, model dir, vLLM flags...: in the background, until /health answers
-    local log=$OUT/$1.log model=$2 path=${VLLM_PYTHONPATH:-$PYTHONPATH}; shift 2
+    local name=$1 log=$OUT/$1.log model=$2 path=${VLLM_PYTHONPATH:-$PYTHONPATH}; shift 2
     echo "== starting vLLM on :$VLLM_PORT ($model $*; log $log)"
     STACKS=
     if [[ -n ${STACK_SAMPLES:-} ]]; then  # its processes' main-thread stacks, for bench/stack_report.py
         path=$PWD/bench/stack_sampler:$path
-        STACKS=$OUT/$1_stacks
+        STACKS=$OUT/${name}_stacks
     fi
     ASYNCGRPO_STACK_SAMPLES=$STACKS PYTHONPATH=$path VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 VLLM_NO_USAGE_STATS=1 \
@@ -82,6 +82,10 @@ start_vllm() {  # log name, model dir, vLLM flags...: in the background, until /
 
 stop_vllm() {  # the server's whole process group (its engine core is a child process)
     [[ -n $VLLM_PID ]] || return 0
+    if [[ -n ${STACKS:-} ]] && mkdir -p "$STACKS"; then  # which cores each of its processes may run on (a shared core starves one)
+        for pid in $(pgrep -g "$VLLM_PID"); do echo "$(taskset -cp "$pid" 2>&1) $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-80)"; done \
+            > "$STACKS/affinity.txt" 2>&1
+    fi
     kill -- "-$VLLM_PID" 2> /dev/null
     for _ in $(seq 60); do kill -0 "$VLLM_PID" 2> /dev/null || break; sleep 1; done
     kill -9 -- "-$VLLM_PID" 2> /dev/null

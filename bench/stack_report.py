@@ -7,7 +7,10 @@ For each process: the longest busy stretches (consecutive samples not waiting in
 or a wait, for at least --min-s), each with the functions on its samples' stacks and the share of its
 samples each is on (an event loop blocked for seconds shows what blocks it), and the gaps (no sample for
 at least --min-s: the main thread held the interpreter lock in one call into C, or the process was not
-scheduled), each with its wall time, longest first.
+scheduled), each with its wall time, longest first. Each stretch also gives the CPU seconds its main thread and its
+whole process ran (where the sampler recorded them): a main thread with much less CPU than wall time
+waited for a core or for the interpreter lock, which another thread of the process held if the process's
+CPU time exceeds the main thread's.
 """
 
 from __future__ import annotations
@@ -25,19 +28,24 @@ from provenance import command_line
 IDLE = ("select", "poll", "epoll", "_run_once", "run_forever", "run_until_complete", "run", "sleep", "wait")
 
 
-def read_samples(path: Path) -> tuple[str, list[tuple[float, list[str]]]]:
-    """(the process's header line, [(wall time, frames innermost first)])."""
-    header, samples = "", []
+def read_samples(path: Path) -> tuple[str, list[tuple[float, list[str]]], list[tuple[float, float] | None]]:
+    """(the process's header line, [(wall time, frames innermost first)], [(main-thread CPU s, process
+    CPU s) per sample, or None where the line has no CPU times (files of an older sampler)])."""
+    header, samples, cpu = "", [], []
     for line in path.read_text().splitlines():
         if line.startswith("#"):
             header = header or line[1:].strip()
             continue
-        stamp, _, stack = line.partition("\t")
+        fields = line.split("\t")
         try:
-            samples.append((float(stamp), stack.split(";") if stack else []))
-        except ValueError:
+            stamp = float(fields[0])
+            times = (float(fields[1]), float(fields[2])) if len(fields) == 4 else None
+        except (ValueError, IndexError):
             continue  # a line cut off when the process was killed
-    return header, samples
+        stack = fields[-1] if len(fields) in (2, 4) else ""
+        samples.append((stamp, stack.split(";") if stack else []))
+        cpu.append(times)
+    return header, samples, cpu
 
 
 def _idle(frames: list[str]) -> bool:
@@ -50,10 +58,12 @@ def _function(frame: str) -> str:
     return f"{file}:{rest.partition(':')[2]}"
 
 
-def busy_stretches_and_gaps(samples: list[tuple[float, list[str]]], min_s: float, top: int = 12):
+def busy_stretches_and_gaps(samples: list[tuple[float, list[str]]], min_s: float, top: int = 12,
+                            cpu: list[tuple[float, float] | None] | None = None):
     """Stretches of consecutive non-idle samples spanning at least `min_s` seconds, each with the
     functions on its samples' stacks, most frequent first (the share of the stretch's samples each is
-    on); and gaps of at least `min_s` between two samples. Longest first."""
+    on), and, given the samples' `cpu` times, the CPU seconds its main thread and its process ran; and
+    gaps of at least `min_s` between two samples. Longest first."""
     stretches, gaps = [], []
     start = None
     for i, (stamp, frames) in enumerate(samples):
@@ -74,8 +84,12 @@ def busy_stretches_and_gaps(samples: list[tuple[float, list[str]]], min_s: float
                         counts[name] = counts.get(name, 0) + 1
                 n = last + 1 - start
                 functions = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-                stretches.append({"start": samples[start][0], "seconds": round(seconds, 3), "samples": n,
-                                  "functions": [[name, round(c / n, 3)] for name, c in functions]})
+                stretch = {"start": samples[start][0], "seconds": round(seconds, 3), "samples": n,
+                           "functions": [[name, round(c / n, 3)] for name, c in functions]}
+                if cpu and cpu[start] is not None and cpu[last] is not None:
+                    stretch["main_thread_cpu_s"] = round(cpu[last][0] - cpu[start][0], 3)
+                    stretch["process_cpu_s"] = round(cpu[last][1] - cpu[start][1], 3)
+                stretches.append(stretch)
             start = None
     return sorted(stretches, key=lambda e: -e["seconds"]), sorted(gaps, key=lambda e: -e["seconds"])
 
@@ -83,8 +97,8 @@ def busy_stretches_and_gaps(samples: list[tuple[float, list[str]]], min_s: float
 def report(folder: Path, min_s: float) -> list[dict]:
     processes = []
     for path in sorted(folder.glob("stacks-*.tsv")):
-        header, samples = read_samples(path)
-        busy, gaps = busy_stretches_and_gaps(samples, min_s)
+        header, samples, cpu = read_samples(path)
+        busy, gaps = busy_stretches_and_gaps(samples, min_s, cpu=cpu)
         processes.append({"file": path.name, "process": header, "samples": len(samples), "busy": busy,
                           "gaps": gaps})
     return processes
@@ -104,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     for proc in processes:
         print(f"== {proc['file']} ({proc['samples']} samples): {proc['process']}")
         for stretch in proc["busy"][: args.top]:
-            print(f"  busy {stretch['seconds']:.2f} s from {stretch['start']:.3f} ({stretch['samples']} samples): "
+            cpu = (f", main thread on a core {stretch['main_thread_cpu_s']:.2f} s, process {stretch['process_cpu_s']:.2f} s"
+                   if "main_thread_cpu_s" in stretch else "")
+            print(f"  busy {stretch['seconds']:.2f} s from {stretch['start']:.3f} ({stretch['samples']} samples{cpu}): "
                   + ", ".join(f"{name} {share:.0%}" for name, share in stretch["functions"]))
         for gap in proc["gaps"][: args.top]:
             print(f"  no sample for {gap['seconds']:.2f} s at {gap['start']:.3f}; after: "

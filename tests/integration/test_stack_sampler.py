@@ -1,5 +1,6 @@
 """bench/stack_sampler + bench/stack_report.py: a process started with the sampler on PYTHONPATH records
-its main thread's stacks, and the report finds where it was busy and where it held the interpreter lock."""
+its main thread's stacks and CPU time, and the report finds where it was busy, where it held the interpreter
+lock, and where it was busy but shared the lock with another thread."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from stack_report import report
 
 PROGRAM = """
 import random
+import threading
 import time
 
 def sleep(seconds):  # a wait, as an idle event loop's select is: not busy
@@ -25,6 +27,17 @@ def stuck_in_python():  # the main thread busy in Python code for 0.8 s: the sam
     while time.monotonic() < end:
         pass
 
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+def sharing_the_lock():  # busy in Python for 0.8 s while another thread spins too: about half the CPU
+    other = threading.Thread(target=spin, args=(0.8,))
+    other.start()
+    spin(0.8)
+    other.join()
+
 def holding_the_lock(data):  # one call into C that keeps the interpreter lock (a sort): no sample meanwhile
     return sorted(data)
 
@@ -34,6 +47,8 @@ data = [random.random() for _ in range(int(100_000 * 0.8 / (time.monotonic() - s
 
 sleep(0.3)
 stuck_in_python()
+sleep(0.3)
+sharing_the_lock()
 sleep(0.3)
 start = time.monotonic()
 holding_the_lock(data)
@@ -54,6 +69,11 @@ def test_the_report_finds_a_busy_stretch_in_python_and_a_gap_while_the_lock_was_
     # the busy loop is a stretch of its own (the sleeps around it are waits)
     (stretch,) = [b for b in proc["busy"] if dict(b["functions"]).get("<string>:stuck_in_python", 0) >= 0.8]
     assert stretch["seconds"] >= 0.6, proc["busy"]
+    assert stretch["main_thread_cpu_s"] >= 0.5 * stretch["seconds"], stretch
+    # with a second thread taking the lock in turns, the main thread runs about half the stretch
+    (shared,) = [b for b in proc["busy"] if dict(b["functions"]).get("<string>:sharing_the_lock", 0) >= 0.8]
+    assert shared["main_thread_cpu_s"] < 0.8 * shared["seconds"], shared
+    assert shared["process_cpu_s"] >= shared["main_thread_cpu_s"] + 0.2 * shared["seconds"], shared
     assert held_s >= 0.5
     gaps = [g for g in proc["gaps"] if any("holding_the_lock" in f for f in g["before"] + g["after"])]
     assert gaps and gaps[0]["seconds"] >= 0.4, (held_s, proc["gaps"])
