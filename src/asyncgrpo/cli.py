@@ -18,7 +18,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="Model id or path, e.g. asyncgrpo/tiny-chat.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, local only).")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu).")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
     p.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion (tokens).")
@@ -139,6 +139,13 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Shut down when this process, the server's parent, exits (set by asyncgrpo.launch.EmbeddedServer).",
     )
     p.set_defaults(func=_run_serve)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -48,7 +48,7 @@ def test_server_still_serves_after_bad_requests(tiny_server):
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", *args, "--port", "1"],
+    return subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", *args, "--port", "0"],
                           check=False, capture_output=True, text=True, timeout=90)
 
 
@@ -74,4 +74,22 @@ def test_a_port_another_process_listens_on_exits_2_before_loading_the_model():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}: another process already does" in proc.stderr
     assert "pass another --port" in proc.stderr and "Traceback" not in proc.stderr
+    assert "self-check" not in proc.stderr.lower()  # refused before the model loaded
+
+
+def test_a_port_out_of_range_exits_2_naming_the_range():
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", TINY, "--port", "99999"],
+                          check=False, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--port" in proc.stderr and "0 to 65535" in proc.stderr and "99999" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_host_address_this_machine_lacks_exits_2_before_loading_the_model():
+    # 192.0.2.1 is reserved for documentation (RFC 5737): no machine's interface has it
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", TINY, "--host", "192.0.2.1"],
+                          check=False, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot listen on 192.0.2.1:8000" in proc.stderr and "--host" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     assert "self-check" not in proc.stderr.lower()  # refused before the model loaded

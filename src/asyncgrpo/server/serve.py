@@ -145,15 +145,30 @@ def main(args: argparse.Namespace) -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """`ModelLoadError` when another process listens on host:port (as the server will bind: address reuse on)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """`ModelLoadError` when the server could not listen on host:port (as it will bind: address reuse on):
+    another process listens there, the port needs privileges, or this machine has no such address."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ModelLoadError(cannot_listen(host, port, f"no address found for that name ({exc.strerror})")) from exc
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise ModelLoadError(port_in_use(host, port)) from exc
-            # anything else (an address this machine does not have, say) is the real bind's to report
+            if exc.errno == errno.EACCES:
+                raise ModelLoadError(f"cannot listen on {host}:{port}: ports below 1024 need administrator "
+                                     "rights; pass a --port of 1024 or more") from exc
+            why = ("no network interface of this machine has that address" if exc.errno == errno.EADDRNOTAVAIL
+                   else exc.strerror or str(exc))
+            raise ModelLoadError(cannot_listen(host, port, why)) from exc
+
+
+def cannot_listen(host: str, port: int, why: str) -> str:
+    return (f"cannot listen on {host}:{port}: {why}; pass --host 127.0.0.1 (this machine only), 0.0.0.0 (every "
+            "interface) or an address of one of this machine's network interfaces")
 
 
 def port_in_use(host: str, port: int) -> str:
