@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from transformers import TrainingArguments
 
@@ -115,8 +116,25 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _require_server_url(url: str) -> None:
+    """An http(s) URL with a host: anything else fails only once training starts, with an HTTP client's
+    error that names neither the field nor the fix."""
+    name = f"vllm_server_base_url={url!r}"
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or "://" not in url:
+        raise ValueError(f"{name} needs a scheme: pass {'http://' + str(url)!r}")
+    _require(parts.scheme in ("http", "https"),
+             f"{name}: the server speaks HTTP; pass an http:// or https:// URL such as 'http://localhost:8000'")
+    _require(bool(parts.hostname), f"{name} has no host; pass one such as 'http://localhost:8000'")
+
+
 def validate(args: AsyncGRPOConfig) -> None:
     """Every field's rules, in declaration order: a broken rule raises, a no-op combination warns."""
+    # two of TrainingArguments' fields that it takes as they come
+    _require(args.learning_rate >= 0, f"learning_rate={args.learning_rate} must be >= 0: a negative one climbs the "
+             "loss; use a small positive value such as 1e-6 (0 trains nothing)")
+    _require(args.gradient_accumulation_steps >= 1,
+             f"gradient_accumulation_steps={args.gradient_accumulation_steps} must be >= 1 (micro-batches per step)")
     _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
     budget = args.activation_memory_budget
     _require(budget is None or 0 < budget <= 1,
@@ -173,6 +191,7 @@ def validate(args: AsyncGRPOConfig) -> None:
         f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise hang "
         "its rollout forever); use a large value for slow tools",
     )
+    _require_server_url(args.vllm_server_base_url)
     _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
     _require(args.vllm_server_restart_timeout >= 0,
              f"vllm_server_restart_timeout={args.vllm_server_restart_timeout} must be >= 0 seconds (0: do not wait)")

@@ -162,6 +162,13 @@ def test_bad_json_dict_names_the_field(value):
         ({"activation_memory_budget": 0.0, "torch_compile": True}, ["activation_memory_budget=0.0", "(0, 1]"]),
         ({"flex_attention_backend": "flash"}, ["flex_attention_backend='flash'", "torch_compile=True"]),
         ({"flex_attention_backend": "cudnn", "torch_compile": True}, ["flex_attention_backend='cudnn'", "'triton'"]),
+        ({"learning_rate": -1e-6}, ["learning_rate=-1e-06", ">= 0"]),
+        ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps=0", ">= 1"]),
+        ({"vllm_server_base_url": "localhost:8000"}, ["vllm_server_base_url='localhost:8000'",
+                                                      "'http://localhost:8000'"]),
+        ({"vllm_server_base_url": "127.0.0.1:8000"}, ["'http://127.0.0.1:8000'"]),
+        ({"vllm_server_base_url": "ftp://host:8000"}, ["vllm_server_base_url='ftp://host:8000'", "http://"]),
+        ({"vllm_server_base_url": "http://"}, ["vllm_server_base_url='http://'", "host"]),
     ],
 )
 def test_invalid_settings_raise_naming_field_and_value(kwargs, words):
@@ -244,3 +251,9 @@ def test_train_takes_the_references_positional_arguments():
 
     names = list(inspect.signature(AsyncGRPOTrainer.train).parameters)
     assert names[:4] == ["self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"]
+
+
+@pytest.mark.parametrize("url", ["http://localhost:8000", "https://gpu-node-3.example.com", "http://[::1]:8000/",
+                                 "http://10.0.0.2:8000/v1-proxy"])
+def test_server_urls_with_a_scheme_and_host_are_accepted(url):
+    assert make(vllm_server_base_url=url).vllm_server_base_url == url
