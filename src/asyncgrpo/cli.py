@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +50,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--admission-interval",
-        type=_positive_int,
+        type=at_least(1),
         default=1,
         help="While sequences decode, admit waiting requests together every this many steps (a request "
         "waits at most N - 1 steps more), so that requests arriving one by one, e.g. the next turns of "
@@ -126,7 +128,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-loras",
-        type=_positive_int,
+        type=at_least(1),
         default=1,
         help="Adapters loaded at once, each in its own slot (default 1); a load beyond it is refused until one "
         "is unloaded. Every slot costs max-lora-rank rows of every adapted layer, used or not.",
@@ -148,11 +150,26 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)`, refused below `minimum` with a message naming both."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def server_url(text: str) -> str:
+    """An argparse type: an inference server's http(s) base URL."""
+    from asyncgrpo.config_rules import server_url_problem
+
+    problem = server_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -116,16 +116,22 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def server_url_problem(url: str) -> str | None:
+    """What is wrong with a server's base URL, or None: it must be http(s) with a host. Anything else fails
+    only at the first request, with an HTTP client's error that names neither the setting nor the fix."""
+    if not isinstance(url, str) or "://" not in url:
+        return f"needs a scheme: pass {'http://' + str(url)!r}"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "the server speaks HTTP; pass an http:// or https:// URL such as 'http://localhost:8000'"
+    if not parts.hostname:
+        return "has no host; pass one such as 'http://localhost:8000'"
+    return None
+
+
 def _require_server_url(url: str) -> None:
-    """An http(s) URL with a host: anything else fails only once training starts, with an HTTP client's
-    error that names neither the field nor the fix."""
-    name = f"vllm_server_base_url={url!r}"
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or "://" not in url:
-        raise ValueError(f"{name} needs a scheme: pass {'http://' + str(url)!r}")
-    _require(parts.scheme in ("http", "https"),
-             f"{name}: the server speaks HTTP; pass an http:// or https:// URL such as 'http://localhost:8000'")
-    _require(bool(parts.hostname), f"{name} has no host; pass one such as 'http://localhost:8000'")
+    problem = server_url_problem(url)
+    _require(problem is None, f"vllm_server_base_url={url!r}: {problem}")
 
 
 def validate(args: AsyncGRPOConfig) -> None:

@@ -30,17 +30,21 @@ MODEL_ID = "asyncgrpo/tiny-chat"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from asyncgrpo.cli import at_least, server_url
+
     parser.add_argument("--output-dir", default="asyncgrpo-demo", help="Where metrics, plot and logs go.")
-    parser.add_argument("--max-steps", type=int, default=60, help="Optimizer steps to train.")
+    parser.add_argument("--max-steps", type=at_least(1), default=60, help="Optimizer steps to train.")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--num-train-prompts", type=int, default=2000)
-    parser.add_argument("--num-eval-prompts", type=int, default=200)
-    parser.add_argument("--eval-samples", type=int, default=4, help="Samples per held-out question.")
-    parser.add_argument("--eval-every", type=int, default=10, help="Steps between held-out evaluations.")
-    parser.add_argument("--max-staleness", type=int, default=4)
-    parser.add_argument("--server-url", default=None, help="Use this running server instead of starting one.")
+    parser.add_argument("--learning-rate", type=at_least(0, float), default=2e-4)
+    parser.add_argument("--num-generations", type=at_least(2), default=8, help="Completions per prompt (a group).")
+    parser.add_argument("--num-train-prompts", type=at_least(1), default=2000)
+    parser.add_argument("--num-eval-prompts", type=at_least(1), default=200)
+    parser.add_argument("--eval-samples", type=at_least(1), default=4, help="Samples per held-out question.")
+    parser.add_argument("--eval-every", type=at_least(0), default=10,
+                        help="Steps between held-out evaluations (0: only before and after training).")
+    parser.add_argument("--max-staleness", type=at_least(0), default=4)
+    parser.add_argument("--server-url", type=server_url, default=None,
+                        help="Use this running server instead of starting one.")
     parser.add_argument("--model", default=MODEL_ID, help="Model id or path (default: the bundled tiny model).")
 
 

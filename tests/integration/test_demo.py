@@ -40,3 +40,25 @@ def test_demo_trains_and_writes_accuracy_metrics_and_plot(tmp_path):
         assert "no plot" in run.stdout
     else:
         assert (out / "reward_accuracy.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max-steps", "0"], ["--max-steps", "at least 1", "got 0"]),
+    (["--num-train-prompts", "0"], ["--num-train-prompts", "at least 1"]),
+    (["--num-eval-prompts", "-3"], ["--num-eval-prompts", "at least 1"]),
+    (["--eval-samples", "0"], ["--eval-samples", "at least 1"]),
+    (["--num-generations", "1"], ["--num-generations", "at least 2"]),
+    (["--eval-every", "-1"], ["--eval-every", "at least 0"]),
+    (["--max-staleness", "-1"], ["--max-staleness", "at least 0"]),
+    (["--learning-rate", "-0.1"], ["--learning-rate", "at least 0"]),
+    (["--server-url", "localhost:8000"], ["--server-url", "'http://localhost:8000'"]),
+])
+def test_bad_demo_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path, capsys, flags, words):
+    from asyncgrpo.cli import main
+
+    with pytest.raises(SystemExit) as exited:  # argparse's exit: a usage line and the error, no traceback
+        main(["demo", "--output-dir", str(tmp_path / "demo"), *flags])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "demo").exists()
