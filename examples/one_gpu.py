@@ -48,7 +48,7 @@ import os
 from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.cli import serve_arguments
+from asyncgrpo.cli import at_least, serve_arguments, server_url
 from asyncgrpo.config_rules import FLEX_BACKENDS
 from asyncgrpo.launch import EmbeddedServer, free_port
 from asyncgrpo.rewards import accuracy_reward
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dataset-config", default="main")
     p.add_argument("--split", default="train")
     p.add_argument("--data-files", default=None, help="A local JSON/JSONL file of GSM8K rows instead.")
-    p.add_argument("--vllm-url", default=None, help="A running vLLM on this GPU instead of the embedded server.")
+    p.add_argument("--vllm-url", type=server_url, default=None, help="A running vLLM on this GPU instead of the embedded server.")
     p.add_argument("--device", default="cuda", help="cuda (one GPU for both) or cpu.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
     p.add_argument("--server-process", action="store_true",
@@ -121,14 +121,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
                    help="With --torch-compile on a Hopper or Blackwell GPU: 'flash' runs the tree attention on "
                         "FlashAttention-4 (pip install flash-attn-4; 10-19%% more tokens/s in bench/packing.py).")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-steps", type=int, default=200)
-    p.add_argument("--learning-rate", type=float, default=1e-6)
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--max-completion-length", type=int, default=1024)
-    p.add_argument("--token-budget", type=int, default=8192, help="Tokens per packed row (one forward).")
-    p.add_argument("--grad-accum", type=int, default=4, help="Packed rows per optimizer step.")
-    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--max-model-len", type=at_least(1), default=2048)
+    p.add_argument("--max-steps", type=at_least(1), default=200)
+    p.add_argument("--learning-rate", type=at_least(0, float), default=1e-6)
+    p.add_argument("--num-generations", type=at_least(2), default=8)
+    p.add_argument("--max-completion-length", type=at_least(1), default=1024)
+    p.add_argument("--token-budget", type=at_least(1), default=8192, help="Tokens per packed row (one forward).")
+    p.add_argument("--grad-accum", type=at_least(1), default=4, help="Packed rows per optimizer step.")
+    p.add_argument("--max-staleness", type=at_least(0), default=4)
     p.add_argument("--thinking", action="store_true", help="Let Qwen3 think first (longer completions).")
     p.add_argument("--instruction", default=INSTRUCTION, help="Appended to every question ('' for none).")
     p.add_argument("--output-dir", default="asyncgrpo-one-gpu")

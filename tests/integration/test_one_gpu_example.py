@@ -68,3 +68,17 @@ def test_the_recipe_trains_the_tiny_model_on_a_local_gsm8k_file(one_gpu, tmp_pat
     assert len(steps) == 2
     assert "rewards/accuracy_reward/mean" in steps[-1]
     assert (tmp_path / "out" / "model.safetensors").exists()  # the trained model is saved
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max-steps", "0"], ["--max-steps", "at least 1"]),
+    (["--num-generations", "1"], ["--num-generations", "at least 2"]),
+    (["--max-staleness", "-2"], ["--max-staleness", "at least 0"]),
+    (["--vllm-url", "127.0.0.1:8000"], ["--vllm-url", "'http://127.0.0.1:8000'"]),
+])
+def test_bad_flags_exit_2_naming_the_flag_before_anything_loads(one_gpu, capsys, flags, words):
+    with pytest.raises(SystemExit) as exited:
+        one_gpu.main(flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
