@@ -19,6 +19,7 @@ import time
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.cli import at_least
 from asyncgrpo.evaluate import evaluate
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.tasks import counter
@@ -54,12 +55,12 @@ class IncrementEnv:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--max-steps", type=at_least(1), default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=at_least(0, float), default=2e-4)
     parser.add_argument("--model", default=MODEL, help="Model id or path (default: the bundled tiny model).")
-    parser.add_argument("--eval-rows", type=int, default=100)
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--eval-rows", type=at_least(1), default=100)
+    parser.add_argument("--eval-samples", type=at_least(1), default=4)
     parser.add_argument("--output-dir", default="asyncgrpo-increment")
     parser.add_argument("--result-json", default=None, help="Also write the before/after rates here.")
     args = parser.parse_args()

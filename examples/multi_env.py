@@ -17,6 +17,7 @@ import random
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.cli import at_least
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic, counter
@@ -46,7 +47,7 @@ def mixed_rows(n: int, seed: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--max-steps", type=at_least(1), default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="asyncgrpo-multi-env")
     args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ import os
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.cli import at_least
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.tasks import counter
 
@@ -73,7 +74,7 @@ def tool_error_penalty(completions: list[list[dict]], **kwargs) -> list[float]:
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--max-steps", type=at_least(1), default=30)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--output-dir", default="asyncgrpo-tools")
     parser.add_argument("--seed", type=int, default=0)
