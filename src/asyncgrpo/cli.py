@@ -24,7 +24,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu).")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16.")
     p.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion (tokens).")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences decoded together.")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="Most sequences decoded together.")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens.")
     p.add_argument(
         "--gpu-memory-utilization",
@@ -43,7 +43,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="Seed for requests that send none.")
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=at_least(1),
         default=None,
         help="Token budget of one forward pass (decode + prefill; default 8192 on CUDA, 2048 on CPU); longer "
         "prompts are prefilled in chunks, mixed with the running decodes.",
@@ -57,7 +57,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "conversations, cost one eager prefill step per N steps instead of one per step (decode-only "
         "steps replay CUDA graphs). Default 1: admit at every step, as vLLM.",
     )
-    p.add_argument("--max-logprobs", type=int, default=20, help="Largest `logprobs` a request may ask for.")
+    p.add_argument("--max-logprobs", type=at_least(0), default=20, help="Largest `logprobs` a request may ask for.")
     p.add_argument(
         "--enforce-eager", action="store_true", help="Never replay steps as CUDA graphs (CUDA only)."
     )
@@ -100,14 +100,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--weight-transfer-timeout",
-        type=float,
+        type=more_than(0.0),
         default=300.0,
         help="Seconds a weight-transfer init may take to join the trainer's group, and each receive may wait "
         "for the trainer's data (default 300).",
     )
     p.add_argument(
         "--trainer-lease",
-        type=float,
+        type=at_least(0.0, float),
         default=30.0,
         help="Seconds a trainer's hold on the server (its pause, its weight-transfer group) lasts without renewal; "
         "then generation resumes and another trainer may take over. 0: no expiry, as vLLM (default 30).",
@@ -159,6 +159,18 @@ def at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def more_than(bound: float) -> Callable[[str], float]:
+    """An argparse type: a float strictly above `bound`."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > bound:
+            raise argparse.ArgumentTypeError(f"must be more than {bound:g}, got {value:g}")
+        return value
+
+    parse.__name__ = "float"
     return parse
 
 

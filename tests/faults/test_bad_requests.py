@@ -93,3 +93,21 @@ def test_a_host_address_this_machine_lacks_exits_2_before_loading_the_model():
     assert "cannot listen on 192.0.2.1:8000" in proc.stderr and "--host" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert "self-check" not in proc.stderr.lower()  # refused before the model loaded
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--max-num-seqs", "0"], ["--max-num-seqs", "at least 1"]),
+    (["--max-num-batched-tokens", "0"], ["--max-num-batched-tokens", "at least 1"]),
+    (["--max-logprobs", "-1"], ["--max-logprobs", "at least 0"]),
+    (["--trainer-lease", "-1"], ["--trainer-lease", "at least 0"]),
+    (["--weight-transfer-timeout", "0"], ["--weight-transfer-timeout", "more than 0"]),
+    (["--admission-interval", "0"], ["--admission-interval", "at least 1"]),
+])
+def test_serve_flags_out_of_range_exit_2_naming_the_flag(capsys, flags, words):
+    from asyncgrpo.cli import serve_arguments
+
+    with pytest.raises(SystemExit) as exited:
+        serve_arguments(TINY, *flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
