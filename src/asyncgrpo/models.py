@@ -12,7 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "resolve_model_path", "turn_off_hub_kernels"]
+__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "model_folder_problem", "resolve_model_path",
+           "turn_off_hub_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,19 @@ def resolve_model_path(name_or_path: str) -> str:
             )
         return path
     return name_or_path
+
+
+def model_folder_problem(path: str) -> str | None:
+    """What is wrong with a model path that names a local folder (absolute, starting with '.' or '~', or
+    existing), or None: the folder must hold config.json. Anything else is a hub id, the hub's to resolve
+    (transformers would take a missing folder for a malformed hub id and say only that)."""
+    local = Path(path).expanduser()
+    looks_local = local.is_absolute() or str(path).startswith((".", "~")) or local.exists()
+    if not looks_local or (local / "config.json").is_file():
+        return None
+    what = "does not exist" if not local.exists() else "has no config.json"
+    return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one written by "
+            "save_pretrained), or a Hugging Face hub id")
 
 
 def load_tokenizer(name_or_path: str, **kwargs: Any):

@@ -300,3 +300,20 @@ def test_build_data_leaves_a_share_of_arithmetic_answers_unboxed():
         overshot += 1
     assert 0 < overshot < len(count)
     assert build.training_conversations(arith, count, cfg) == conversations  # seeded
+
+
+@pytest.mark.parametrize("make_folder", [False, True])
+def test_a_local_model_path_without_a_model_is_refused_naming_what_to_pass(tmp_path, make_folder):
+    from asyncgrpo.train.model_setup import load_policy
+
+    path = tmp_path / "checkpoint"
+    if make_folder:
+        path.mkdir()
+    what = "has no config.json" if make_folder else "does not exist"
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(str(path), dtype="float32", init_kwargs=None, trust_remote_code=False)
+    message = str(info.value)
+    assert str(path) in message and what in message and "save_pretrained" in message, message
+    assert models.model_folder_problem(str(path)) is not None
+    assert models.model_folder_problem("Qwen/Qwen3-0.6B") is None  # a hub id is the hub's to resolve
+    assert models.model_folder_problem(models.resolve_model_path("asyncgrpo/tiny-chat")) is None

@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from asyncgrpo.models import load_tokenizer, resolve_model_path, turn_off_hub_kernels
+from asyncgrpo.models import load_tokenizer, model_folder_problem, resolve_model_path, turn_off_hub_kernels
 from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
@@ -37,14 +36,9 @@ def _read_config(name: str, path: str):
     """The model's config, or a ModelLoadError saying where it was looked for and what to pass."""
     from transformers import AutoConfig
 
-    local = Path(path).expanduser()
-    looks_local = local.is_absolute() or path.startswith((".", "~")) or local.exists()
-    if looks_local and not (local / "config.json").is_file():
-        what = "does not exist" if not local.exists() else "has no config.json"
-        raise ModelLoadError(
-            f"cannot serve {name!r}: the folder {local} {what}; pass a folder that holds config.json and the "
-            "weights (e.g. one written by save_pretrained), or a Hugging Face hub id"
-        )
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise ModelLoadError(f"cannot serve {name!r}: {problem}")
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as exc:

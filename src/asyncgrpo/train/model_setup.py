@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from asyncgrpo.models import resolve_model_path
+from asyncgrpo.models import model_folder_problem, resolve_model_path
 from asyncgrpo.packing.attention import enable_tree_attention
 from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.sync.packed import TensorMeta
@@ -48,6 +48,9 @@ def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_re
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     kwargs.setdefault("use_kernels", False)  # hub kernels would replace the forwards we install (turn_off_hub_kernels)
     path = resolve_model_path(model_id)
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(f"cannot load model {model_id!r}: {problem}")
     config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder")
                      if key in kwargs}
     auto_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path, **config_kwargs)) \
