@@ -8,6 +8,7 @@ Python source and the pure-Python packages its protocol modules import, not a GP
 
     pip download --no-deps vllm==0.33.0 && unzip -q vllm-0.33.0-*.whl 'vllm/*' -d /tmp/vllm-src
     PYTHONPATH=/tmp/vllm-src python bench/vllm_response_cost.py --tokens 1024 --responses 61
+    PYTHONPATH=/tmp/vllm-src python bench/vllm_response_cost.py --busy-processes 16   # beside 16 busy cores
 
 (each missing import names a package to `pip install --target DIR` and add to PYTHONPATH). Writes JSON
 to bench/results/ with --out.
@@ -19,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=1024, help="generated tokens per response")
     p.add_argument("--responses", type=int, default=61, help="responses finishing together (their total is reported)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--busy-processes", type=int, default=0,
+                   help="Processes spinning in Python meanwhile (CPU contention as beside a trainer and an engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
@@ -71,6 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as exc:
         raise SystemExit(f"vLLM's source or one of its pure-Python dependencies is missing ({exc}); see the "
                          "module docstring for how to put them on PYTHONPATH") from None
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_processes)]
+    try:
+        results = time_builders(builders, args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+    if args.out:
+        write_json(Path(args.out), {"benchmark": "vllm_response_cost", "command": command_line(argv),
+                                    "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                                    "python": platform.python_version(), "args": vars(args), "results": results})
+
+
+def time_builders(builders, args) -> dict:
     results = {}
     for name, build in builders.items():
         build()  # first-use set-up out of the timing
@@ -84,10 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"s_for_{args.responses}_responses": median * args.responses}
         print(f"{name}: {median * 1e3:.1f} ms per {args.tokens}-token response ({len(body) / 1e3:.0f} kB JSON), "
               f"{median * args.responses:.2f} s for {args.responses}")
-    if args.out:
-        write_json(Path(args.out), {"benchmark": "vllm_response_cost", "command": command_line(argv),
-                                    "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                                    "python": platform.python_version(), "args": vars(args), "results": results})
+    return results
 
 
 if __name__ == "__main__":

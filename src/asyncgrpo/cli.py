@@ -152,25 +152,22 @@ def _port(text: str) -> int:
 
 def at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
     """An argparse type: `kind(text)`, refused below `minimum` with a message naming both."""
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
-    return parse
+    return _checked(kind, lambda value: value >= minimum, f"at least {minimum}")
 
 
 def more_than(bound: float) -> Callable[[str], float]:
     """An argparse type: a float strictly above `bound`."""
-    def parse(text: str) -> float:
-        value = float(text)
-        if not value > bound:
-            raise argparse.ArgumentTypeError(f"must be more than {bound:g}, got {value:g}")
+    return _checked(float, lambda value: value > bound, f"more than {bound:g}")
+
+
+def _checked(kind: type, ok: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
         return value
 
-    parse.__name__ = "float"
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
     return parse
 
 
