@@ -48,9 +48,9 @@ import os
 from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.cli import at_least, serve_arguments, server_url
+from asyncgrpo.cli import at_least, server_url
 from asyncgrpo.config_rules import FLEX_BACKENDS
-from asyncgrpo.launch import EmbeddedServer, free_port
+from asyncgrpo.launch import start_server as start_server_on
 from asyncgrpo.rewards import accuracy_reward
 
 INSTRUCTION = "Solve the problem step by step, then give the final answer as \\boxed{number}."
@@ -87,16 +87,10 @@ def start_server(args: argparse.Namespace, cuda: bool):
     serve_args = ["--max-model-len", str(args.max_model_len)]
     if cuda:
         serve_args += ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    if cuda and not args.server_process:
-        from asyncgrpo.server.serve import ServerThread
-
-        flags = serve_arguments(args.model, "--device", args.device, "--port", str(free_port()), *serve_args)
-        return ServerThread(flags).start(timeout_s=600)
-    # the server downloads a hub model itself (the launcher runs it offline unless told otherwise)
-    server = EmbeddedServer(args.model, device=args.device, extra_args=serve_args, startup_timeout_s=1800,
-                            log_path=os.path.join(args.output_dir, "server.log"),
-                            env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")})
-    return server.start()
+    # a server in its own process downloads a hub model itself (the launcher runs it offline unless told otherwise)
+    return start_server_on(args.model, device=args.device, extra_args=serve_args, in_process=cuda and not args.server_process,
+                           log_path=os.path.join(args.output_dir, "server.log"), startup_timeout_s=1800,
+                           env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")})
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -128,10 +128,16 @@ class HeldOut(NamedTuple):
 
 
 class HeldOutAccuracy:
-    """Held-out questions sampled through the server: how many answers are right, how many boxed."""
+    """Held-out questions sampled through the server: how many answers are right, how many boxed.
+
+    Rows carry the integer `answer` (`asyncgrpo.tasks.arithmetic` and `word_problems` rows); an answer is
+    right when its last `\\boxed{}` holds exactly that integer. Each question is sampled `samples` times at
+    `temperature`, with seeds derived from `seed`, so the same weights give the same number.
+    """
 
     def __init__(
-        self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int, api_key: str | None = None
+        self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int, api_key: str | None = None,
+        max_tokens: int = 48, temperature: float = 1.0,
     ) -> None:
         self.url = url
         self.api_key = api_key
@@ -139,6 +145,8 @@ class HeldOutAccuracy:
         self.rows = rows
         self.samples = samples
         self.seed = seed
+        self.max_tokens = max_tokens
+        self.temperature = temperature
 
     def __call__(self) -> HeldOut:
         from asyncgrpo.evaluate import evaluate, last_message_text
@@ -152,8 +160,8 @@ class HeldOutAccuracy:
             return float(arithmetic.is_correct(text, row["answer"]))
 
         accuracy = evaluate(
-            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=48, score=score,
-            api_key=self.api_key,
+            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=self.max_tokens,
+            temperature=self.temperature, score=score, api_key=self.api_key,
         )
         return HeldOut(accuracy, sum(boxed) / max(1, len(boxed)))
 

@@ -1,4 +1,5 @@
-"""Start and stop an embedded generation server in a subprocess (demo, tests, benchmarks)."""
+"""Start and stop an embedded generation server: in a subprocess (demo, tests, benchmarks, any CPU run), or
+inside this process on a GPU shared with the trainer (`start_server` picks)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from asyncgrpo.server.serve import ServerThread
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +113,38 @@ class EmbeddedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_server(
+    model: str,
+    *,
+    device: str = "cpu",
+    extra_args: list[str] | None = None,
+    in_process: bool | None = None,
+    log_path: str | Path | None = None,
+    startup_timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+) -> EmbeddedServer | ServerThread:
+    """Start the embedded server for `model` on `device` and return it started (`.url`, `.stop()`).
+
+    On CUDA it runs inside this process by default (`ServerThread`): its decode steps then run beside a
+    trainer's kernels on the one GPU, and weights reach it by CUDA IPC, instead of two processes taking turns
+    on the GPU. Elsewhere, or with `in_process=False`, it is `asyncgrpo serve` in a subprocess (the
+    in-process server takes weights over CUDA IPC only), with `env` added to its environment.
+    `extra_args` are `asyncgrpo serve` flags.
+    """
+    flags = list(extra_args or [])
+    cuda = device.startswith("cuda")
+    if in_process is None:
+        in_process = cuda
+    if in_process and not cuda:
+        raise ValueError(f"an in-process server needs a CUDA device (it takes weights over CUDA IPC), got {device!r}; "
+                         "pass in_process=False")
+    if in_process:
+        from asyncgrpo.cli import serve_arguments
+        from asyncgrpo.server.serve import ServerThread
+
+        args = serve_arguments(model, "--device", device, "--port", str(free_port()), *flags)
+        return ServerThread(args).start(timeout_s=startup_timeout_s)
+    return EmbeddedServer(model, device=device, extra_args=flags, log_path=log_path,
+                          startup_timeout_s=startup_timeout_s, env=env).start()

@@ -75,6 +75,28 @@ def test_arithmetic_exclude_keeps_held_out_questions_out():
     assert not {r["prompt"][0]["content"] for r in rows} & held_out
 
 
+def test_arithmetic_small_model_kinds_draw_every_kind_with_true_answers_and_keep_held_out_out():
+    held_out = {r["prompt"][0]["content"] for r in arithmetic.make_dataset(200, seed=7, kinds=arithmetic.SMALL_MODEL_KINDS)}
+    rows = arithmetic.make_dataset(2000, seed=8, exclude=held_out, kinds=arithmetic.SMALL_MODEL_KINDS)
+    assert {r["kind"] for r in rows} == set(arithmetic.SMALL_MODEL_KINDS)
+    assert not {r["prompt"][0]["content"] for r in rows} & held_out
+    for row in rows:
+        a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", row["prompt"][0]["content"]).groups()
+        assert row["answer"] == str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+        _, kind_op, (a_lo, a_hi), (b_lo, b_hi) = arithmetic.SMALL_MODEL_KINDS[row["kind"]]
+        assert op == kind_op and a_lo <= int(a) <= a_hi and b_lo <= int(b) <= b_hi
+
+
+def test_arithmetic_refuses_an_exclude_that_leaves_nothing_and_a_bad_kind():
+    kinds = {"add_single": (1.0, "+", (1, 2), (1, 2))}
+    everything = {f"What is {a} + {b}?" for a in (1, 2) for b in (1, 2)}
+    assert len(arithmetic.make_dataset(5, seed=0, exclude=everything - {"What is 1 + 1?"}, kinds=kinds)) == 5
+    with pytest.raises(ValueError, match="nothing is left to draw"):
+        arithmetic.make_dataset(1, seed=0, exclude=everything, kinds=kinds)
+    with pytest.raises(ValueError, match="operation must be"):
+        arithmetic.make_dataset(1, seed=0, kinds={"div": (1.0, "/", (1, 9), (1, 9))})
+
+
 # --------------------------------------------------------------------------------------------- counter
 
 

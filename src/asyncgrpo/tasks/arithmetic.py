@@ -15,6 +15,7 @@ import re
 
 __all__ = [
     "PROBLEM_KINDS",
+    "SMALL_MODEL_KINDS",
     "extract_boxed",
     "is_correct",
     "make_dataset",
@@ -33,6 +34,17 @@ PROBLEM_KINDS: dict[str, tuple[float, str, tuple[int, int], tuple[int, int]]] = 
 """Problem kinds and how often each is drawn. Subtraction draws b from [b_lo, min(b_hi, a)] so that
 answers are never negative. The mix of one-step and multi-step kinds keeps the tiny model partially
 right; changing it changes the model's success rate."""
+
+SMALL_MODEL_KINDS: dict[str, tuple[float, str, tuple[int, int], tuple[int, int]]] = {
+    "add_single": (0.20, "+", (1, 9), (1, 9)),
+    "mul_single": (0.20, "*", (2, 9), (2, 9)),
+    "add_1digit": (0.20, "+", (10, 99), (1, 9)),
+    "sub_1digit": (0.20, "-", (10, 99), (1, 9)),
+    "add_2digit": (0.20, "+", (10, 99), (10, 99)),
+}
+"""An easier mix for small pretrained models (SmolLM2-135M-Instruct, `examples/real_model.py`): the
+one-digit sums and products such a model often gets right, then harder kinds it mostly does not, so
+that RL has both a signal and room to improve."""
 
 _BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -81,16 +93,16 @@ def make_row(a: int, op: str, b: int, kind: str | None = None) -> dict:
     }
 
 
-def _draw(rng: random.Random) -> tuple[str, int, str, int]:
-    kinds = list(PROBLEM_KINDS)
-    kind = rng.choices(kinds, weights=[PROBLEM_KINDS[k][0] for k in kinds])[0]
-    _, op, (a_lo, a_hi), (b_lo, b_hi) = PROBLEM_KINDS[kind]
+def _draw(rng: random.Random, kinds: dict) -> tuple[str, int, str, int]:
+    names = list(kinds)
+    kind = rng.choices(names, weights=[kinds[k][0] for k in names])[0]
+    _, op, (a_lo, a_hi), (b_lo, b_hi) = kinds[kind]
     a = rng.randint(a_lo, a_hi)
     b = rng.randint(b_lo, min(b_hi, a) if op == "-" else b_hi)
     return kind, a, op, b
 
 
-def make_dataset(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+def make_dataset(n: int, seed: int, exclude: set[str] | None = None, kinds: dict | None = None) -> list[dict]:
     """Return ``n`` problems drawn with ``random.Random(seed)``.
 
     Args:
@@ -98,18 +110,26 @@ def make_dataset(n: int, seed: int, exclude: set[str] | None = None) -> list[dic
         seed: Seed of the generator; the same seed gives the same rows.
         exclude: User-message texts (``"What is 37 + 48?"``) that must not appear, e.g. the
             questions of a held-out set.
+        kinds: The mix to draw from, shaped like ``PROBLEM_KINDS`` (the default), e.g.
+            ``SMALL_MODEL_KINDS``.
 
     Returns:
         Rows with ``prompt`` (list of one user message), ``answer`` and ``solution``.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    kinds = PROBLEM_KINDS if kinds is None else kinds
+    for name, (weight, op, _, _) in kinds.items():
+        if op not in ("+", "-", "*") or weight <= 0:
+            raise ValueError(f"kind {name!r}: the operation must be '+', '-' or '*' and the frequency positive, "
+                             f"got {op!r} and {weight}")
     rng = random.Random(seed)
     rows: list[dict] = []
-    if n and exclude is not None and len(exclude) >= _problem_space_size():
-        raise ValueError(f"exclude holds {len(exclude)} questions, as many as exist: nothing is left to draw")
+    if n and exclude is not None and len(_questions(kinds) - exclude) == 0:
+        raise ValueError(f"exclude holds every one of the {len(_questions(kinds))} questions of these kinds: "
+                         "nothing is left to draw")
     while len(rows) < n:
-        kind, a, op, b = _draw(rng)
+        kind, a, op, b = _draw(rng, kinds)
         row = make_row(a, op, b, kind)
         if exclude is not None and row["prompt"][0]["content"] in exclude:
             continue
@@ -117,13 +137,14 @@ def make_dataset(n: int, seed: int, exclude: set[str] | None = None) -> list[dic
     return rows
 
 
-def _problem_space_size() -> int:
+def _questions(kinds: dict) -> set[str]:
+    """Every question text the kinds can draw."""
     questions = set()
-    for _, op, (a_lo, a_hi), (b_lo, b_hi) in PROBLEM_KINDS.values():
+    for _, op, (a_lo, a_hi), (b_lo, b_hi) in kinds.values():
         for a in range(a_lo, a_hi + 1):
             for b in range(b_lo, (min(b_hi, a) if op == "-" else b_hi) + 1):
-                questions.add((a, op, b))
-    return len(questions)
+                questions.add(f"What is {a} {op} {b}?")
+    return questions
 
 
 def extract_boxed(text: str) -> str | None:
