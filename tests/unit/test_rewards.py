@@ -8,7 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from asyncgrpo.rewards import accuracy_reward, boxed_format_reward, think_format_reward
+from asyncgrpo.rewards import (
+    accuracy_reward,
+    boxed_format_reward,
+    boxed_number_format_reward,
+    think_format_reward,
+)
 from asyncgrpo.rollout.rewards import (
     RewardFunctionError,
     check_reward_signatures,
@@ -260,6 +265,14 @@ def test_boxed_format_reward():
                    says(r"\boxed{3")]
     assert boxed_format_reward(completions) == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert not math.isnan(boxed_format_reward(["plain \\boxed{2}"])[0])
+
+
+def test_boxed_number_format_reward_takes_one_box_holding_a_plain_number_only():
+    numbers = [r"\boxed{8}", r"3 + 5 = 8. \boxed{ 8 }", r"\boxed{-12}", r"\boxed{1,234}", r"\boxed{+0.5}", r"\boxed{.5}"]
+    others = [r"\boxed{number}", r"\boxed{}", r"\boxed{3 + 5}", r"\boxed{\frac{1}{2}}", r"\boxed{8} \boxed{8}",
+              r"\boxed{12,34}", "8", r"\boxed{8"]
+    assert boxed_number_format_reward([says(t) for t in numbers]) == [1.0] * len(numbers)
+    assert boxed_number_format_reward([says(t) for t in others]) == [0.0] * len(others)
 
 
 def test_accuracy_reward_hides_math_verify_notice_about_disabled_timeouts(caplog):

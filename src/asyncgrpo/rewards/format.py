@@ -90,3 +90,25 @@ def boxed_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
         spans = boxed_spans(last_assistant_text(completion))
         rewards.append(1.0 if len(spans) == 1 and spans[0].strip() else 0.0)
     return rewards
+
+
+_NUMBER = re.compile(r"[-+]?(\d+(,\d{3})*(\.\d+)?|\.\d+)")
+
+
+def boxed_number_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    r"""1.0 when the final answer holds exactly one `\boxed{...}` and it holds a plain number, else 0.0.
+
+    For tasks whose answers are numbers (arithmetic, GSM8K): stricter than `boxed_format_reward`, which a
+    model can satisfy with a box that holds a word (`\boxed{number}`, copied from an instruction) or an
+    expression. A number may carry a sign, thousands separators and decimals; spaces around it are allowed.
+
+    Example:
+        >>> boxed_number_format_reward([[{"role": "assistant", "content": "3 + 5 = 8, so \boxed{8}"}],
+        ...                             [{"role": "assistant", "content": "\boxed{number}"}]])
+        [1.0, 0.0]
+    """
+    rewards = []
+    for completion in completions:
+        spans = boxed_spans(last_assistant_text(completion))
+        rewards.append(1.0 if len(spans) == 1 and _NUMBER.fullmatch(spans[0].strip()) else 0.0)
+    return rewards
