@@ -18,7 +18,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="Start the embedded generation server (a vLLM-compatible subset).",
         description="Serve MODEL over HTTP with the subset of vLLM's protocol that asyncgrpo uses.",
     )
-    p.add_argument("model", help="Model id or path, e.g. asyncgrpo/tiny-chat.")
+    p.add_argument("model", help="Model id or path, e.g. asyncgrpo/tiny-chat; a .gguf file is converted once into a "
+                   "float32 model folder in the cache (needs asyncgrpo[gguf]).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1, local only).")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu).")

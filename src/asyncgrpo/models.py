@@ -2,8 +2,9 @@
 
 ``BUNDLED_MODELS`` maps ids such as ``"asyncgrpo/tiny-chat"`` to folders shipped inside the package
 (``assets/``), so nothing is fetched from a hub for them. Every place that accepts a model id passes
-it through ``resolve_model_path`` first: a bundled id becomes its local folder, an existing local path
-stays itself, and anything else (a hub id) is returned unchanged for transformers to handle.
+it through ``resolve_model_path`` first: a bundled id becomes its local folder, a ``.gguf`` file the
+model folder converted from it (``asyncgrpo.modeling.gguf``), an existing local path stays itself, and
+anything else (a hub id) is returned unchanged for transformers to handle.
 """
 
 from __future__ import annotations
@@ -26,19 +27,27 @@ BUNDLED_MODELS: dict[str, str] = {
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map a bundled model id to its folder inside the installed package.
+    """Map a bundled model id to its folder inside the installed package, a GGUF file to its model folder.
 
     Args:
-        name_or_path: A bundled id (``"asyncgrpo/tiny-chat"``), a local path, or a hub id.
+        name_or_path: A bundled id (``"asyncgrpo/tiny-chat"``), a ``.gguf`` file, a local path, or a hub id.
 
     Returns:
-        The bundled folder for a bundled id; ``name_or_path`` itself otherwise (a local path that
-        exists, or a hub id that transformers resolves).
+        The bundled folder for a bundled id; for a ``.gguf`` file the model folder converted from it,
+        once, in the cache (``asyncgrpo.modeling.gguf``); ``name_or_path`` itself otherwise (a local
+        path that exists, or a hub id that transformers resolves).
 
     Raises:
-        FileNotFoundError: The id is bundled but its folder is missing from this installation.
+        FileNotFoundError: The id is bundled but its folder is missing from this installation, or
+            the ``.gguf`` file does not exist.
+        ValueError: The ``.gguf`` file is not a GGUF file, or of an architecture transformers cannot read.
+        ImportError: The ``gguf`` package, needed to convert a ``.gguf`` file, is missing.
     """
+    from asyncgrpo.modeling.gguf import gguf_model_folder, is_gguf_file  # stdlib only until it converts
+
     name_or_path = str(name_or_path)
+    if is_gguf_file(name_or_path):
+        return gguf_model_folder(name_or_path)
     if name_or_path in BUNDLED_MODELS:
         path = BUNDLED_MODELS[name_or_path]
         if not (Path(path) / "config.json").is_file():
@@ -52,11 +61,14 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def model_folder_problem(path: str) -> str | None:
     """What is wrong with a model path that names a local folder (absolute, starting with '.' or '~', or
-    existing), or None: the folder must hold config.json. Anything else is a hub id, the hub's to resolve
-    (transformers would take a missing folder for a malformed hub id and say only that)."""
+    existing), or None: the folder must hold config.json. A .gguf file is resolve_model_path's to check.
+    Anything else is a hub id, the hub's to resolve (transformers would take a missing folder for a
+    malformed hub id and say only that)."""
+    from asyncgrpo.modeling.gguf import is_gguf_file
+
     local = Path(path).expanduser()
     looks_local = local.is_absolute() or str(path).startswith((".", "~")) or local.exists()
-    if not looks_local or (local / "config.json").is_file():
+    if not looks_local or (local / "config.json").is_file() or is_gguf_file(path):
         return None
     what = "does not exist" if not local.exists() else "has no config.json"
     return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one written by "

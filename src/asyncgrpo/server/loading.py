@@ -149,7 +149,10 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
             f"--max-model-len {max_model_len}: a sequence needs at least one token; pass a positive length, or "
             "leave the flag out to use the model's max_position_embeddings"
         )
-    path = resolve_model_path(name)
+    try:  # a .gguf file is converted here: what is wrong with it (or a missing package) is the user's to fix
+        path = resolve_model_path(name)
+    except (ImportError, FileNotFoundError, ValueError) as exc:
+        raise ModelLoadError(f"cannot serve {name!r}: {exc}") from exc
     config = _read_config(name, path)
     _check_servable(name, config)
     text = config.get_text_config()

@@ -72,8 +72,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     """Asynchronous GRPO: a rollout process streams scored samples while this trainer consumes them.
 
     Args:
-        model: model id or path (bundled ids such as `asyncgrpo/tiny-chat` work offline), or a
-            `PreTrainedModel` (its attention is switched to the tree-attention backend). A
+        model: model id or path (bundled ids such as `asyncgrpo/tiny-chat` work offline; a `.gguf`
+            file is converted once into a float32 model folder in the cache, `asyncgrpo.modeling.gguf`),
+            or a `PreTrainedModel` (its attention is switched to the tree-attention backend). A
             vision-language checkpoint is loaded whole and trains its text model only.
         reward_funcs: a reward function or a list of them (sync or `async def`, picklable).
         args: an `AsyncGRPOConfig`; default config when None.
