@@ -9,7 +9,7 @@ when the server reports the same GPU.
 
 On CUDA the server runs inside this process (`ServerThread`: its HTTP loop and engine in threads, the
 engine on a CUDA stream of its own), so that its decode steps run beside the trainer's kernels: two
-processes on one GPU take turns on it instead. Measured (README, "One GPU"), the asynchronous run
+processes on one GPU take turns on it instead. Measured (docs/performance.md, "One GPU"), the asynchronous run
 trained 1.30x the on-policy run's tokens/s this way (0.6B, H100), and with the server in its own
 process 1.13x (0.6B, H200) and 0.98x (1.7B, H100). `--server-process` runs it in its own process (`asyncgrpo serve`), as on CPU, where
 the in-process server cannot take weights (it takes them over CUDA IPC only).

@@ -72,12 +72,13 @@ class AsyncGRPOConfig(TrainingArguments):
             activation memory that keeping every activation would take and recompute the cheapest
             operations for the rest (torch's `activation_memory_budget`, set for the process).
             Whole-layer `gradient_checkpointing` is then off. 0.5 measured 9-16 % more tokens/s than
-            whole-layer checkpointing at about 3x its activation memory (README, "Training speed").
+            whole-layer checkpointing at about 3x its activation memory (docs/performance.md,
+            "Training speed").
             None (default): `gradient_checkpointing` as set.
         flex_attention_backend (`str`, defaults to "triton"): The kernels of the tree attention on CUDA
             (FlexAttention): "triton", its own Triton kernels; "flash", its FlashAttention-4 backend (the
             `flash-attn-4` package, optional; a Hopper or Blackwell GPU; needs `torch_compile=True`).
-            "flash" measured 10-19 % more tokens/s (README, "Training speed").
+            "flash" measured 10-19 % more tokens/s (docs/performance.md, "Training speed").
         router_aux_loss_coef (`float`, optional): Weight of a Mixture-of-Experts model's load-balancing
             loss added to the training loss (logged before scaling as `aux_loss`). None: the model
             config's value; 0.0 disables it; a positive value on a model without a router is an error.

@@ -75,7 +75,7 @@ def sharing_hint(choice: str, server: ServerDevice | None, trainer_pid: int) -> 
 
     Two processes on one GPU take turns on it (CUDA time-slicing), so the server's decode steps and the
     trainer's kernels never run at the same time; the embedded server inside the trainer's process runs
-    its steps on a stream of its own, beside the trainer's (README, "One GPU")."""
+    its steps on a stream of its own, beside the trainer's (docs/one-gpu.md)."""
     if choice not in ("ipc", "vllm_ipc") or server is None:
         return None
     if server.embedded and server.pid == trainer_pid:
@@ -83,9 +83,9 @@ def sharing_hint(choice: str, server: ServerDevice | None, trainer_pid: int) -> 
     if server.embedded:
         return ("the embedded server shares this GPU from another process, so CUDA time-slices the two: run it "
                 "inside the trainer's process with asyncgrpo.server.serve.ServerThread for more throughput (measured "
-                "in the README, 'One GPU')")
+                "in docs/performance.md, 'One GPU')")
     return ("vLLM shares this GPU from another process, so CUDA time-slices the two; the embedded server can run "
-            "inside the trainer's process instead (measured in the README, 'One GPU')")
+            "inside the trainer's process instead (measured in docs/performance.md, 'One GPU')")
 
 
 def same_gpu(trainer_uuid: str | None, server: ServerDevice | None, server_url: str, host_gpu_count: int,
