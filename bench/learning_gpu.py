@@ -12,7 +12,10 @@ moving by CUDA IPC. Settings:
                 prompts per step as asyncgrpo's runs took on average (--trl-prompts-per-step)
 
 One server serves every run: a run's trainer pushes its starting weights when it starts. Per seed the
-settings alternate. Each run trains for --train-seconds of wall clock, counted from train() (the rollout
+settings alternate. With --concurrent, the seeds of a setting run at the same time instead, one process
+(and server) each, the settings one after the other: every run then shares the GPU with as many others,
+whatever its setting (`concurrent_processes` in the JSON), which makes a multi-seed comparison of small
+models affordable. Each run trains for --train-seconds of wall clock, counted from train() (the rollout
 process's start-up included) to the first step end past it.
 
 Held-out accuracy is not measured during a run: at the first step end past every --snapshot-seconds the
@@ -42,6 +45,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -356,69 +360,12 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    real_model.add_arguments(p)
-    p.add_argument("--settings", nargs="+", choices=SETTINGS, default=["async", "on_policy"])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--train-seconds", type=float, default=240.0, help="Wall clock each run trains for.")
-    p.add_argument(
-        "--snapshot-seconds", type=float, default=20.0, help="Held-out accuracy every this many seconds."
-    )
-    p.add_argument("--trl-prompts-per-step", type=int, default=16)
-    p.add_argument(
-        "--trl-generation",
-        choices=("generate", "continuous_batching"),
-        default="continuous_batching",
-        help="TRL's generation without vLLM: transformers' generate(), or its continuous batching "
-        "engine (the faster of the two).",
-    )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="The embedded server's share.")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON path (default bench/results/learning_gpu_<gpu>.json); runs "
-        "already in it for other settings are kept.",
-    )
-    args = p.parse_args()
-    args.model = args.model or real_model.smollm2_gguf()
-    cuda = args.device != "cpu"
-    gpu = torch.cuda.get_device_name().split()[1].lower() if cuda else "cpu"
-    out = Path(args.out or ROOT / "bench" / "results" / f"learning_gpu_{gpu}.json")
-    logging.basicConfig(level=logging.WARNING)
-
+def run_here(args: argparse.Namespace, report: dict, out: Path) -> None:
+    """Every (seed, setting) run in this process, one after the other, against one server."""
     from asyncgrpo.launch import start_server
     from asyncgrpo.models import load_tokenizer
 
-    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    report["runs"] = [r for r in report.get("runs", []) if r["setting"] not in args.settings]
-    if "trl" in args.settings:
-        report["trl"] = {"generation": args.trl_generation, "prompts_per_step": args.trl_prompts_per_step}
-    report.update(
-        {
-            "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-            "model": args.model,
-            "task": args.task,
-            "packages": package_versions(),
-            "recipe": {
-                k: getattr(args, k)
-                for k in (
-                    "temperature",
-                    "learning_rate",
-                    "num_generations",
-                    "token_budget",
-                    "grad_accum",
-                    "eval_prompts",
-                    "eval_samples",
-                )
-            },
-            "train_seconds": args.train_seconds,
-            "snapshot_seconds": args.snapshot_seconds,
-        }
-    )
-    report.setdefault("commands", {})
-    for setting in args.settings:
-        report["commands"][setting] = command_line()
+    cuda = args.device != "cpu"
     train_rows, eval_rows = real_model.task_rows(
         args.task, num_train=args.num_train_prompts, num_eval=args.eval_prompts, seed=0
     )
@@ -486,6 +433,131 @@ def main() -> None:
                     torch.cuda.empty_cache()
     finally:
         server.stop()
+
+
+def run_concurrently(args: argparse.Namespace, report: dict, out: Path) -> None:
+    """Per setting, one process per seed at the same time (each this script with one seed and its own
+    server), the settings one after the other; their runs are gathered into `report`."""
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "asyncgrpo-learning-gpu"
+    work.mkdir(parents=True, exist_ok=True)
+    share = args.gpu_memory_utilization / len(args.seeds)
+    for setting in args.settings:
+        children = []
+        for seed in args.seeds:
+            child_out = work / f"{setting}-{seed}.json"
+            child_out.unlink(missing_ok=True)
+            cmd = [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--no-concurrent",
+                "--settings",
+                setting,
+                "--seeds",
+                str(seed),
+                "--gpu-memory-utilization",
+                f"{share:.3f}",
+                "--out",
+                str(child_out),
+            ]
+            log = open(work / f"{setting}-{seed}.log", "w")  # noqa: SIM115 -- closed below
+            children.append(
+                (seed, child_out, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            )
+        print(f"== {setting}: seeds {args.seeds} at once (logs in {work})", flush=True)
+        for seed, child_out, log, child in children:
+            child.wait()
+            log.close()
+            if not child_out.exists():
+                tail = (work / f"{setting}-{seed}.log").read_text()[-2000:]
+                report["runs"].append(
+                    {
+                        "setting": setting,
+                        "seed": seed,
+                        "status": "failed",
+                        "error": f"exit {child.returncode}: {tail}",
+                    }
+                )
+                continue
+            result = json.loads(child_out.read_text())
+            report.setdefault("initial", result.get("initial"))
+            report["runs"].extend(result["runs"])
+        report["summary"] = summarize(report)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    real_model.add_arguments(p)
+    p.add_argument("--settings", nargs="+", choices=SETTINGS, default=["async", "on_policy"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--train-seconds", type=float, default=240.0, help="Wall clock each run trains for.")
+    p.add_argument(
+        "--snapshot-seconds", type=float, default=20.0, help="Held-out accuracy every this many seconds."
+    )
+    p.add_argument("--trl-prompts-per-step", type=int, default=16)
+    p.add_argument(
+        "--trl-generation",
+        choices=("generate", "continuous_batching"),
+        default="generate",
+        help="TRL's generation without vLLM: transformers' generate(), or its continuous batching "
+        "engine (the faster of the two).",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="The embedded server's share.")
+    p.add_argument(
+        "--concurrent",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Run the seeds of a setting at the same time, one process each (its own server, with "
+        "--gpu-memory-utilization split between them), one setting after the other.",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default bench/results/learning_gpu_<gpu>.json); runs "
+        "already in it for other settings are kept.",
+    )
+    args = p.parse_args()
+    args.model = args.model or real_model.smollm2_gguf()
+    cuda = args.device != "cpu"
+    gpu = torch.cuda.get_device_name().split()[1].lower() if cuda else "cpu"
+    out = Path(args.out or ROOT / "bench" / "results" / f"learning_gpu_{gpu}.json")
+    logging.basicConfig(level=logging.WARNING)
+
+    report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    report["runs"] = [r for r in report.get("runs", []) if r["setting"] not in args.settings]
+    if "trl" in args.settings:
+        report["trl"] = {"generation": args.trl_generation, "prompts_per_step": args.trl_prompts_per_step}
+    report.update(
+        {
+            "gpu": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "model": args.model,
+            "task": args.task,
+            "packages": package_versions(),
+            "recipe": {
+                k: getattr(args, k)
+                for k in (
+                    "temperature",
+                    "learning_rate",
+                    "num_generations",
+                    "token_budget",
+                    "grad_accum",
+                    "eval_prompts",
+                    "eval_samples",
+                )
+            },
+            "train_seconds": args.train_seconds,
+            "snapshot_seconds": args.snapshot_seconds,
+        }
+    )
+    report.setdefault("commands", {})
+    for setting in args.settings:
+        report["commands"][setting] = command_line()
+    report["concurrent_processes"] = len(args.seeds) if args.concurrent else 1
+    if args.concurrent:
+        run_concurrently(args, report, out)
+    else:
+        run_here(args, report, out)
     plot(report, out.with_suffix(".png"))
     print(json.dumps(report["summary"], indent=1))
     print(f"wrote {out}")
