@@ -57,7 +57,7 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 DEFAULTS = {
     "temperature": 0.7,
-    "learning_rate": 1e-5,
+    "learning_rate": 2e-5,
     "num_generations": 8,
     "token_budget": 8192,
     "grad_accum": 2,
