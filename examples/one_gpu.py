@@ -96,7 +96,7 @@ def start_server(args: argparse.Namespace, cuda: bool):
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="Hub id, model folder or .gguf file.")
     p.add_argument("--dataset", default="openai/gsm8k")
     p.add_argument("--dataset-config", default="main")
     p.add_argument("--split", default="train")

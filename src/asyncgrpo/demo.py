@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=at_least(0), default=4)
     parser.add_argument("--server-url", type=server_url, default=None,
                         help="Use this running server instead of starting one.")
-    parser.add_argument("--model", default=MODEL_ID, help="Model id or path (default: the bundled tiny model).")
+    parser.add_argument("--model", default=MODEL_ID, help="Model id, folder or .gguf file (default: the bundled tiny model).")
 
 
 def run(args: argparse.Namespace) -> int:
