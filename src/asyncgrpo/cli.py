@@ -11,7 +11,7 @@ from typing import Any
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS  # no torch: --help stays instant
+    from asyncgrpo.modeling.lora_rules import ALLOWED_MAX_RANKS  # no torch: --help stays instant
 
     p = subparsers.add_parser(
         "serve",
