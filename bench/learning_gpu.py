@@ -100,7 +100,7 @@ class SnapshotEvaluator:
     """Pushes snapshots to the server through the trainer's own weight push and samples the held-out set."""
 
     def __init__(self, url: str, model_path: str, device: str, evaluator: Any) -> None:
-        from asyncgrpo.models import load_causal_lm
+        from asyncgrpo.modeling.load import load_causal_lm
 
         self.url = url
         self.device = torch.device(device)
@@ -188,7 +188,7 @@ def train_trl(
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncgrpo.models import load_causal_lm
+    from asyncgrpo.modeling.load import load_causal_lm
 
     num_gen = args.num_generations
     config = GRPOConfig(
@@ -388,7 +388,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from asyncgrpo.launch import start_server
-    from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.modeling.load import load_tokenizer
 
     report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     report["runs"] = [r for r in report.get("runs", []) if r["setting"] not in args.settings]

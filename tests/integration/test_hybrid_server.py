@@ -21,7 +21,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import BUNDLED_MODELS
+from asyncgrpo.modeling.load import BUNDLED_MODELS
 from asyncgrpo.packing.deltanet import deltanet_layers
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
