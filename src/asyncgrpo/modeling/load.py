@@ -25,8 +25,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
-__all__ = ["BUNDLED_MODELS", "TORCH_DTYPES", "is_vision_language", "load_causal_lm", "load_policy", "load_tokenizer",
-           "model_folder_problem", "resolve_model_path", "turn_off_hub_kernels"]
+__all__ = ["BUNDLED_MODELS", "TORCH_DTYPES", "is_vision_language", "load_causal_lm", "load_policy",
+           "load_tokenizer", "model_folder_problem", "resolve_model_path", "turn_off_hub_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def model_folder_problem(path: str) -> str | None:
     if not looks_local or (local / "config.json").is_file() or is_gguf_file(path):
         return None
     what = "does not exist" if not local.exists() else "has no config.json"
-    return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one written by "
-            "save_pretrained), or a Hugging Face hub id")
+    return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one "
+            "written by save_pretrained), or a Hugging Face hub id")
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,7 +99,8 @@ def is_vision_language(config: PreTrainedConfig) -> bool:
     return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:
+def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None,
+                trust_remote_code: bool) -> PreTrainedModel:
     """Load a model from an id or path (bundled ids such as `asyncgrpo/tiny-chat` included): a
     vision-language checkpoint whole (`AutoModelForImageTextToText`), anything else as a causal LM."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -107,15 +108,16 @@ def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_re
     kwargs = dict(init_kwargs or {})
     kwargs.setdefault("dtype", _DTYPES.get(kwargs.pop("torch_dtype", None) or dtype, dtype))
     kwargs.setdefault("trust_remote_code", trust_remote_code)
-    kwargs.setdefault("use_kernels", False)  # hub kernels would replace the forwards we install (turn_off_hub_kernels)
+    # hub kernels would replace the forwards we install (turn_off_hub_kernels)
+    kwargs.setdefault("use_kernels", False)
     path = resolve_model_path(model_id)
     problem = model_folder_problem(path)
     if problem is not None:
         raise FileNotFoundError(f"cannot load model {model_id!r}: {problem}")
-    config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder")
-                     if key in kwargs}
-    auto_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path, **config_kwargs)) \
-        else AutoModelForCausalLM
+    config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir",
+                                                  "subfolder") if key in kwargs}
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    auto_class = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     return auto_class.from_pretrained(path, **kwargs)
 
 
@@ -172,10 +174,10 @@ def turn_off_hub_kernels(model: Any) -> None:
         if not (isinstance(module, PreTrainedModel) and getattr(module, "use_kernels", False)):
             continue
         if not hasattr(module, "reset_kernels"):
-            logger.warning("%s was loaded with use_kernels=True, which this transformers version cannot undo: "
-                           "load it with use_kernels=False (hub kernels replace the forwards this package "
-                           "installs)", type(module).__name__)
+            logger.warning("%s was loaded with use_kernels=True, which this transformers version cannot "
+                           "undo: load it with use_kernels=False (hub kernels replace the forwards this "
+                           "package installs)", type(module).__name__)
             continue
-        logger.info("%s: hub kernels turned off (their forwards would replace the ones this package installs at "
-                    "every train()/eval())", type(module).__name__)
+        logger.info("%s: hub kernels turned off (their forwards would replace the ones this package installs "
+                    "at every train()/eval())", type(module).__name__)
         module.reset_kernels()

@@ -23,8 +23,8 @@ families above; anything else is refused at load, naming vLLM as the way to serv
 
 from __future__ import annotations
 
-__all__ = ["DELTANET_MODEL_TYPES", "SERVED_LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "VISION_LANGUAGE_MODEL_TYPES",
-           "check_supported", "serving_problem"]
+__all__ = ["DELTANET_MODEL_TYPES", "SERVED_LAYER_TYPES", "SUPPORTED_MODEL_TYPES",
+           "VISION_LANGUAGE_MODEL_TYPES", "check_supported", "serving_problem"]
 
 DELTANET_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 """Hybrids whose `linear_attention` layers are Gated DeltaNet layers tree packing runs."""
@@ -50,8 +50,9 @@ _REFUSED: dict[str, str] = {
         "its linear-attention layers have not been verified with tree packing (verified: the Gated DeltaNet "
         "layers of Qwen3.5, Qwen3.5-MoE and Qwen3-Next)"),
     **dict.fromkeys(
-        ("mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "granitemoehybrid", "nemotron_h",
-         "falcon_h1", "rwkv", "recurrent_gemma", "lfm2", "lfm2_moe", "minimax", "plamo2", "hymba", "xlstm"),
+        ("mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "granitemoehybrid",
+         "nemotron_h", "falcon_h1", "rwkv", "recurrent_gemma", "lfm2", "lfm2_moe", "minimax", "plamo2",
+         "hymba", "xlstm"),
         "it has recurrent, state-space or convolution layers that mix tokens outside attention"),
     **dict.fromkeys(("bloom", "mpt", "jais", "falcon"), "its attention uses ALiBi position biases"),
     **dict.fromkeys(("llama4", "llama4_text"), "it uses chunked attention (attention_chunk_size)"),
@@ -66,10 +67,10 @@ def check_supported(config) -> None:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text_config is not config and text_config is not None:
         if model_type not in VISION_LANGUAGE_MODEL_TYPES:
-            raise ValueError(f"model type {model_type!r} is a multimodal model that tree packing has not been verified "
-                             f"with (vision-language checkpoints trained on their text model: "
-                             f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); load its text model, model type "
-                             f"{text_config.model_type!r}, instead")
+            raise ValueError(f"model type {model_type!r} is a multimodal model that tree packing has not "
+                             f"been verified with (vision-language checkpoints trained on their text model: "
+                             f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); load its text model, model "
+                             f"type {text_config.model_type!r}, instead")
         check_supported(text_config)
         return
 
@@ -88,8 +89,8 @@ def check_supported(config) -> None:
     allowed = _ATTENTION_LAYER_TYPES | ({"linear_attention"} if model_type in DELTANET_MODEL_TYPES else set())
     other_layers = sorted(layer_types - allowed)
     if other_layers:
-        raise refuse(f"it has layers of type {other_layers}; tree packing runs full and sliding-window causal "
-                     "self-attention layers, and the Gated DeltaNet layers of "
+        raise refuse(f"it has layers of type {other_layers}; tree packing runs full and sliding-window "
+                     "causal self-attention layers, and the Gated DeltaNet layers of "
                      f"{', '.join(sorted(DELTANET_MODEL_TYPES))}")
     if "linear_attention" in layer_types:
         _check_transformers_version(model_type)
@@ -100,9 +101,10 @@ def check_supported(config) -> None:
                          "attention runs without attention dropout: set config.attention_dropout = 0.0")
     if model_type not in SUPPORTED_MODEL_TYPES and model_type not in VISION_LANGUAGE_MODEL_TYPES.values():
         raise refuse(
-            f"it has not been verified with tree attention (verified: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}). "
-            "If its token mixing is plain causal self-attention through transformers' AttentionInterface, add it "
-            "to asyncgrpo.modeling.support.SUPPORTED_MODEL_TYPES once tests/unit/test_tree_attention.py "
+            f"it has not been verified with tree attention (verified: "
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}). If its token mixing is plain causal "
+            "self-attention through transformers' AttentionInterface, add it to "
+            "asyncgrpo.modeling.support.SUPPORTED_MODEL_TYPES once tests/unit/test_tree_attention.py "
             "passes with a tiny config of it")
 
 
@@ -132,6 +134,7 @@ def serving_problem(config) -> str | None:
                 f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); serve it with vLLM")
     layer_types = set(getattr(text, "layer_types", None) or ())
     if layer_types - SERVED_LAYER_TYPES:
-        return (f"layers of type {sorted(layer_types - SERVED_LAYER_TYPES)} are not supported by the embedded "
-                "server (it runs full and sliding-window attention and Gated DeltaNet layers); serve it with vLLM")
+        return (f"layers of type {sorted(layer_types - SERVED_LAYER_TYPES)} are not supported by the "
+                "embedded server (it runs full and sliding-window attention and Gated DeltaNet layers); "
+                "serve it with vLLM")
     return None

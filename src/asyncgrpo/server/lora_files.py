@@ -10,7 +10,8 @@ and a module's output gains `scaling * B @ A @ x`, scaling = alpha / r (alpha / 
 `use_rslora`), r and alpha taken from `rank_pattern` / `alpha_pattern` where one matches the module.
 The checks follow vLLM 0.33 (`lora/peft_helper.py`, `lora/lora_model.py`) and its messages, with the
 fix appended: a missing directory or config is `AdapterNotFound` (404), anything else an
-`AdapterLoadError` (500); the allowed ranks and inits are the trainer's too (`modeling/lora_rules.py`). Pure I/O: the tensors come back on the CPU in float32, scaling folded into B.
+`AdapterLoadError` (500); the allowed ranks and inits are the trainer's too (`modeling/lora_rules.py`).
+Pure I/O: the tensors come back on the CPU in float32, scaling folded into B.
 """
 
 from __future__ import annotations

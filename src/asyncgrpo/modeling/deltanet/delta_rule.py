@@ -25,6 +25,10 @@ is cut into chunks (only its last chunk padded, with zeros, which leave the stat
 starts from its parent's final state, so the state pass takes as many steps as the longest
 root-to-leaf path has chunks, whatever the number of segments or levels. `chunk_gated_delta_rule`
 runs a padded batch [B, L] with a batch of initial states.
+
+Both callers share this code: tree packing (`packing/recurrent.py`: a packed row's trie, from
+`packing/tree.py`) and the embedded server (`server/recurrent_state.py`: a step's prompt chunks as
+root segments, its decode tokens as a batch of one-token chunks from the stored states).
 """
 
 from __future__ import annotations
