@@ -10,8 +10,8 @@ anything else (a hub id) is returned unchanged for transformers to handle.
 ``load_policy`` is how the trainer and the embedded server load the model they share: a
 vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) whole, with the architecture its config declares
 (``AutoModelForImageTextToText``), so parameter names, and with them the weight pushes, are the
-checkpoint's (``model.language_model.layers.0...``); anything else as a causal LM. Every loader
-turns hub kernels off (``turn_off_hub_kernels``).
+checkpoint's (``model.language_model.layers.0...``); anything else as a causal LM. Models load with
+hub kernels off (``use_kernels=False``); ``turn_off_hub_kernels`` undoes them on a model loaded elsewhere.
 """
 
 from __future__ import annotations
