@@ -104,7 +104,7 @@ class SnapshotEvaluator:
     """Pushes snapshots to the server through the trainer's own weight push and samples the held-out set."""
 
     def __init__(self, url: str, model_path: str, device: str, evaluator: Any) -> None:
-        from asyncgrpo.models import load_causal_lm
+        from asyncgrpo.modeling.load import load_causal_lm
 
         self.url = url
         self.device = torch.device(device)
@@ -192,7 +192,7 @@ def train_trl(
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncgrpo.models import load_causal_lm
+    from asyncgrpo.modeling.load import load_causal_lm
 
     num_gen = args.num_generations
     config = GRPOConfig(
@@ -363,7 +363,7 @@ def plot(report: dict, path: Path) -> None:
 def run_here(args: argparse.Namespace, report: dict, out: Path) -> None:
     """Every (seed, setting) run in this process, one after the other, against one server."""
     from asyncgrpo.launch import start_server
-    from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.modeling.load import load_tokenizer
 
     cuda = args.device != "cpu"
     train_rows, eval_rows = real_model.task_rows(

@@ -255,7 +255,7 @@ def run_shape(bench: Bench, shape: str) -> None:
     """Checkpoint, prompts, server, then the interleaved runs and their comparison."""
     from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import EmbeddedServer, free_port
-    from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.modeling.load import load_tokenizer
     from asyncgrpo.server.serve import ServerThread
 
     args = bench.args

@@ -98,7 +98,7 @@ def main() -> None:
     out = Path(args.out or ROOT / "bench" / "results" / f"recipe_probe_{gpu}.json")
 
     from asyncgrpo.launch import start_server
-    from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.modeling.load import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     longest = max(spec["max_completion_length"] for spec in real_model.TASKS.values())

@@ -252,7 +252,7 @@ def prepare_model(args: argparse.Namespace) -> tuple[str, tempfile.TemporaryDire
     """(model path, temp dir to clean up or None): the random Qwen3 of `--random-qwen3`, built in
     `--model-dir` unless it is there already (a temp dir without one), else `--model` resolved."""
     if not args.random_qwen3:
-        from asyncgrpo.models import resolve_model_path
+        from asyncgrpo.modeling.load import resolve_model_path
 
         return resolve_model_path(args.model), None
     tmp = None

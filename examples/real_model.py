@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = args.device != "cpu"
     os.makedirs(args.output_dir, exist_ok=True)
 
-    from asyncgrpo.models import load_tokenizer
+    from asyncgrpo.modeling.load import load_tokenizer
 
     train_rows, eval_rows = task_rows(
         args.task, num_train=args.num_train_prompts, num_eval=args.eval_prompts, seed=args.seed

@@ -35,7 +35,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.models import BUNDLED_MODELS
+from asyncgrpo.modeling.load import BUNDLED_MODELS
 from asyncgrpo.tasks import arithmetic, counter
 
 # Qwen2/Qwen3 pre-tokenizer pattern: every digit (\p{N}) is its own piece, so numbers are digit tokens.

@@ -30,7 +30,7 @@ MODEL_ID = "asyncgrpo/tiny-chat"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from asyncgrpo.cli import at_least, server_url
+    from asyncgrpo.cli_args import at_least, server_url
 
     parser.add_argument("--output-dir", default="asyncgrpo-demo", help="Where metrics, plot and logs go.")
     parser.add_argument("--max-steps", type=at_least(1), default=60, help="Optimizer steps to train.")

@@ -141,7 +141,7 @@ def start_server(
         raise ValueError(f"an in-process server needs a CUDA device (it takes weights over CUDA IPC), got "
                          f"{device!r}; pass in_process=False")
     if in_process:
-        from asyncgrpo.cli import serve_arguments
+        from asyncgrpo.cli_args import serve_arguments
         from asyncgrpo.server.serve import ServerThread
 
         args = serve_arguments(model, "--device", device, "--port", str(free_port()), *flags)

@@ -30,7 +30,7 @@ def leased_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_weights():
-    from asyncgrpo.models import load_causal_lm
+    from asyncgrpo.modeling.load import load_causal_lm
 
     model = load_causal_lm(TINY, dtype=torch.float32)
     return [(n, p.detach()) for n, p in model.named_parameters()]

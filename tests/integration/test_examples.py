@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.models import resolve_model_path
+from asyncgrpo.modeling.load import resolve_model_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -22,7 +22,7 @@ from gguf_files import TINY_CHAT, write_gguf
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import load_causal_lm, load_tokenizer
+from asyncgrpo.modeling.load import load_causal_lm, load_tokenizer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
 

@@ -21,8 +21,8 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import BUNDLED_MODELS
-from asyncgrpo.packing.deltanet import deltanet_layers
+from asyncgrpo.modeling.deltanet.layer import deltanet_layers
+from asyncgrpo.modeling.load import BUNDLED_MODELS
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 MEDIA = {"image_token_id": 491, "video_token_id": 492, "vision_start_token_id": 493, "vision_end_token_id": 494}

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import resolve_model_path
+from asyncgrpo.modeling.load import resolve_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")

@@ -21,7 +21,7 @@ from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import resolve_model_path
+from asyncgrpo.modeling.load import resolve_model_path
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError, write_adapter

@@ -15,7 +15,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import load_tokenizer, resolve_model_path
+from asyncgrpo.modeling.load import load_tokenizer, resolve_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOKENIZER = "asyncgrpo/tiny-chat"

@@ -22,7 +22,7 @@ import pytest
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop  # the seed's import line
 from asyncgrpo import metrics as M
 from asyncgrpo.launch import EmbeddedServer
-from asyncgrpo.models import load_tokenizer, resolve_model_path
+from asyncgrpo.modeling.load import load_tokenizer, resolve_model_path
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.tasks import arithmetic, counter

@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.models import BUNDLED_MODELS
+from asyncgrpo.modeling.load import BUNDLED_MODELS
 from asyncgrpo.packing import Sample
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic

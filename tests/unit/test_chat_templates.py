@@ -12,7 +12,6 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from asyncgrpo import models as bundled_models
 from asyncgrpo.data.chat_templates import (
     FAMILIES,
     REFERENCE_TOOLS,
@@ -22,6 +21,7 @@ from asyncgrpo.data.chat_templates import (
     reference_conversation,
     training_template,
 )
+from asyncgrpo.modeling import load as bundled_models
 from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message, parse_tool_calls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"

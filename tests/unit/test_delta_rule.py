@@ -1,5 +1,5 @@
-"""The chunked delta rule over a forest of segments (packing/delta_rule.py) against the plain token
-recurrence along each segment's root-to-segment path, in float64: outputs, final states, gradients."""
+"""The chunked delta rule over a forest of segments (modeling/deltanet/delta_rule.py) against the plain
+token recurrence along each segment's root-to-segment path, in float64: outputs, final states, gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_recurrent import l2, plain_delta_rule, random_inputs  # tests/unit is on the path
 
-from asyncgrpo.packing.delta_rule import (
+from asyncgrpo.modeling.deltanet.delta_rule import (
     ChunkPlan,
     chunk_gated_delta_rule,
     segment_tree_delta_rule,

@@ -26,7 +26,7 @@ from gguf_files import TINY_CHAT, tiny_llama, write_gguf
 from transformers import AutoConfig, GenerationConfig
 
 from asyncgrpo.modeling.gguf import cache_dir, supported_architectures
-from asyncgrpo.models import load_causal_lm, load_tokenizer, model_folder_problem, resolve_model_path
+from asyncgrpo.modeling.load import load_causal_lm, load_tokenizer, model_folder_problem, resolve_model_path
 
 CPU = torch.device("cpu")
 TEXT = "hello world, 12+34=46 the quick brown fox <|im_end|> <think> 7"
@@ -143,7 +143,7 @@ def test_two_processes_asking_at_once_convert_once_into_one_folder(files, cache)
     script = textwrap.dedent("""
         import logging, sys
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        from asyncgrpo.models import resolve_model_path
+        from asyncgrpo.modeling.load import resolve_model_path
         print("FOLDER", resolve_model_path(sys.argv[1]))
     """)
     env = {**os.environ, "ASYNCGRPO_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
@@ -237,7 +237,7 @@ def test_the_server_turns_gguf_errors_into_its_load_error(tmp_path):
 
 
 def test_the_trainer_raises_gguf_errors_before_loading(tmp_path):
-    from asyncgrpo.train.model_setup import load_policy
+    from asyncgrpo.modeling.load import load_policy
 
     (tmp_path / "bad.gguf").write_text("not a model")
     with pytest.raises(ValueError, match="is not a GGUF file"):

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.modeling.deltanet.delta_rule import chunk_gated_delta_rule
 from asyncgrpo.packing import Sample, pack_row, sample_paths
 from asyncgrpo.packing.recurrent import (
     RecurrentLayout,
-    chunk_gated_delta_rule,
     resolve_delta_rule_backend,
     tree_causal_conv1d,
     tree_gated_delta_rule,

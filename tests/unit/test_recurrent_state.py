@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from test_tree_deltanet import HYBRIDS, tiny_hybrid  # tests/unit is on the path (pytest's rootdir imports)
 
-from asyncgrpo.packing.deltanet import deltanet_layers
+from asyncgrpo.modeling.deltanet.layer import deltanet_layers
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import prepare_model

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.models import load_tokenizer
+from asyncgrpo.modeling.load import load_tokenizer
 from asyncgrpo.packing.tree import Sample
 from asyncgrpo.train.loss import loss_metrics, policy_loss
 from asyncgrpo.train.model_setup import router_aux_loss_coef

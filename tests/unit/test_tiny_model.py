@@ -1,4 +1,4 @@
-"""Tests for asyncgrpo.models and the bundled model ``asyncgrpo/tiny-chat`` (assets/tiny_chat)."""
+"""Tests for asyncgrpo.modeling.load and the bundled model ``asyncgrpo/tiny-chat`` (assets/tiny_chat)."""
 
 import json
 import os
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo import models
+import asyncgrpo
+from asyncgrpo.modeling import load
 from asyncgrpo.tasks import arithmetic, counter
 
 TINY = "asyncgrpo/tiny-chat"
@@ -17,12 +18,12 @@ TINY = "asyncgrpo/tiny-chat"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return models.load_tokenizer(TINY)
+    return load.load_tokenizer(TINY)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return models.load_causal_lm(TINY)
+    return load.load_causal_lm(TINY)
 
 
 def ids(tokenizer, messages, **kw):
@@ -37,9 +38,9 @@ def text(tokenizer, messages, **kw):
 
 
 def test_bundled_id_resolves_to_a_folder_inside_the_package():
-    path = Path(models.resolve_model_path(TINY))
+    path = Path(load.resolve_model_path(TINY))
     assert path.is_dir()
-    assert Path(models.__file__).resolve().parent in path.resolve().parents
+    assert Path(asyncgrpo.__file__).resolve().parent in path.resolve().parents
     for name in (
         "config.json",
         "model.safetensors",
@@ -53,19 +54,19 @@ def test_bundled_id_resolves_to_a_folder_inside_the_package():
 
 
 def test_local_paths_and_hub_ids_resolve_to_themselves(tmp_path):
-    assert models.resolve_model_path(str(tmp_path)) == str(tmp_path)
-    assert models.resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert load.resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert load.resolve_model_path("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
 
 
 def test_missing_bundled_files_name_the_build_script(tmp_path, monkeypatch):
-    monkeypatch.setitem(models.BUNDLED_MODELS, "asyncgrpo/missing", str(tmp_path))
+    monkeypatch.setitem(load.BUNDLED_MODELS, "asyncgrpo/missing", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="build_tiny_model.py"):
-        models.resolve_model_path("asyncgrpo/missing")
+        load.resolve_model_path("asyncgrpo/missing")
 
 
 def test_bundled_model_loads_offline_in_a_fresh_process():
     code = (
-        "from asyncgrpo.models import load_causal_lm, load_tokenizer\n"
+        "from asyncgrpo.modeling.load import load_causal_lm, load_tokenizer\n"
         "tok = load_tokenizer('asyncgrpo/tiny-chat'); m = load_causal_lm('asyncgrpo/tiny-chat')\n"
         "x = tok.apply_chat_template([{'role': 'user', 'content': 'What is 2 + 3?'}],"
         " add_generation_prompt=True, return_tensors='pt', return_dict=True)\n"
@@ -88,7 +89,7 @@ def test_bundled_model_loads_offline_in_a_fresh_process():
 
 
 def test_asset_folder_is_at_most_20_mb():
-    folder = Path(models.resolve_model_path(TINY))
+    folder = Path(load.resolve_model_path(TINY))
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert size <= 20 * 2**20, f"{size / 2**20:.1f} MB"
 
@@ -116,7 +117,7 @@ def test_generation_config_stops_at_im_end_and_samples_plainly(model, tokenizer)
 
 
 def test_eval_report_is_inside_the_calibration_band():
-    report = json.loads((Path(models.resolve_model_path(TINY)) / "eval.json").read_text())
+    report = json.loads((Path(load.resolve_model_path(TINY)) / "eval.json").read_text())
     assert report["num_eval_per_task"] >= 200
     assert 0.2 <= report["arithmetic_success_rate"] <= 0.7
     assert 0.2 <= report["counter_success_rate"] <= 0.7
@@ -304,7 +305,7 @@ def test_build_data_leaves_a_share_of_arithmetic_answers_unboxed():
 
 @pytest.mark.parametrize("make_folder", [False, True])
 def test_a_local_model_path_without_a_model_is_refused_naming_what_to_pass(tmp_path, make_folder):
-    from asyncgrpo.train.model_setup import load_policy
+    from asyncgrpo.modeling.load import load_policy
 
     path = tmp_path / "checkpoint"
     if make_folder:
@@ -314,6 +315,6 @@ def test_a_local_model_path_without_a_model_is_refused_naming_what_to_pass(tmp_p
         load_policy(str(path), dtype="float32", init_kwargs=None, trust_remote_code=False)
     message = str(info.value)
     assert str(path) in message and what in message and "save_pretrained" in message, message
-    assert models.model_folder_problem(str(path)) is not None
-    assert models.model_folder_problem("Qwen/Qwen3-0.6B") is None  # a hub id is the hub's to resolve
-    assert models.model_folder_problem(models.resolve_model_path("asyncgrpo/tiny-chat")) is None
+    assert load.model_folder_problem(str(path)) is not None
+    assert load.model_folder_problem("Qwen/Qwen3-0.6B") is None  # a hub id is the hub's to resolve
+    assert load.model_folder_problem(load.resolve_model_path("asyncgrpo/tiny-chat")) is None

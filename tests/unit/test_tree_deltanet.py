@@ -16,6 +16,8 @@ from test_recurrent import plain_delta_rule  # tests/unit is on the path (pytest
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from asyncgrpo.modeling.deltanet.layer import deltanet_layers
+from asyncgrpo.modeling.support import VISION_LANGUAGE_MODEL_TYPES
 from asyncgrpo.packing import Sample, check_supported, pack_row
 from asyncgrpo.packing.attention import (
     TreeMask,
@@ -23,8 +25,6 @@ from asyncgrpo.packing.attention import (
     enable_tree_attention,
     tree_attention_context,
 )
-from asyncgrpo.packing.deltanet import deltanet_layers
-from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
 from asyncgrpo.train.model_setup import hidden_states_and_head
 
 VOCAB = 96

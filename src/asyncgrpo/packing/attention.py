@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from asyncgrpo.models import turn_off_hub_kernels
+from asyncgrpo.modeling.load import turn_off_hub_kernels
+from asyncgrpo.modeling.support import check_supported
 from asyncgrpo.packing.deltanet import disable_tree_deltanet, enable_tree_deltanet
-from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.packing.recurrent import DELTA_RULE_BACKENDS, RecurrentLayout
 from asyncgrpo.packing.tree import PackedRow
 

@@ -9,7 +9,8 @@ passes down to every decoder layer and which gradient checkpointing replays), th
 
 `tree_deltanet_forward` is the layer's forward with the two token-mixing steps swapped for their
 trie-following versions (`recurrent.py`): the projections, gates, gated norm and output projection
-are the layer's own modules, so the result equals forwarding each sample alone.
+are the layer's own modules (`modeling/deltanet/layer.py`, shared with the embedded server), so the
+result equals forwarding each sample alone.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from asyncgrpo.modeling.deltanet.layer import (
+    DELTANET_CLASSES,
+    delta_rule_inputs,
+    deltanet_layers,
+    deltanet_output,
+    deltanet_projections,
+)
 from asyncgrpo.packing.recurrent import (
     DeltaRuleShape,
     resolve_delta_rule_backend,
@@ -34,19 +41,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DELTANET_CLASSES", "delta_rule_inputs", "deltanet_layers", "deltanet_output", "deltanet_projections",
-           "disable_tree_deltanet", "enable_tree_deltanet", "tree_deltanet_forward"]
-
-DELTANET_CLASSES = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
-"""Layer classes whose tree forward was checked against forwarding samples alone (transformers >= 5.15)."""
+__all__ = ["disable_tree_deltanet", "enable_tree_deltanet", "tree_deltanet_forward"]
 
 _ORIGINAL_FORWARD = "_asyncgrpo_original_forward"
 _MASK_KWARG = "tree_mask"  # the keyword the tree-attention hook adds (attention.py)
-
-
-def deltanet_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Gated DeltaNet layers of `model` (any wrapper of a transformers model)."""
-    return [m for m in model.modules() if type(m).__name__ in DELTANET_CLASSES]
 
 
 def enable_tree_deltanet(model: torch.nn.Module, expected: int, active_row: Callable[[], object | None]) -> None:
@@ -109,36 +107,3 @@ def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, t
     backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device, shape)
     core = tree_gated_delta_rule(query, key, value, g, beta, layout, backend=backend)
     return deltanet_output(layer, core, z)[None]
-
-
-def deltanet_projections(layer: torch.nn.Module, hidden_states: torch.Tensor):
-    """The layer's input projections of hidden_states [T, hidden], either layout: (mixed q|k|v
-    [T, conv_dim], the convolution's input; z [T, H, V]; b [T, H]; a [T, H])."""
-    x = hidden_states[None]
-    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next: q/k/v/z and b/a interleaved per key head group
-        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
-        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)], dim=-1)
-        return mixed[0], z[0], b[0], a[0]
-    z = layer.in_proj_z(x)[0]
-    return layer.in_proj_qkv(x)[0], z.reshape(z.shape[0], -1, layer.head_v_dim), layer.in_proj_b(x)[0], \
-        layer.in_proj_a(x)[0]
-
-
-def delta_rule_inputs(layer: torch.nn.Module, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
-    """(query [T, Hk, K], key [T, Hk, K], value [T, H, V], g [T, H], beta [T, H]) from the
-    convolution's output [T, conv_dim] and the b/a projections, as the layer's own forward makes them."""
-    num_tokens = mixed_qkv.shape[0]
-    query, key, value = torch.split(mixed_qkv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    query = query.reshape(num_tokens, -1, layer.head_k_dim)
-    key = key.reshape(num_tokens, -1, layer.head_k_dim)
-    value = value.reshape(num_tokens, -1, layer.head_v_dim)
-    # float32 as in the layer's own forward (an fp16 A_log.exp() may overflow)
-    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
-    return query, key, value, g, b.sigmoid()
-
-
-def deltanet_output(layer: torch.nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """The gated norm and output projection of the delta rule's output core [T, H, V] -> [T, hidden]."""
-    num_tokens = core.shape[0]
-    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(core.reshape(num_tokens, -1))

@@ -14,15 +14,17 @@ parent, so
   shorter than W - 1, of its grandparents), never the row neighbour, which may be a sibling's
   subtree or another sample. `RecurrentLayout.conv_index` builds a conv input in which every
   segment is preceded by those path tokens (zeros above a root), so one plain causal convolution
-  over it is exact for every token;
+  over it is exact for every token (`modeling/deltanet/layer.causal_conv1d_at`);
 - the recurrence of a segment starts from its parent's FINAL state. The PyTorch backend runs the
-  whole row at once (`delta_rule.ChunkPlan`: every segment cut into chunks, a segment's first chunk
-  one step after its parent's last). fla-core's kernel takes a varlen batch with one initial state
-  per sequence, so that backend runs the row level by level: segments at the same depth of the
-  segment tree are independent given their parents, and level d takes the final states of level
-  d - 1 as initial states, one varlen call per level.
+  whole row at once (`modeling/deltanet/delta_rule.ChunkPlan`: every segment cut into chunks, a
+  segment's first chunk one step after its parent's last). fla-core's kernel takes a varlen batch
+  with one initial state per sequence, so that backend runs the row level by level: segments at the
+  same depth of the segment tree are independent given their parents, and level d takes the final
+  states of level d - 1 as initial states, one varlen call per level.
 
-Everything here is pure: index plans from the row's segment arrays (numpy), and torch functions.
+Everything here is pure: index plans from the row's segment arrays (numpy), and torch functions. The
+math both steps run is shared with the embedded server (`modeling/deltanet/`); the trie walk, and the
+choice of the fla-core backend, which only training uses, are here.
 """
 
 from __future__ import annotations
@@ -37,27 +39,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.packing.delta_rule import (
+from asyncgrpo.modeling.deltanet.delta_rule import (
     CHUNK_SIZE,
     ChunkPlan,
-    chunk_gated_delta_rule,
     grouped_query_key,
     l2_normalize,
     normalized_query_key,
     segment_tree_delta_rule,
 )
+from asyncgrpo.modeling.deltanet.layer import causal_conv1d_at
 from asyncgrpo.packing.tree import concat_ranges
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "DELTA_RULE_BACKENDS",
-    "ChunkPlan",
     "RecurrentLayout",
     "SegmentLevel",
-    "causal_conv1d_at",
-    "chunk_gated_delta_rule",
-    "normalized_query_key",
     "resolve_delta_rule_backend",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",
@@ -185,21 +183,6 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     # index_select, not x[index]: its backward adds with index_add_ instead of sorting the index
     padded = torch.cat([x, x.new_zeros(1, channels)]).index_select(0, layout.conv_index)  # [T + S (W - 1), C]
     return causal_conv1d_at(padded, layout.conv_keep, weight, bias, activation)
-
-
-def causal_conv1d_at(padded: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     activation: str | None = "silu") -> torch.Tensor:
-    """Depthwise causal convolution over `padded` [N, C], a concatenation in which each output
-    position in `keep` [T] is preceded by the W - 1 inputs its window reads; returns those T
-    outputs [T, C] in padded's dtype (computed in weight's dtype, like transformers)."""
-    channels, width = weight.shape
-    out = F.conv1d(padded.T[None].to(weight.dtype), weight[:, None, :], bias, padding=width - 1, groups=channels)
-    out = out[0, :, : padded.shape[0]].T.index_select(0, keep)
-    if activation in ("silu", "swish"):
-        out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"unsupported convolution activation {activation!r} (Gated DeltaNet layers use 'silu')")
-    return out.to(padded.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Loading the served model: device and dtype choice, context length, EOS ids, KV-cache size.
 
 A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole, as the trainer loads it
-(`train/model_setup.load_policy`), so parameter names, and with them the weight pushes, are the
+(`modeling/load.load_policy`), so parameter names, and with them the weight pushes, are the
 checkpoint's (`model.language_model.layers.0...`); only its text model runs (token ids in, no image
 features), and prompts holding its image or video placeholder tokens are refused. A hybrid's Gated
 DeltaNet layers keep a per-sequence recurrent state (`recurrent_state.py`) instead of KV-cache rows.
@@ -15,13 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.models import load_tokenizer, model_folder_problem, resolve_model_path, turn_off_hub_kernels
-from asyncgrpo.packing.model_support import VISION_LANGUAGE_MODEL_TYPES
+from asyncgrpo.modeling.load import (
+    TORCH_DTYPES,
+    is_vision_language,
+    load_policy,
+    load_tokenizer,
+    model_folder_problem,
+    resolve_model_path,
+    turn_off_hub_kernels,
+)
+from asyncgrpo.modeling.support import serving_problem
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.fused_norm import fuse_rms_norms
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.recurrent_state import RecurrentState, serve_deltanet_layers
-from asyncgrpo.train.model_setup import TORCH_DTYPES, is_vision_language, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -108,21 +115,6 @@ def _eos_ids(path: str, tokenizer) -> tuple[int | None, frozenset[int]]:
 
 
 _MEDIA_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-_SERVED_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
-
-
-def _check_servable(name: str, config) -> None:
-    """Refuse what the embedded server would serve wrongly: layer types other than (sliding-window)
-    attention and Gated DeltaNet, vision-language families whose text model was not verified."""
-    text = config.get_text_config()
-    if text is not config and config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
-        raise ModelLoadError(f"{name}: model type {config.model_type!r} is a multimodal model the embedded server does not "
-                         f"serve (vision-language checkpoints it serves the text model of: "
-                         f"{', '.join(sorted(VISION_LANGUAGE_MODEL_TYPES))}); serve it with vLLM")
-    layer_types = set(getattr(text, "layer_types", None) or ())
-    if layer_types - _SERVED_LAYER_TYPES:
-        raise ModelLoadError(f"{name}: layers of type {sorted(layer_types - _SERVED_LAYER_TYPES)} are not supported by the "
-                         "embedded server (it runs full and sliding-window attention and Gated DeltaNet layers); serve it with vLLM")
 
 
 def prepare_model(model: torch.nn.Module, device: torch.device) -> FusedLayers:
@@ -154,7 +146,9 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     except (ImportError, FileNotFoundError, ValueError) as exc:
         raise ModelLoadError(f"cannot serve {name!r}: {exc}") from exc
     config = _read_config(name, path)
-    _check_servable(name, config)
+    problem = serving_problem(config)  # what the embedded server would serve wrongly
+    if problem is not None:
+        raise ModelLoadError(f"{name}: {problem}")
     text = config.get_text_config()
     dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     # a vision-language checkpoint whole (its names are what the trainer pushes), else a causal LM

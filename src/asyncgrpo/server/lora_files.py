@@ -10,7 +10,8 @@ and a module's output gains `scaling * B @ A @ x`, scaling = alpha / r (alpha / 
 `use_rslora`), r and alpha taken from `rank_pattern` / `alpha_pattern` where one matches the module.
 The checks follow vLLM 0.33 (`lora/peft_helper.py`, `lora/lora_model.py`) and its messages, with the
 fix appended: a missing directory or config is `AdapterNotFound` (404), anything else an
-`AdapterLoadError` (500). Pure I/O: the tensors come back on the CPU in float32, scaling folded into B.
+`AdapterLoadError` (500); the allowed ranks and inits are the trainer's too (`modeling/lora_rules.py`).
+Pure I/O: the tensors come back on the CPU in float32, scaling folded into B.
 """
 
 from __future__ import annotations
@@ -22,14 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch only for annotations: the CLI reads ALLOWED_MAX_RANKS without loading it
+from asyncgrpo.modeling.lora_rules import PLAIN_LORA_INITS, max_lora_ranks_for
+
+if TYPE_CHECKING:  # torch only for annotations: reading an adapter's config needs none
     import torch
 
-ALLOWED_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
-# `init_lora_weights` strings that only set an adapter's first weights, so the saved adapter is a plain
-# LoRA (vLLM 0.33 `PEFTHelper._init_is_supported`); the others (PiSSA, OLoRA, CorDA, LoftQ) also change
-# the base weights, which the server does not have
-PLAIN_LORA_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 _PREFIX = "base_model.model."
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -88,7 +86,7 @@ def _check_config(config: dict, path: str, max_rank: int) -> None:
         problems.append(f"target_parameters {config['target_parameters']} (LoRA on raw parameters) is not supported.")
     ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
     if max(ranks) > max_rank:
-        allowed = [r for r in ALLOWED_MAX_RANKS if r >= max(ranks)]
+        allowed = max_lora_ranks_for(max(ranks))
         fix = f"restart the server with --max-lora-rank {allowed[0]}" if allowed else "train a smaller rank"
         problems.append(f"LoRA rank {max(ranks)} is greater than max_lora_rank {max_rank}; {fix}.")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):

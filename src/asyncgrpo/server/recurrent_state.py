@@ -17,8 +17,8 @@ never applies to these models: a cached prefix would need the state after it.) O
 One server step is the runner's flat row: decode tokens first, one per sequence, then prompt chunks
 (chunked prefill: a chunk that does not start at token 0 continues from the slot, as a decode does).
 A DeltaNet layer's forward over it (`served_deltanet_forward`, installed by `serve_deltanet_layers`)
-uses the layer's own projections, gated norm and output projection (`packing/deltanet.py`) and the
-math of `packing/recurrent.py`:
+uses the layer's own projections, gated norm and output projection and the math that training runs
+too (`modeling/deltanet/`):
 
     convolution   one causal conv over a gathered input in which every decode token and continued
                   chunk is preceded by its sequence's window and every first chunk by W - 1 zeros;
@@ -37,19 +37,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncgrpo.packing.delta_rule import (
+from asyncgrpo.modeling.deltanet.delta_rule import (
     ChunkPlan,
     chunk_gated_delta_rule,
     normalized_query_key,
     segment_tree_delta_rule,
 )
-from asyncgrpo.packing.deltanet import (
+from asyncgrpo.modeling.deltanet.layer import (
+    causal_conv1d_at,
     delta_rule_inputs,
     deltanet_layers,
     deltanet_output,
     deltanet_projections,
 )
-from asyncgrpo.packing.recurrent import causal_conv1d_at
 from asyncgrpo.server.host_copy import to_device
 
 __all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]

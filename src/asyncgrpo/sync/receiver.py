@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.sync import Communicator
+from asyncgrpo.sync.communicator import Communicator
 from asyncgrpo.sync.packed import TensorMeta, TransferInit, metas_from_update_info, plan_chunks, unpack
 
 logger = logging.getLogger(__name__)

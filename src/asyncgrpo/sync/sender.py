@@ -26,7 +26,7 @@ import torch
 
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.transport import ServerRequestError
-from asyncgrpo.sync import Communicator, in_daemon_thread
+from asyncgrpo.sync.communicator import Communicator, in_daemon_thread
 from asyncgrpo.sync.packed import (
     DEFAULT_BUFFER_SIZE_BYTES,
     TensorMeta,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.generation.server_info import LoraServing
-from asyncgrpo.server.lora_files import ALLOWED_MAX_RANKS, PLAIN_LORA_INITS
+from asyncgrpo.modeling.lora_rules import ALLOWED_MAX_RANKS, PLAIN_LORA_INITS, max_lora_ranks_for
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def _unservable(peft_config: Any) -> str | None:
 
 def restart_flags(rank: int, max_staleness: int, lora: LoraServing | None) -> str:
     """The server flags that serve an adapter of `rank` with `max_staleness`."""
-    allowed = [r for r in ALLOWED_MAX_RANKS if r >= rank]
+    allowed = max_lora_ranks_for(rank)
     if not allowed:
         raise ValueError(
             f"LoRA rank {rank} is above the largest --max-lora-rank a server accepts ({ALLOWED_MAX_RANKS[-1]}): "

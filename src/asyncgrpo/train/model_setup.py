@@ -1,12 +1,12 @@
-"""The policy model: loading, its parts the loss needs, and the weights the server receives.
+"""The policy model: prepared for training, its parts the loss needs, and the weights the server receives.
 
 The loss never asks the model for logits: `hidden_states_and_head` returns the transformer body's
 hidden states for the packed row and the LM head, and `asyncgrpo.train.logprobs` computes log-probs
 only at trained positions, chunk by chunk. `weights_for_server` yields what a weight sync sends (full
 tensors, merged adapters), gathering sharded parameters one by one.
 
-A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole, with the architecture its
-config declares (`AutoModelForImageTextToText`), so parameter names stay the checkpoint's
+A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole (`modeling/load.py`), with the
+architecture its config declares (`AutoModelForImageTextToText`), so parameter names stay the checkpoint's
 (`model.language_model.layers.0...`), which is what vLLM's loader maps. Only its text model trains
 on text-only prompts: everything else (vision tower, projector) is frozen by `train_text_model_only`
 and left out of the weight sync, so the server keeps what it loaded from the checkpoint.
@@ -19,43 +19,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoTokenizer,
-    PreTrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncgrpo.models import model_folder_problem, resolve_model_path
+from asyncgrpo.modeling.load import is_vision_language, load_policy, resolve_model_path
+from asyncgrpo.modeling.support import check_supported
 from asyncgrpo.packing.attention import enable_tree_attention
-from asyncgrpo.packing.model_support import check_supported
 from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPES = {**TORCH_DTYPES, "auto": "auto"}
-
-
-def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None, trust_remote_code: bool) -> PreTrainedModel:
-    """Load a model from an id or path (bundled ids such as `asyncgrpo/tiny-chat` included): a
-    vision-language checkpoint whole (`AutoModelForImageTextToText`), anything else as a causal LM."""
-    kwargs = dict(init_kwargs or {})
-    kwargs.setdefault("dtype", _DTYPES.get(kwargs.pop("torch_dtype", None) or dtype, dtype))
-    kwargs.setdefault("trust_remote_code", trust_remote_code)
-    kwargs.setdefault("use_kernels", False)  # hub kernels would replace the forwards we install (turn_off_hub_kernels)
-    path = resolve_model_path(model_id)
-    problem = model_folder_problem(path)
-    if problem is not None:
-        raise FileNotFoundError(f"cannot load model {model_id!r}: {problem}")
-    config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir", "subfolder")
-                     if key in kwargs}
-    auto_class = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path, **config_kwargs)) \
-        else AutoModelForCausalLM
-    return auto_class.from_pretrained(path, **kwargs)
 
 
 def prepare_policy(model: str | PreTrainedModel, args: Any) -> tuple[PreTrainedModel, str]:
@@ -74,13 +45,6 @@ def prepare_policy(model: str | PreTrainedModel, args: Any) -> tuple[PreTrainedM
     enable_tree_attention(model)
     train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
     return model, model_id
-
-
-def is_vision_language(config: PreTrainedConfig) -> bool:
-    """Whether `config` declares a vision-language architecture (an image-text-to-text model)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def train_text_model_only(model: PreTrainedModel) -> None:

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.train.model_setup import TORCH_DTYPES
+from asyncgrpo.modeling.load import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 

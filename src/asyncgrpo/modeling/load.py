@@ -1,24 +1,36 @@
-"""Model ids the package resolves itself, and the loaders everything else calls.
+"""Loading a model: model ids the package resolves itself, the dtype names, and the loaders everything
+else calls (trainer, embedded server, examples, benchmarks).
 
 ``BUNDLED_MODELS`` maps ids such as ``"asyncgrpo/tiny-chat"`` to folders shipped inside the package
 (``assets/``), so nothing is fetched from a hub for them. Every place that accepts a model id passes
 it through ``resolve_model_path`` first: a bundled id becomes its local folder, a ``.gguf`` file the
 model folder converted from it (``asyncgrpo.modeling.gguf``), an existing local path stays itself, and
 anything else (a hub id) is returned unchanged for transformers to handle.
+
+``load_policy`` is how the trainer and the embedded server load the model they share: a
+vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) whole, with the architecture its config declares
+(``AutoModelForImageTextToText``), so parameter names, and with them the weight pushes, are the
+checkpoint's (``model.language_model.layers.0...``); anything else as a causal LM. Models load with
+hub kernels off (``use_kernels=False``); ``turn_off_hub_kernels`` undoes them on a model loaded elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BUNDLED_MODELS", "load_causal_lm", "load_tokenizer", "model_folder_problem", "resolve_model_path",
-           "turn_off_hub_kernels"]
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+__all__ = ["BUNDLED_MODELS", "TORCH_DTYPES", "is_vision_language", "load_causal_lm", "load_policy",
+           "load_tokenizer", "model_folder_problem", "resolve_model_path", "turn_off_hub_kernels"]
 
 logger = logging.getLogger(__name__)
 
-_ASSETS = Path(__file__).resolve().parent / "assets"
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 BUNDLED_MODELS: dict[str, str] = {
     "asyncgrpo/tiny-chat": str(_ASSETS / "tiny_chat"),
@@ -71,8 +83,42 @@ def model_folder_problem(path: str) -> str | None:
     if not looks_local or (local / "config.json").is_file() or is_gguf_file(path):
         return None
     what = "does not exist" if not local.exists() else "has no config.json"
-    return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one written by "
-            "save_pretrained), or a Hugging Face hub id")
+    return (f"the folder {local} {what}; pass a folder that holds config.json and the weights (e.g. one "
+            "written by save_pretrained), or a Hugging Face hub id")
+
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names a run or a server accepts (`dtype=`, `--dtype`), besides "auto"."""
+_DTYPES = {**TORCH_DTYPES, "auto": "auto"}
+
+
+def is_vision_language(config: PreTrainedConfig) -> bool:
+    """Whether `config` declares a vision-language architecture (an image-text-to-text model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def load_policy(model_id: str, *, dtype: str, init_kwargs: dict | None,
+                trust_remote_code: bool) -> PreTrainedModel:
+    """Load a model from an id or path (bundled ids such as `asyncgrpo/tiny-chat` included): a
+    vision-language checkpoint whole (`AutoModelForImageTextToText`), anything else as a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs = dict(init_kwargs or {})
+    kwargs.setdefault("dtype", _DTYPES.get(kwargs.pop("torch_dtype", None) or dtype, dtype))
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
+    # hub kernels would replace the forwards we install (turn_off_hub_kernels)
+    kwargs.setdefault("use_kernels", False)
+    path = resolve_model_path(model_id)
+    problem = model_folder_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(f"cannot load model {model_id!r}: {problem}")
+    config_kwargs = {key: kwargs[key] for key in ("revision", "trust_remote_code", "token", "cache_dir",
+                                                  "subfolder") if key in kwargs}
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    auto_class = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    return auto_class.from_pretrained(path, **kwargs)
 
 
 def load_tokenizer(name_or_path: str, **kwargs: Any):
@@ -128,10 +174,10 @@ def turn_off_hub_kernels(model: Any) -> None:
         if not (isinstance(module, PreTrainedModel) and getattr(module, "use_kernels", False)):
             continue
         if not hasattr(module, "reset_kernels"):
-            logger.warning("%s was loaded with use_kernels=True, which this transformers version cannot undo: "
-                           "load it with use_kernels=False (hub kernels replace the forwards this package "
-                           "installs)", type(module).__name__)
+            logger.warning("%s was loaded with use_kernels=True, which this transformers version cannot "
+                           "undo: load it with use_kernels=False (hub kernels replace the forwards this "
+                           "package installs)", type(module).__name__)
             continue
-        logger.info("%s: hub kernels turned off (their forwards would replace the ones this package installs at "
-                    "every train()/eval())", type(module).__name__)
+        logger.info("%s: hub kernels turned off (their forwards would replace the ones this package installs "
+                    "at every train()/eval())", type(module).__name__)
         module.reset_kernels()

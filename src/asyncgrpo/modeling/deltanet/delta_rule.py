@@ -25,6 +25,10 @@ is cut into chunks (only its last chunk padded, with zeros, which leave the stat
 starts from its parent's final state, so the state pass takes as many steps as the longest
 root-to-leaf path has chunks, whatever the number of segments or levels. `chunk_gated_delta_rule`
 runs a padded batch [B, L] with a batch of initial states.
+
+Both callers share this code: tree packing (`packing/recurrent.py`: a packed row's trie, from
+`packing/tree.py`) and the embedded server (`server/recurrent_state.py`: a step's prompt chunks as
+root segments, its decode tokens as a batch of one-token chunks from the stored states).
 """
 
 from __future__ import annotations
@@ -54,14 +58,16 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def grouped_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_query_key(query: torch.Tensor, key: torch.Tensor,
+                      heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """query/key [..., Hk, K] repeated to the H value heads (each q/k head serves H / Hk consecutive ones)."""
     if key.shape[-2] != heads:
         query, key = (x.repeat_interleave(heads // x.shape[-2], dim=-2) for x in (query, key))
     return query, key
 
 
-def normalized_query_key(query: torch.Tensor, key: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def normalized_query_key(query: torch.Tensor, key: torch.Tensor,
+                         heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The raw query/key [..., Hk, K] as `chunk_gated_delta_rule` takes them: repeated to the H value
     heads, l2-normalised, query scaled by K^-1/2, in float32 (float64 stays float64)."""
     query, key = grouped_query_key(query, key, heads)
@@ -141,7 +147,8 @@ class ChunkPlan:
         if length.size == 0 or length.min() < 1:
             raise ValueError("a chunk plan needs at least one segment and no empty segment")
         if np.any(parent >= np.arange(length.size)):
-            raise ValueError("each segment must come after its parent (the depth-first order of packing/tree.py)")
+            raise ValueError("each segment must come after its parent (the depth-first order of "
+                             "packing/tree.py)")
         num_segments, num_tokens = length.size, int(length.sum())
         chunks = -(-length // chunk_size)
         begin = np.zeros(num_segments, dtype=np.int64)
@@ -181,7 +188,8 @@ class ChunkPlan:
         final_index = np.empty(num_segments, dtype=np.int64)
         final_index[np.concatenate(finished)] = np.arange(num_segments)
         return cls(num_tokens=num_tokens, chunk_size=chunk_size, chunk_tokens=_tensor(tokens, device),
-                   token_slot=_tensor(slot, device), step_sizes=tuple(sizes), step_sources=tuple([None] + sources),
+                   token_slot=_tensor(slot, device), step_sizes=tuple(sizes),
+                   step_sources=tuple([None] + sources),
                    root_index=None if root_index is None else _tensor(root_index, device),
                    finish_counts=tuple(finish), final_index=_tensor(final_index, device))
 
@@ -204,7 +212,8 @@ class ChunkPlan:
             size = self.chunk_size
             row, offset = self.token_slot // size, self.token_slot % size
             head = torch.arange(heads, device=row.device)
-            self._gather_index[("out", heads)] = (row[:, None] * heads + head[None, :]) * size + offset[:, None]
+            index = (row[:, None] * heads + head[None, :]) * size + offset[:, None]
+            self._gather_index[("out", heads)] = index
         return self._gather_index[("out", heads)]
 
 
@@ -243,7 +252,8 @@ def segment_tree_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch
         initial = initial_state.to(dtype)
         initial = initial if plan.root_index is None else initial.index_select(0, plan.root_index)
     states, deltas, finished = _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, plan.step_sizes,
-                                           plan.step_sources, plan.finish_counts if output_final_state else None)
+                                           plan.step_sources,
+                                           plan.finish_counts if output_final_state else None)
     out = _chunk_outputs(q_decayed, intra, states, deltas)  # [N, H, C, V]
     out = out.reshape(-1, dim_v).index_select(0, plan.scatter_index(heads).flatten()).view(-1, heads, dim_v)
     final = finished.index_select(0, plan.final_index) if output_final_state else None
@@ -276,8 +286,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     initial = (query.new_zeros(batch, heads, dim_k, dim_v, dtype=dtype) if initial_state is None
                else initial_state.to(dtype))
     steps = (batch,) * num_chunks
-    states, deltas, final = _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, steps, (None,) * num_chunks,
-                                        (0,) * (num_chunks - 1) + (batch,))
+    states, deltas, final = _state_pass(u, w_neg, k_decayed_t, chunk_decay, initial, steps,
+                                        (None,) * num_chunks, (0,) * (num_chunks - 1) + (batch,))
     out = _chunk_outputs(q_decayed, intra, states, deltas).view(num_chunks, batch, heads, chunk_size, dim_v)
     out = out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, dim_v)[:, :length]
     return out, final
