@@ -1,10 +1,12 @@
-"""Routes and watchdog of the trainer lease (`lease.py`): one trainer holds the embedded server at a
-time, and nothing it leaves behind (a pause, a half-finished weight update) outlives it.
+"""The trainer's hold on the embedded server (`lease.py`): one trainer holds it at a time, and nothing it
+leaves behind (a pause, a half-finished weight update) outlives it. Embedded-server extensions (vLLM has
+none):
 
-A mixin of `app.Server` (beside `control.ControlRoutes`), embedded-server extensions (vLLM has none):
-
-    GET  /lease        {"lease_s", "holder", "holder_alive", "is_holder", "seconds_left", "is_paused"}
+    GET  /lease        {"lease_s", "holder", "holder_alive", "is_holder", "seconds_left", "is_paused", "message"}
     POST /renew_lease  {"renewed", "lease_s", "is_paused"}    (the trainer, every lease_s / 3)
+
+`TrainerHold` is what the weight and control routes check (the holder of a weight-transfer group) and
+the watchdog that resumes a pause whose lease ran out.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
-from asyncgrpo.server.lease import TRAINER_HEADER
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.lease import TRAINER_HEADER, Leases
+from asyncgrpo.server.routes.common import RouteTable
+from asyncgrpo.server.weights import WeightTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -28,29 +33,14 @@ def trainer_id(request: web.Request) -> str | None:
     return request.headers.get(TRAINER_HEADER) or None
 
 
-class HoldingRoutes:
-    """Lease routes, the holder check of the weight-transfer routes and the expiry watchdog."""
+class TrainerHold:
+    """The lease, the weight transfer it guards and the engine it pauses (loop side)."""
 
-    async def lease(self, request: web.Request) -> web.Response:
-        leases = self.leases
-        alive = await self._holder_alive()
-        held_by_other = alive and not leases.is_holder(trainer_id(request))
-        return web.json_response({
-            "lease_s": leases.lease_s,
-            "holder": leases.describe_holder() if leases.holder else None,
-            "holder_alive": alive,
-            "is_holder": leases.is_holder(trainer_id(request)),
-            "seconds_left": leases.seconds_left(),
-            "is_paused": self.engine.pause_mode is not None,
-            "message": self.held_message() if held_by_other else None,
-        })
+    def __init__(self, leases: Leases, transfer: WeightTransfer, engine: Engine) -> None:
+        self.leases = leases
+        self.transfer = transfer
+        self.engine = engine
 
-    async def renew_lease(self, request: web.Request) -> web.Response:
-        renewed = self.leases.renew(trainer_id(request))
-        return web.json_response({"renewed": renewed, "lease_s": self.leases.lease_s,
-                                  "is_paused": self.engine.pause_mode is not None})
-
-    # ---- the weight-transfer routes ---------------------------------------------------------------
     def held_message(self) -> str:
         left = self.leases.seconds_left()
         return (
@@ -60,7 +50,7 @@ class HoldingRoutes:
             f"MODEL --port N). If the other trainer is gone, its hold runs out within {left:.0f} s: start again then"
         )
 
-    async def _holder_alive(self) -> bool:
+    async def holder_alive(self) -> bool:
         """The lease says so, and (gloo) the holder's TCPStore still accepts connections: a killed
         trainer's store is gone at once, so its successor need not wait for the lease to run out."""
         if not self.leases.holder_alive():
@@ -81,7 +71,7 @@ class HoldingRoutes:
         leases = self.leases
         if leases.holder is None or leases.is_holder(trainer_id(request)):
             return
-        if await self._holder_alive():
+        if await self.holder_alive():
             raise P.ApiError(409, self.held_message())
         logger.warning("taking the weight transfer over from %s, which stopped renewing its lease",
                        leases.describe_holder())
@@ -92,7 +82,7 @@ class HoldingRoutes:
         """Around start/update/finish: only the holder (or anyone, once it is gone) may call them, and
         the call itself renews the lease and keeps it from running out while it runs."""
         tid = trainer_id(request)
-        if self.leases.holder is not None and not self.leases.is_holder(tid) and await self._holder_alive():
+        if self.leases.holder is not None and not self.leases.is_holder(tid) and await self.holder_alive():
             raise P.ApiError(409, self.held_message())
         self.leases.busy += 1
         self.leases.renew(tid)
@@ -112,10 +102,9 @@ class HoldingRoutes:
             version = f"{self.engine.weight_version}+partial"
             logger.warning("abandoned a weight update left unfinished: some tensors may hold the new weights; the "
                            "served weights are labelled %r until the next trainer pushes a full update", version)
-            await self._set_version(version)
+            await self.engine.set_weight_version(version)
 
-    # ---- expiry -----------------------------------------------------------------------------------
-    async def watch_leases(self) -> None:
+    async def watch(self) -> None:
         """Loop task: resume a pause whose lease ran out (abandoning an unfinished update first)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
@@ -129,3 +118,32 @@ class HoldingRoutes:
                 await self.abandon_transfer()
             await self.engine.resume()
             self.leases.resumed()
+
+
+class LeaseRoutes(RouteTable):
+    """GET /lease, POST /renew_lease."""
+
+    ROUTES = (("GET", "/lease", "lease"), ("POST", "/renew_lease", "renew_lease"))
+
+    def __init__(self, hold: TrainerHold) -> None:
+        self.hold = hold
+
+    async def lease(self, request: web.Request) -> web.Response:
+        leases = self.hold.leases
+        alive = await self.hold.holder_alive()
+        held_by_other = alive and not leases.is_holder(trainer_id(request))
+        return web.json_response({
+            "lease_s": leases.lease_s,
+            "holder": leases.describe_holder() if leases.holder else None,
+            "holder_alive": alive,
+            "is_holder": leases.is_holder(trainer_id(request)),
+            "seconds_left": leases.seconds_left(),
+            "is_paused": self.hold.engine.pause_mode is not None,
+            "message": self.hold.held_message() if held_by_other else None,
+        })
+
+    async def renew_lease(self, request: web.Request) -> web.Response:
+        leases = self.hold.leases
+        renewed = leases.renew(trainer_id(request))
+        return web.json_response({"renewed": renewed, "lease_s": leases.lease_s,
+                                  "is_paused": self.hold.engine.pause_mode is not None})

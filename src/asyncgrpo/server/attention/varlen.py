@@ -1,6 +1,7 @@
-"""Attention of a step's prompt chunks through FlashAttention's variable-length kernel.
+"""The packed layout of prompt chunks and FlashAttention's variable-length kernel, which the packed
+backends of `fresh.py` and `continued.py` run.
 
-The padded layouts (`kv_cache._prefill_attention`, `context_attention.continued_layout`) copy the
+The padded layouts (`fresh.PaddedFresh`, `continued.continued_layout`) copy the
 step's prompts into a [B, Lmax] batch and attend with a mask: a dozen operators per layer (gathers,
 a mask, copies for the grouped heads, SDPA below its unmasked rate, the way back), which leave the
 GPU waiting for the host on steps with prompt tokens. Here every chunk's queries stay packed, and one
@@ -18,7 +19,8 @@ model with a capped layer keeps the padded layouts.
 
 `varlen_works_on` says where the kernel runs (CUDA, fp16/bf16, the model's head dim), checked once
 against `varlen_reference` on random chunks. The reference computes the same thing one chunk at a time
-with `attend`; the runner takes it where asked to (CPU tests of these layouts), never by default.
+with `attend`; the plan takes it only where asked to (`PlanFlags.packed_prompts=True`: CPU tests of
+these layouts), never by default.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from asyncgrpo.server.attention.base import CONTINUED, FRESH, Probe, Support, Variant
+from asyncgrpo.server.attention.layout import chunk_positions, padded_tables
 from asyncgrpo.server.attention_math import attend, in_window
-from asyncgrpo.server.context_attention import chunk_positions, padded_tables
 from asyncgrpo.server.host_copy import to_device
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,11 @@ class VarlenChunks:
     def num_tokens(self) -> int:
         return sum(self.lens)
 
+    @property
+    def kind(self) -> str:
+        """fresh: chunks from token 0 over their own keys; continued: over keys read from the cache."""
+        return FRESH if self.key_slots is None else CONTINUED
+
 
 def varlen_chunks(
     lens: Sequence[int],
@@ -86,32 +94,29 @@ def varlen_chunks(
                         key_slots=key_slots)
 
 
-def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks, scale: float,
-                    window: int | None = None) -> torch.Tensor:
-    """q [H, T, D], k/v [KVH, T, D] of prompts from token 0 -> [T, H, D]."""
-    return varlen(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), part, scale, window)
+def cached_keys(pool: torch.Tensor, part: VarlenChunks) -> torch.Tensor:
+    """[sum(key_lens), KVH, D]: every continued chunk's keys (or values) read from one layer's pool
+    [num_blocks, block_size, KVH, D], in which this step's own are written already."""
+    return pool.view(-1, pool.shape[2], pool.shape[3]).index_select(0, part.key_slots)
 
 
-def continued_varlen_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, part: VarlenChunks,
-                               scale: float, window: int | None = None) -> torch.Tensor:
-    """q [H, T, D] of chunks after cached tokens; pools [num_blocks, block_size, KVH, D] of one layer (this
-    step's keys already written) -> [T, H, D]."""
-    kvh, d = k_pool.shape[2], k_pool.shape[3]
-    keys = k_pool.view(-1, kvh, d).index_select(0, part.key_slots)
-    values = v_pool.view(-1, kvh, d).index_select(0, part.key_slots)
-    return varlen(q.transpose(0, 1), keys, values, part, scale, window)
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+    """Packed q [Tq, H, D], k/v [Tk, KVH, D] (last dim contiguous; CUDA, half precision) -> [Tq, H, D]
+    through FlashAttention's variable-length kernel."""
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, part.cu_q, part.cu_k, part.max_q, part.max_k, 0.0, True, False, scale=scale,
+        window_size_left=-1 if window is None else window - 1, window_size_right=0,
+    )
+    return out[0]
 
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: VarlenChunks, scale: float,
            window: int | None = None) -> torch.Tensor:
-    """Packed q [Tq, H, D], k/v [Tk, KVH, D] (last dim contiguous) -> [Tq, H, D]: FlashAttention on a
-    CUDA half-precision input, `varlen_reference` otherwise."""
+    """`flash_varlen` on a CUDA half-precision input, `varlen_reference` otherwise (the check's and the
+    tests' entry: the backends call the one the plan took)."""
     if q.is_cuda and q.dtype in HALF:
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, part.cu_q, part.cu_k, part.max_q, part.max_k, 0.0, True, False, scale=scale,
-            window_size_left=-1 if window is None else window - 1, window_size_right=0,
-        )
-        return out[0]
+        return flash_varlen(q, k, v, part, scale, window)
     return varlen_reference(q, k, v, part.lens, part.key_lens, scale, window)
 
 
@@ -131,6 +136,16 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Se
         out.append(o[0].transpose(0, 1))
         qi, ki = qi + n, ki + s
     return torch.cat(out)
+
+
+def flash_serves(probe: Probe, variant: Variant) -> bool:
+    """The packed backends' check: never with `packed_prompts=False`, without the check when insisted on,
+    else where `varlen_works_on` passes for the layer's variant."""
+    flag = probe.flags.packed_prompts
+    if flag is not None:
+        return flag
+    return bool(probe.num_heads) and varlen_works_on(probe.device, probe.dtype, probe.num_heads, probe.num_kv_heads,
+                                                     probe.head_dim, variant[0])
 
 
 @functools.cache
@@ -179,3 +194,19 @@ def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int,
         want = varlen_reference(q.float(), k.float(), v.float(), n, key_lens, d**-0.5, window)
         worst = max(worst, float((got - want).abs().max()))
     return worst
+
+
+class ReferencePacked:
+    """Mixin of the packed backends of `fresh.py` and `continued.py`: the packed layout computed through
+    `varlen_reference` (any device), taken only where `PlanFlags.packed_prompts=True` (CPU tests)."""
+
+    name = "packed_reference"
+    support = Support(softcap=False)
+
+    @classmethod
+    def check(cls, probe: Probe, variant: Variant) -> bool:
+        return probe.flags.packed_prompts is True
+
+    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment: VarlenChunks, scale: float,
+               window: int | None) -> torch.Tensor:
+        return varlen_reference(q, k, v, segment.lens, segment.key_lens, scale, window)
