@@ -202,3 +202,32 @@ def test_the_load_time_check_catches_a_wrong_variant(monkeypatch, caplog):
     assert not da.triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=False, capped=True)
     assert "soft-cap disagrees with the gather path" in caplog.text
     assert da.triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=True, capped=False)
+
+
+def test_the_plans_triton_backends_serve_an_engine_as_the_gather_backends_do(monkeypatch):
+    """The execution plan's dispatch to the Triton backends, which declare CUDA only: widened to the CPU
+    (Triton's interpreter running the kernels), the plan takes them for decode rows, for groups sharing
+    their first blocks and for short chunks as rows (after their load-time checks, compiled by its warm-up),
+    and an engine serving a GRPO group and a next turn samples what the CPU plan (the gather backends)
+    samples."""
+    from test_prefix_caching import Harness, _assert_same, _prompt, tiny_qwen3
+
+    from asyncgrpo.server.attention.base import DECODE, ROWS, SHARED, Support
+    from asyncgrpo.server.attention.decode import TritonDecode
+    from asyncgrpo.server.attention.shared_prefix import TritonSharedDecode
+
+    model = tiny_qwen3()
+    first = _prompt(80, 5 * BLOCK + 3)
+    work = [(first, seed) for seed in range(3)] + [(first + _prompt(81, 9), 3)]
+    rows = {"shared_prefix": True, "continued_rows": True, "max_prompt_rows": 24, "num_blocks": 96}
+    gather = Harness(model, caching=True, **rows)
+    assert {type(b) for b in gather.runner.plan.backends[DECODE].values()} != {TritonDecode}
+    expected = gather.run(work, max_tokens=4)
+    monkeypatch.setattr(TritonDecode, "support", Support(graphs=True))
+    monkeypatch.setattr(TritonSharedDecode, "support", Support(windows=False, graphs=True))
+    triton = Harness(model, caching=True, **rows)
+    plan = triton.runner.plan
+    assert type(plan.backend(DECODE, (False, False))) is TritonDecode
+    assert type(plan.backend(SHARED, (False, False))) is TritonSharedDecode and ROWS in plan.backends
+    _assert_same(triton.run(work, max_tokens=4), expected)
+    assert any(entries for entries in triton.shared_entries), "decode steps read a group's blocks once"

@@ -39,6 +39,7 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     self_check.py         load-time check: engine log-probs == the model's own forward, else the plan's
                           downgrade, else refused
     lease.py              the trainer lease: one trainer holds the server; pauses and half-done updates expire
-    lora.py               LoRA adapters (--enable-lora): stacked slot weights, the batched delta, slot ownership
+    lora.py               LoRA adapters (--enable-lora): stacked slot weights, the batched delta, slot
+                          ownership
     lora_files.py         reading and checking a PEFT adapter directory
 """

@@ -103,7 +103,8 @@ class Server:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors, self._auth], client_max_size=MAX_BODY_BYTES)
         add = {"GET": web.get, "POST": web.post}
-        app.add_routes([add[method](path, handler) for routes in self.routes for method, path, handler in routes.routes()])
+        app.add_routes([add[method](path, handler) for routes in self.routes
+                        for method, path, handler in routes.routes()])
         return app
 
     @web.middleware

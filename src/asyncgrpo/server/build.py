@@ -59,7 +59,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.prompt_attention not in PROMPT_ATTENTION:
-            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}")
+            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got "
+                             f"{self.prompt_attention!r}")
 
     @property
     def plan_flags(self) -> PlanFlags:
@@ -70,8 +71,8 @@ def build_engine(config: EngineConfig, served: ServedModel) -> Engine:
     """The engine around `served`, checked against it (a user error, or a model it would serve wrongly, is
     a `ModelLoadError`)."""
     model, device = served.model, served.device
-    cache = PagedKVCache(served.num_layers, config.kv_cache_tokens // BLOCK_SIZE, BLOCK_SIZE, served.num_kv_heads,
-                         served.head_dim, served.dtype, device, served.attention_layers)
+    cache = PagedKVCache(served.num_layers, config.kv_cache_tokens // BLOCK_SIZE, BLOCK_SIZE,
+                         served.num_kv_heads, served.head_dim, served.dtype, device, served.attention_layers)
     caching = prefix_caching_enabled(config.enable_prefix_caching, model.config.get_text_config())
     recurrent = RecurrentState.for_model(model, config.max_num_seqs, device)
     scheduler = Scheduler(
@@ -85,9 +86,9 @@ def build_engine(config: EngineConfig, served: ServedModel) -> Engine:
     # that then fails the model's self-check is refused too (no downgrade)
     if config.prompt_attention == "flash_varlen" and not plan.packed_prompts:
         raise ModelLoadError(
-            "--prompt-attention flash_varlen: FlashAttention's variable-length kernel does not serve this model "
-            f"here (it needs CUDA, fp16/bf16, no soft-capped layers, and its start-up check; device {device}, "
-            f"{served.dtype}); use --prompt-attention auto or padded"
+            "--prompt-attention flash_varlen: FlashAttention's variable-length kernel does not serve this "
+            "model here (it needs CUDA, fp16/bf16, no soft-capped layers, and its start-up check; device "
+            f"{device}, {served.dtype}); use --prompt-attention auto or padded"
         )
 
     def runner_for(plan: ExecutionPlan) -> ModelRunner:
@@ -95,7 +96,8 @@ def build_engine(config: EngineConfig, served: ServedModel) -> Engine:
         if device.type == "cuda" and not config.enforce_eager:
             graphs = StepGraphs(model, cache, plan, config.max_num_seqs, scheduler.max_blocks, True,
                                 served.vocab_size, lora=lora, recurrent=recurrent)
-        return ModelRunner(model, cache, plan, served.vocab_size, scheduler.block_table, graphs, recurrent, lora)
+        return ModelRunner(model, cache, plan, served.vocab_size, scheduler.block_table, graphs, recurrent,
+                           lora)
 
     runner = check_plan(plan, runner_for, scheduler, model, vocab_size=served.vocab_size, dtype=served.dtype,
                         name=config.name, downgrade=config.prompt_attention == "auto")

@@ -73,7 +73,8 @@ def _triton_kernels():
 
     # what varies from step to step (split counts and lengths, the block tables' width) is a run-time
     # argument Triton does not specialise on: one compiled kernel serves every step (a compile in the
-    # middle of serving stalls a step for ~1 s); `compile_decode_kernels` launches each variant at start
+    # middle of serving stalls a step for ~1 s); the plan's warm-up (`ExecutionPlan.warm_up`) launches
+    # each variant at start
     @triton.jit(do_not_specialize=["stride_tb", "split_len", "num_splits", "shared_slots"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, out_ptr, part_ptr, stats_ptr,

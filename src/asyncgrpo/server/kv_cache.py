@@ -100,10 +100,10 @@ def paged_attention_forward(
         try:
             backend = meta.backends[segment.kind][variant]
         except KeyError:
-            raise RuntimeError(f"the execution plan has no backend for {segment.kind!r} segments of layers "
-                               f"with (window, soft-cap) {variant}: its probe did not see such a layer") from None
-        parts.append(backend.forward(q[:, start:end], k[:, start:end], v[:, start:end], k_pool, v_pool, segment,
-                                     scale, window, softcap))
+            raise RuntimeError(f"the execution plan has no backend for {segment.kind!r} segments of "
+                               f"layers with (window, soft-cap) {variant}: its probe saw no such layer") from None
+        parts.append(backend.forward(q[:, start:end], k[:, start:end], v[:, start:end], k_pool, v_pool,
+                                     segment, scale, window, softcap))
         start = end
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return out[None], None

@@ -158,8 +158,8 @@ class ModelRunner:
         plan = self._plan(rows, positions)
         if self.graphs is not None and (not prefill or self._fits_rows(prefill)):
             if prefill:
-                dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.plan.row_members,
-                                  self.cache.scratch_block)
+                dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size,
+                                  self.plan.row_members, self.cache.scratch_block)
             if self.lora is not None:
                 dec.lora_slots = self.params.lora_slot[dec.seq_rows]
             logits = self.graphs.run(dec, pending)

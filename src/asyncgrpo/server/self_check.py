@@ -137,7 +137,8 @@ def check_plan(
     `plan`, else, with `downgrade`, its downgraded plan. Raises SelfCheckError when none does."""
     runner = runner_for(plan)
     try:
-        check_engine(runner, scheduler, model, vocab_size=vocab_size, dtype=dtype, device=plan.device, name=name)
+        check_engine(runner, scheduler, model, vocab_size=vocab_size, dtype=dtype, device=plan.device,
+                     name=name)
         return runner
     except SelfCheckError as exc:
         lower = plan.downgraded() if downgrade else None
@@ -145,8 +146,8 @@ def check_plan(
             raise
         # the packed prompt attention passed its own check but not the whole model's: serve what is known to
         # be right (the check's cached prompt block was computed the packed way: forget it)
-        logger.warning("%s\nwith prompt chunks packed for FlashAttention; serving with padded prompt chunks instead "
-                       "(what --prompt-attention padded asks for)", exc)
+        logger.warning("%s\nwith prompt chunks packed for FlashAttention; serving with padded prompt chunks "
+                       "instead (what --prompt-attention padded asks for)", exc)
         scheduler.invalidate_prefix_cache()
     logger.info("execution plan: %s", lower.describe())
     runner = runner_for(lower)

@@ -178,7 +178,8 @@ class ServeConfig:
         """The engine's config on `device`, with a KV cache of `kv_tokens` tokens."""
         return EngineConfig(
             name=self.model, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.batched_tokens(device),
-            kv_cache_tokens=kv_tokens, admission_interval=self.admission_interval, enforce_eager=self.enforce_eager,
+            kv_cache_tokens=kv_tokens, admission_interval=self.admission_interval,
+            enforce_eager=self.enforce_eager,
             async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
             prompt_attention=self.prompt_attention, enable_prefix_caching=self.enable_prefix_caching,
             enable_lora=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
@@ -197,8 +198,8 @@ class ServeConfig:
             extra_eos_ids=served.extra_eos_ids,
             media_token_ids=served.media_token_ids,
         )
-        return ServerInfo(model=self.model, name=self.name, created=int(time.time()), seed=self.seed, spec=spec,
-                          engine=engine)
+        return ServerInfo(model=self.model, name=self.name, created=int(time.time()), seed=self.seed,
+                          spec=spec, engine=engine)
 
 
 def build_server(config: ServeConfig) -> Server:
@@ -303,7 +304,8 @@ class ServerThread:
     ...     ...  # http://127.0.0.1:8000 answers
     """
 
-    def __init__(self, config: ServeConfig, switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
+    def __init__(self, config: ServeConfig,
+                 switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
         self.config = config
         self.switch_interval_s = switch_interval_s
         self._switch_before: float | None = None  # the interval to restore at stop

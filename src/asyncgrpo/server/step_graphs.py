@@ -109,7 +109,8 @@ class StepGraphs:
         self.plan = plan
         self.device = device = plan.device
         self.max_blocks = max_blocks
-        self.use_graphs = use_graphs and plan.graphs_capture  # (every decode backend declares it can be captured)
+        # (every decode backend of the plan declares that a graph may capture it)
+        self.use_graphs = use_graphs and plan.graphs_capture
         self.max_prompt_rows = max_prompt_rows
         self._num_sampled = batch_bucket(max_num_seqs)  # rows that sample: at most one per sequence
         n = batch_bucket(max_num_seqs + max_prompt_rows)

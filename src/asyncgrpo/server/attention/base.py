@@ -127,7 +127,7 @@ class DecodeSegment:
     short chunk's token (`rows.py`), each over its sequence's cached keys (device tensors unless noted)."""
 
     num_tokens: int  # host: rows
-    block_tables: torch.Tensor  # [B, nb] int64 blocks of each row's sequence (entries past it: any valid block)
+    block_tables: torch.Tensor  # [B, nb] int64 blocks of each row's sequence (past it: any valid block)
     context_lens: torch.Tensor  # [B] int64 keys each row sees, itself included
     shared: SharedPrefixTensors | None = None  # groups of rows sharing their first blocks (read once each)
 
@@ -186,8 +186,9 @@ class AttentionBackend:
         """Prompt kinds: the segment of `chunks` (host work, once per step; every layer reuses it)."""
         raise NotImplementedError(f"{type(self).__name__} lays out no prompt chunks")
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                segment: Segment, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, segment: Segment, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
         """One layer: q [H, T, D], k/v [KVH, T, D] of the segment's tokens (their keys/values are in the
         pools [num_blocks, block_size, KVH, D] already) -> [T, H, D]."""
         raise NotImplementedError(f"{type(self).__name__} computes no segment itself")

@@ -125,10 +125,12 @@ class PaddedContinued(AttentionBackend):
         return len(chunks)  # every chunk no earlier layout took
 
     def build(self, chunks: Chunks, cache, device: torch.device) -> ContinuedPrefill:
-        return continued_layout(cache.block_size, cache.scratch_block * cache.block_size, chunks.lens.tolist(),
-                                chunks.starts, chunks.tables, device)
+        scratch_slot = cache.scratch_block * cache.block_size
+        return continued_layout(cache.block_size, scratch_slot, chunks.lens.tolist(), chunks.starts,
+                                chunks.tables, device)
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: ContinuedPrefill, scale, window, softcap) -> torch.Tensor:
+    def forward(self, q, k, v, k_pool, v_pool, segment: ContinuedPrefill, scale, window,
+                softcap) -> torch.Tensor:
         return continued_attention(q, k_pool, v_pool, segment, scale, window, softcap)
 
 

@@ -79,7 +79,8 @@ class GatherDecode(AttentionBackend):
     support = Support(graphs=True)
     reads = DecodeSegment
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window, softcap) -> torch.Tensor:
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
         return decode_attention_gather(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
                                        segment.context_lens, scale, window, softcap)
 
@@ -97,9 +98,10 @@ class TritonDecode(AttentionBackend):
     def check(cls, probe: Probe, variant: Variant) -> bool:
         return triton_serves(probe.device, probe.dtype, probe.head_dim, *variant)
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window, softcap) -> torch.Tensor:
-        return decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, segment.block_tables, segment.context_lens,
-                                       scale, window=window, softcap=softcap)
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
+        return decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
+                                       segment.context_lens, scale, window=window, softcap=softcap)
 
     def warm_up(self, cache, variant: Variant) -> None:
         """One split and several: their counts are run-time arguments, so two compiled kernels serve
@@ -121,11 +123,13 @@ class TritonDecode(AttentionBackend):
 def triton_serves(device: torch.device, dtype: torch.dtype, head_dim: int, windowed: bool = False,
                   capped: bool = False) -> bool:
     """Whether the Triton kernel runs this variant here: a power-of-two head size and its check."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and triton_works_on(device, dtype, windowed, capped)
+    power_of_two = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return power_of_two and triton_works_on(device, dtype, windowed, capped)
 
 
 @functools.cache
-def triton_works_on(device: torch.device, dtype: torch.dtype, windowed: bool = False, capped: bool = False) -> bool:
+def triton_works_on(device: torch.device, dtype: torch.dtype, windowed: bool = False,
+                    capped: bool = False) -> bool:
     """Whether the Triton kernel's variant (with a sliding window, with a soft-cap) compiles on this
     device and matches the gather path on random input (once per device, dtype and variant; the plan
     asks before any CUDA graph is captured)."""
@@ -163,7 +167,8 @@ def triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass:
     # the last two sequences share their first block (read once by the shared pass)
     tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [6, 1, 2]], device=device)
     lens = torch.tensor([1, 7, 12, 9], device=device)
-    shared = SharedPrefixTensors(torch.tensor([0, 0, 4, 4], device=device), torch.tensor([[4, 2, 3]], device=device))
+    shared = SharedPrefixTensors(torch.tensor([0, 0, 4, 4], device=device),
+                                 torch.tensor([[4, 2, 3]], device=device))
     options = {"window": 5 if windowed else None, "softcap": 2.0 if capped else None}
     variant = " with a sliding window" * windowed + " with a logit soft-cap" * capped
     what = (f"the shared-prefix pass of the Triton decode attention{variant}" if shared_pass
@@ -176,7 +181,8 @@ def triton_matches_gather(device: torch.device, dtype: torch.dtype, shared_pass:
     except Exception as exc:  # noqa: BLE001 -- any compile or launch failure means: use the path that works
         logger.warning("%s does not run on %s (%s); %s", what, device, exc, instead)
         return False
-    expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125, **options)
+    expected = decode_attention_gather(q.float(), pools[0].float(), pools[1].float(), tables, lens, 0.125,
+                                       **options)
     if not torch.allclose(got, expected, rtol=2e-2, atol=2e-2):
         logger.warning("%s disagrees with the gather path on %s; %s", what, device, instead)
         return False

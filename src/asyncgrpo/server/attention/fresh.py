@@ -42,7 +42,8 @@ class PaddedPrompts:
     """Padded layout of prompts from token 0 (device tensors unless noted)."""
 
     lens: list[int]  # host: tokens of each prompt, in order
-    pad_index: torch.Tensor | None  # [B * Lmax] int64 into the prompts' tokens (0 where padding); None: one prompt
+    # [B * Lmax] int64 into the prompts' tokens (0 where padding); None: one prompt, attending as it is
+    pad_index: torch.Tensor | None
     unpad_index: torch.Tensor | None  # [T] int64 into the padded [B * Lmax] layout
 
     kind = FRESH
@@ -69,7 +70,8 @@ class PaddedFresh(AttentionBackend):
         pad, unpad = pad_indices(lens)
         return PaddedPrompts(lens, to_device(pad, device), to_device(unpad, device))
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: PaddedPrompts, scale, window, softcap) -> torch.Tensor:
+    def forward(self, q, k, v, k_pool, v_pool, segment: PaddedPrompts, scale, window,
+                softcap) -> torch.Tensor:
         """q [H, Tp, D], k/v [KVH, Tp, D] -> [Tp, H, D]."""
         h, _, d = q.shape
         gqa = h != k.shape[0]
@@ -79,7 +81,8 @@ class PaddedFresh(AttentionBackend):
                 out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                                      enable_gqa=gqa)
             else:
-                out = attend(q[None], k[None], v[None], causal_mask(q.shape[1], window, q.device), scale, softcap)
+                mask = causal_mask(q.shape[1], window, q.device)
+                out = attend(q[None], k[None], v[None], mask, scale, softcap)
             return out[0].transpose(0, 1)
         bp, lmax = len(segment.lens), max(segment.lens)
 
@@ -87,7 +90,8 @@ class PaddedFresh(AttentionBackend):
             return x.index_select(1, segment.pad_index).view(x.shape[0], bp, lmax, d).transpose(0, 1)
 
         if plain:
-            out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
         else:
             out = attend(pad(q), pad(k), pad(v), causal_mask(lmax, window, q.device), scale, softcap)
         return out.transpose(1, 2).reshape(bp * lmax, h, d).index_select(0, segment.unpad_index)

@@ -159,8 +159,8 @@ def probe_plan(probe: Probe) -> ExecutionPlan:
             raise RuntimeError(f"no attention backend computes {kind.name!r} segments here ({probe})")
     plan = ExecutionPlan.assemble(probe, backends)
     if probe.flags.packed_prompts and not plan.packed_prompts:
-        raise ValueError("packed prompt chunks (packed_prompts=True) have no soft-capped attention: this model's "
-                         "layers soft-cap their logits; leave packed_prompts unset")
+        raise ValueError("packed prompt chunks (packed_prompts=True) have no soft-capped attention: this "
+                         "model's layers soft-cap their logits; leave packed_prompts unset")
     return plan
 
 
@@ -214,7 +214,8 @@ class ExecutionPlan:
     @property
     def graphs_capture(self) -> bool:
         """Whether CUDA graphs may capture a step of decode rows (every backend of those kinds says so)."""
-        return all(b.support.graphs for kind in (DECODE, SHARED) for b in self.backends.get(kind, {}).values())
+        decode = [b for kind in (DECODE, SHARED) for b in self.backends.get(kind, {}).values()]
+        return all(b.support.graphs for b in decode)
 
     def backend(self, kind: str, variant: Variant) -> AttentionBackend:
         return self.backends[kind][variant]
@@ -244,7 +245,7 @@ class ExecutionPlan:
                 None if decode_shared is None else decode_shared.to(device)))
         if len(prefill_lens):
             lens = np.asarray(prefill_lens, dtype=np.int64)
-            starts = np.zeros_like(lens) if prefill_starts is None else np.asarray(prefill_starts, dtype=np.int64)
+            starts = np.zeros_like(lens) if prefill_starts is None else np.asarray(prefill_starts, np.int64)
             chunks, at = Chunks(lens, starts, prefill_tables), 0
             for kind in self.prompt_kinds:
                 layout = next(iter(self.backends[kind].values()))
@@ -277,7 +278,8 @@ class ExecutionPlan:
     def with_backend(self, kind: str, backend: type[AttentionBackend]) -> ExecutionPlan:
         """This plan with `backend` computing every variant of `kind` (benchmarks compare backends)."""
         made = backend(self.probe)
-        return ExecutionPlan.assemble(self.probe, {**self.backends, kind: dict.fromkeys(self.backends[kind], made)})
+        backends = {**self.backends, kind: dict.fromkeys(self.backends[kind], made)}
+        return ExecutionPlan.assemble(self.probe, backends)
 
     def warm_up(self, cache: PagedKVCache) -> None:
         """Compile each chosen backend's kernels for the variants it serves."""

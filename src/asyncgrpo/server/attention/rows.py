@@ -44,7 +44,8 @@ def row_step_reads(lens: np.ndarray, starts: np.ndarray, members: int) -> int:
 
 
 def rows_sharing(
-    lens: Sequence[int], starts: Sequence[int], tables: np.ndarray, block_size: int, members: int, null_block: int
+    lens: Sequence[int], starts: Sequence[int], tables: np.ndarray, block_size: int, members: int,
+    null_block: int,
 ) -> SharedPrefixes | None:
     """The shared-prefix groups of the rows layout: each sequence's rows in runs of at most `members`;
     a run of two or more shares the blocks wholly before its first row (not past a released block, and
@@ -136,8 +137,8 @@ class ContinuedRows(AttentionBackend):
         return num_row_chunks(chunks.lens[:leading].tolist(), self.members)
 
     def build(self, chunks: Chunks, cache, device: torch.device) -> DecodeSegment:
-        return continued_rows(cache.block_size, cache.scratch_block, chunks.lens.tolist(), chunks.starts.tolist(),
-                              chunks.tables, device, self.members)
+        return continued_rows(cache.block_size, cache.scratch_block, chunks.lens.tolist(),
+                              chunks.starts.tolist(), chunks.tables, device, self.members)
 
     def fits_graph(self, lens: np.ndarray, starts: np.ndarray) -> bool:
         """Whether chunks (`lens` new tokens after `starts`) read little enough to run as rows of a

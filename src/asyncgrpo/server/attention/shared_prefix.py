@@ -209,7 +209,8 @@ def decode_attention_shared_gather(
 @functools.cache
 def shared_pass_works_on(device: torch.device, dtype: torch.dtype, capped: bool = False) -> bool:
     """The Triton check (`decode.triton_works_on`) for the shared-prefix pass (layers without a window);
-    where it fails, decode attention keeps the plain Triton kernel and reads every sequence's blocks itself."""
+    where it fails, decode attention keeps the plain Triton kernel and reads every sequence's blocks
+    itself."""
     return triton_works_on(device, dtype, False, capped) and triton_matches_gather(
         device, dtype, shared_pass=True, windowed=False, capped=capped)
 
@@ -227,9 +228,11 @@ class TritonSharedDecode(AttentionBackend):
         return triton_serves(probe.device, probe.dtype, probe.head_dim, *variant) and shared_pass_works_on(
             probe.device, probe.dtype, variant[1])
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window, softcap) -> torch.Tensor:
-        return decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, segment.block_tables, segment.context_lens,
-                                       scale, shared=segment.shared, window=window, softcap=softcap)
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
+        return decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
+                                       segment.context_lens, scale, shared=segment.shared, window=window,
+                                       softcap=softcap)
 
     def warm_up(self, cache, variant: Variant) -> None:
         """The shared pass with groups of the plan's members (its split counts are run-time arguments)."""
@@ -251,6 +254,7 @@ class GatherSharedDecode(AttentionBackend):
     support = Support(windows=False, softcap=False, graphs=True)
     reads = DecodeSegment
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window, softcap) -> torch.Tensor:
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
         return decode_attention_shared_gather(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
                                               segment.context_lens, scale, segment.shared)

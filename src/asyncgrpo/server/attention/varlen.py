@@ -51,7 +51,7 @@ class VarlenChunks:
     key_lens: list[int]  # host: keys each chunk attends over (its start + its length)
     cu_q: torch.Tensor  # [B + 1] int32: where each chunk's queries start in the packed queries
     cu_k: torch.Tensor  # [B + 1] int32: the same for the packed keys
-    key_slots: torch.Tensor | None  # [sum(key_lens)] int64 cache rows of every chunk's keys; None: fresh chunks
+    key_slots: torch.Tensor | None  # [sum(key_lens)] int64 cache rows of every chunk's keys; None: fresh
     # host: the longest chunk's queries and keys (FlashAttention sizes its grid by them)
     max_q: int = field(init=False)
     max_k: int = field(init=False)
@@ -132,7 +132,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: Se
         def heads_first(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return x[a:b].transpose(0, 1)[None]
 
-        o = attend(heads_first(q, qi, qi + n), heads_first(k, ki, ki + s), heads_first(v, ki, ki + s), mask, scale)
+        o = attend(heads_first(q, qi, qi + n), heads_first(k, ki, ki + s), heads_first(v, ki, ki + s), mask,
+                   scale)
         out.append(o[0].transpose(0, 1))
         qi, ki = qi + n, ki + s
     return torch.cat(out)
@@ -144,13 +145,13 @@ def flash_serves(probe: Probe, variant: Variant) -> bool:
     flag = probe.flags.packed_prompts
     if flag is not None:
         return flag
-    return bool(probe.num_heads) and varlen_works_on(probe.device, probe.dtype, probe.num_heads, probe.num_kv_heads,
-                                                     probe.head_dim, variant[0])
+    return bool(probe.num_heads) and varlen_works_on(probe.device, probe.dtype, probe.num_heads,
+                                                     probe.num_kv_heads, probe.head_dim, variant[0])
 
 
 @functools.cache
-def varlen_works_on(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                    windowed: bool = False) -> bool:
+def varlen_works_on(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                    head_dim: int, windowed: bool = False) -> bool:
     """Whether FlashAttention's variable-length kernel runs this shape on `device` and computes what
     `varlen_reference` computes (`varlen_check_error`). Once per device, dtype, shape and variant."""
     if device.type != "cuda" or dtype not in HALF:
@@ -158,17 +159,18 @@ def varlen_works_on(device: torch.device, dtype: torch.dtype, num_heads: int, nu
     try:
         err = varlen_check_error(device, dtype, num_heads, num_kv_heads, head_dim, windowed)
     except Exception as exc:  # noqa: BLE001 -- an older build, a head dim or GPU the kernel does not take
-        logger.info("FlashAttention's variable-length kernel does not run here (%s): prompt chunks are padded", exc)
+        logger.info("FlashAttention's variable-length kernel does not run here (%s): prompt chunks are "
+                    "padded", exc)
         return False
     if not err <= (0.02 if dtype == torch.float16 else 0.06):
-        logger.warning("FlashAttention's variable-length kernel differs from the reference by %.3g on this GPU: "
-                       "prompt chunks are padded instead", err)
+        logger.warning("FlashAttention's variable-length kernel differs from the reference by %.3g on this "
+                       "GPU: prompt chunks are padded instead", err)
         return False
     return True
 
 
-def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                       windowed: bool = False) -> float:
+def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                       head_dim: int, windowed: bool = False) -> float:
     """Max |varlen - reference| over random chunks laid out as a step lays them out: prompts from token 0
     over their own keys, all three strided views of one joined q/k/v projection (a chunk of one token,
     one longer than the window); chunks after cached keys over gathered (contiguous) keys; and chunks of
@@ -177,14 +179,16 @@ def varlen_check_error(device: torch.device, dtype: torch.dtype, num_heads: int,
     window = 24 if windowed else None
     h, kvh, d = num_heads, num_kv_heads, head_dim
     lens = [5, 1, 37, 70]
-    joined = torch.randn(sum(lens), (h + 2 * kvh) * d, generator=g).to(device, dtype)  # the fused q/k/v projection
+    # the fused q/k/v projection
+    joined = torch.randn(sum(lens), (h + 2 * kvh) * d, generator=g).to(device, dtype)
     queries, own_k, own_v = (joined[:, a * d: b * d].view(-1, b - a, d)
                              for a, b in ((0, h), (h, h + kvh), (h + kvh, h + 2 * kvh)))
 
     def gathered(n: int) -> torch.Tensor:
         return torch.randn(n, kvh, d, generator=g).to(device, dtype)
 
-    cases = [(queries, own_k, own_v, lens, lens), (queries, gathered(232), gathered(232), lens, [5, 40, 37, 150]),
+    cases = [(queries, own_k, own_v, lens, lens),
+             (queries, gathered(232), gathered(232), lens, [5, 40, 37, 150]),
              (queries[:2], gathered(190), gathered(190), [1, 1], [40, 150])]
     worst = 0.0
     for q, k, v, n, key_lens in cases:

@@ -50,7 +50,8 @@ class ControlRoutes(RouteTable):
     ROUTES = (
         ("GET", "/server_info", "server_info"), ("GET", "/get_world_size", "world_size"),
         ("GET", "/is_paused", "is_paused"), ("POST", "/pause", "pause"), ("POST", "/resume", "resume"),
-        ("POST", "/abort_requests", "abort_requests"), ("POST", "/inference/v1/abort_requests", "abort_requests"),
+        ("POST", "/abort_requests", "abort_requests"),
+        ("POST", "/inference/v1/abort_requests", "abort_requests"),
         ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
     )
 

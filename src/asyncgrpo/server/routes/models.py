@@ -55,7 +55,8 @@ class ModelNames:
         info = self.info
         cards = [model_card(info.name, info.model, None, info.spec.max_model_len, info.created)]
         if self.adapters is not None:
-            cards += [model_card(a.name, a.path, info.name, None, info.created) for a in self.adapters.by_name.values()]
+            cards += [model_card(a.name, a.path, info.name, None, info.created)
+                      for a in self.adapters.by_name.values()]
         return cards
 
 

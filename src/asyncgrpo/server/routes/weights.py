@@ -34,7 +34,8 @@ class WeightRoutes(RouteTable):
 
     ROUTES = (
         ("GET", "/weight_info", "weight_info"), ("GET", "/weight_checksum", "weight_checksum"),
-        ("POST", "/init_weight_transfer_engine", "init_transfer"), ("POST", "/start_weight_update", "start_update"),
+        ("POST", "/init_weight_transfer_engine", "init_transfer"),
+        ("POST", "/start_weight_update", "start_update"),
         ("POST", "/update_weights", "update_weights"), ("POST", "/finish_weight_update", "finish_update"),
         ("POST", "/shutdown_weight_transfer_engine", "shutdown_transfer"),
         ("POST", "/update_weight_version", "update_weight_version"),
@@ -131,7 +132,8 @@ class WeightRoutes(RouteTable):
                 self.transfer.finish()
                 self._num_updates += 1
                 version = body.get("weight_version")
-                await self.engine.set_weight_version(str(version) if version is not None else str(self._num_updates))
+                label = str(version) if version is not None else str(self._num_updates)
+                await self.engine.set_weight_version(label)
         return json_response({"message": "Weight update finished"})
 
     async def shutdown_transfer(self, request: web.Request) -> web.Response:
