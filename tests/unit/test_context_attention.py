@@ -14,9 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server.attention.base import CONTINUED, FRESH, PlanFlags, Probe, variant_of
+from asyncgrpo.server.attention.base import (
+    CONTINUED,
+    FRESH,
+    PlanFlags,
+    Probe,
+    chunk_positions,
+    pad_indices,
+    variant_of,
+)
 from asyncgrpo.server.attention.continued import continued_attention, continued_layout
-from asyncgrpo.server.attention.layout import chunk_positions, pad_indices
 from asyncgrpo.server.attention.plan import ALL_VARIANTS, probe_plan
 from asyncgrpo.server.attention.rows import MAX_RUNS, continued_rows, num_row_chunks, rows_sharing
 from asyncgrpo.server.attention.shared_prefix import MIN_SHARED_BLOCKS, max_members

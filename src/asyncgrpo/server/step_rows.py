@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncgrpo.server.attention.layout import chunk_positions
+from asyncgrpo.server.attention.base import chunk_positions
 from asyncgrpo.server.attention.rows import rows_sharing
 from asyncgrpo.server.attention.shared_prefix import SharedPrefixes
 from asyncgrpo.server.sequence import Sequence

@@ -9,7 +9,6 @@
     rows.py           rows: short chunks after cached tokens as decode rows (a layout the decode backends run)
     continued.py      continued: chunks after cached tokens (packed for FlashAttention, or padded)
     varlen.py         the packed layout and FlashAttention's variable-length kernel, its reference and check
-    layout.py         host-side index arithmetic of the prompt layouts
 
 Adding a layout: one file (a backend: what it supports, which chunks it takes, how it lays them out and
 computes them) and one line in `plan.KINDS`.

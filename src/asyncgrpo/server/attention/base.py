@@ -11,6 +11,9 @@ list of segments, each a run of those tokens in one layout, computed by one back
                     rows (a layout only: decode backends compute)   decode_shared)
     continued       chunks after cached tokens                      packed (`VarlenChunks`) or padded
 
+The prompt layouts share the host-side index arithmetic of `Chunks` (each chunk token's position, the
+indices between packed tokens and a padded batch, block tables cut to what each chunk reads).
+
 A backend (`AttentionBackend`) declares what it runs (`Support`: device types, dtypes, sliding windows,
 soft-caps, CUDA-graph capture), may add a load-time check (`check`: it compiles and agrees with a
 reference), builds its segment from the step's host data (`claims` / `build`, prompt kinds) and computes
@@ -39,9 +42,8 @@ CONTINUED = "continued"
 
 # a layer's attention variant: (has a sliding window, has a logit soft-cap)
 Variant = tuple[bool, bool]
-PLAIN: Variant = (False, False)
 ANY_DEVICE = frozenset({"cpu", "cuda"})
-HALF = frozenset({torch.float16, torch.bfloat16})
+HALF = (torch.float16, torch.bfloat16)
 
 
 def variant_of(window: int | None, softcap: float | None) -> Variant:
@@ -54,7 +56,7 @@ class Support:
     same: device types, dtypes, `AttentionCGSupport`)."""
 
     devices: frozenset[str] = ANY_DEVICE  # device types
-    dtypes: frozenset[torch.dtype] | None = None  # None: every dtype
+    dtypes: tuple[torch.dtype, ...] | None = None  # None: every dtype
     windows: bool = True  # layers with a sliding window
     softcap: bool = True  # layers with a logit soft-cap
     graphs: bool = False  # a CUDA graph may capture its forward (fixed shapes, no host work per layer)
@@ -150,6 +152,42 @@ class Chunks:
 
     def __getitem__(self, part: slice) -> Chunks:
         return Chunks(self.lens[part], self.starts[part], None if self.tables is None else self.tables[part])
+
+
+def chunk_positions(lens: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """[sum(lens)] int64: the position of every token of chunks of `lens` tokens after `starts`, chunk
+    after chunk."""
+    lens, starts = np.asarray(lens, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+
+
+def pad_indices(lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(pad, unpad) int64 indices between len(lens) packed sequences and a [B, max(lens)] layout: pad
+    [B * max(lens)] into the packed tokens (0 where padding), unpad [sum(lens)] into the layout."""
+    lens = np.asarray(lens, dtype=np.int64)
+    lmax = int(lens.max())
+    j = np.arange(lmax)
+    real = j[None, :] < lens[:, None]
+    first = np.cumsum(lens) - lens
+    pad = np.where(real, first[:, None] + j[None, :], 0).reshape(-1)
+    unpad = (np.arange(len(lens))[:, None] * lmax + j[None, :])[real]
+    return pad, unpad
+
+
+def padded_tables(tables: Sequence[Sequence[int]] | np.ndarray, ends: np.ndarray, block_size: int,
+                  fill: int) -> np.ndarray:
+    """[B, nb] int64: the blocks of each sequence that hold its tokens [0, end), `fill` past them
+    (nb covers the longest). tables: a block list per sequence, or a [B, >= nb] array (the scheduler's)."""
+    used = -(-ends // block_size)
+    width = int(used.max())
+    if isinstance(tables, np.ndarray):
+        out = tables[:, :width].copy()
+    else:
+        out = np.full((len(used), width), fill, dtype=np.int64)
+        for b, (n, table) in enumerate(zip(used.tolist(), tables)):
+            out[b, :n] = table[:n]
+    out[np.arange(width)[None, :] >= used[:, None]] = fill
+    return out
 
 
 class AttentionBackend:

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncgrpo.server.attention.base import CONTINUED, AttentionBackend, Chunks
+from asyncgrpo.server.attention.base import CONTINUED, AttentionBackend, Chunks, pad_indices, padded_tables
 from asyncgrpo.server.attention.fresh import FlashFresh
-from asyncgrpo.server.attention.layout import pad_indices, padded_tables
 from asyncgrpo.server.attention.varlen import ReferencePacked, VarlenChunks, cached_keys, varlen_chunks
 from asyncgrpo.server.attention_math import attend, in_window
 from asyncgrpo.server.host_copy import to_device

@@ -18,8 +18,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.server.attention.base import FRESH, HALF, AttentionBackend, Chunks, Probe, Support, Variant
-from asyncgrpo.server.attention.layout import pad_indices
+from asyncgrpo.server.attention.base import (
+    FRESH,
+    HALF,
+    AttentionBackend,
+    Chunks,
+    Probe,
+    Support,
+    Variant,
+    pad_indices,
+)
 from asyncgrpo.server.attention.varlen import (
     ReferencePacked,
     VarlenChunks,

@@ -1,7 +1,7 @@
 """The execution plan: which backend computes each kind of segment for each layer variant, chosen once.
 
     resolve_plan(model, cache, device, flags)            at load, before any step or graph capture
-        Probe.of(...)       the device, the model's heads and layer variants (window, soft-cap), the flags
+        model_probe(...)    the device, the model's heads and layer variants (window, soft-cap), the flags
                             and the shared pass's members per group (0: no shared pass)
         probe_plan(probe)   for each line of KINDS, per variant, the first backend that serves it
         plan.warm_up(cache) the chosen Triton kernels compiled (nothing compiles mid-serving)
@@ -19,6 +19,11 @@ every variant is taken for all. A kind with no backend for some variant is off (
 the shared pass, rows); the mandatory ones end in a backend that serves everything.
 
 A new layout is one file (its backend: support, `claims`, `build`, `forward`) and one line in KINDS.
+
+Costs: the load-time checks run once per process, device, dtype and variant (cached: a second engine in
+the process, or the downgraded plan, asks them again for free); the warm-up compiles each chosen Triton
+kernel (seconds on a fresh machine, a moment from Triton's cache). Per step, laying the segments out is
+host work once for all layers; per layer, each segment costs a dictionary lookup before its backend runs.
 """
 
 from __future__ import annotations

@@ -22,9 +22,17 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from asyncgrpo.server.attention.base import ROWS, AttentionBackend, Chunks, DecodeSegment, Probe, Variant
+from asyncgrpo.server.attention.base import (
+    ROWS,
+    AttentionBackend,
+    Chunks,
+    DecodeSegment,
+    Probe,
+    Variant,
+    chunk_positions,
+    padded_tables,
+)
 from asyncgrpo.server.attention.decode import triton_works_on
-from asyncgrpo.server.attention.layout import chunk_positions, padded_tables
 from asyncgrpo.server.attention.shared_prefix import MIN_SHARED_BLOCKS, SharedPrefixes
 from asyncgrpo.server.host_copy import to_device
 

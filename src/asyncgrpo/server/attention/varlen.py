@@ -33,14 +33,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncgrpo.server.attention.base import CONTINUED, FRESH, Probe, Support, Variant
-from asyncgrpo.server.attention.layout import chunk_positions, padded_tables
+from asyncgrpo.server.attention.base import (
+    CONTINUED,
+    FRESH,
+    HALF,
+    Probe,
+    Support,
+    Variant,
+    chunk_positions,
+    padded_tables,
+)
 from asyncgrpo.server.attention_math import attend, in_window
 from asyncgrpo.server.host_copy import to_device
 
 logger = logging.getLogger(__name__)
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
