@@ -99,11 +99,11 @@ class StepGraphs:
     ) -> None:
         """plan: the execution plan (device, decode attention backends, graph keys). max_prompt_rows: prompt
         tokens a step may add to its decode rows and still take a graph (where the plan lays chunks out as
-        rows; 0: decode-only steps). lora: the served LoRA
-        adapters (`--enable-lora`): steps with adapter rows replay graphs that add every slot's delta,
-        each row's slot a one-hot in a static buffer. recurrent: a hybrid model's DeltaNet state
-        (`recurrent_state.py`): decode steps read and write the slots of the scheduler rows held in a
-        static buffer (padded rows: its scratch slot); steps with prompt tokens run eagerly."""
+        rows; 0: decode-only steps). lora: the served LoRA adapters (`--enable-lora`): steps with adapter
+        rows replay graphs that add every slot's delta, each row's slot a one-hot in a static buffer.
+        recurrent: a hybrid model's DeltaNet state (`recurrent_state.py`): decode steps read and write the
+        slots of the scheduler rows held in a static buffer (padded rows: its scratch slot); steps with
+        prompt tokens run eagerly."""
         self.model = model
         self.cache = cache
         self.plan = plan

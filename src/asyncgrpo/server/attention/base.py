@@ -23,7 +23,7 @@ load; nothing downstream probes again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -246,4 +246,4 @@ class StepAttention:
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # [T] int64: flat cache row of every token of the step
     segments: list[Segment]
-    backends: dict[str, dict[Variant, AttentionBackend]]  # the plan's, by kind and layer variant
+    backends: Mapping[str, Mapping[Variant, AttentionBackend]]  # the plan's, by kind and layer variant

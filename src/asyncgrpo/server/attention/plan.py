@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -175,17 +176,20 @@ class ExecutionPlan:
     docstring). Frozen: `downgraded` and `with_backend` make new plans."""
 
     probe: Probe
-    backends: dict[str, dict[Variant, AttentionBackend]]
+    backends: Mapping[str, Mapping[Variant, AttentionBackend]]  # read-only
     prompt_kinds: tuple[str, ...]  # the kinds that lay out prompt chunks, in the order they take them
     unsplit_rows: int | None  # graph steps of this many rows on take the whole block table (None: never)
 
     @classmethod
-    def assemble(cls, probe: Probe, backends: dict[str, dict[Variant, AttentionBackend]]) -> ExecutionPlan:
+    def assemble(cls, probe: Probe,
+                 backends: Mapping[str, Mapping[Variant, AttentionBackend]]) -> ExecutionPlan:
+        """The plan of these backends (read-only from here on) and what follows from them."""
         prompt = tuple(k.name for k in KINDS if k.prompt and k.name in backends)
         decode = set(map(type, backends[DECODE].values()))
         # the Triton kernel never splits a context from so many rows on (the gather reads what a table holds)
         unsplit = TritonDecode.unsplit_rows(probe) if decode == {TritonDecode} else None
-        return cls(probe, backends, prompt, unsplit)
+        frozen = MappingProxyType({kind: MappingProxyType(dict(chosen)) for kind, chosen in backends.items()})
+        return cls(probe, frozen, prompt, unsplit)
 
     @property
     def device(self) -> torch.device:

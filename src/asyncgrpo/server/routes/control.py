@@ -69,7 +69,8 @@ class ControlRoutes(RouteTable):
                 "model": info.model, "tokenizer": info.model, "served_model_name": info.name,
                 "dtype": str(s.dtype), "seed": info.seed, "max_model_len": info.spec.max_model_len,
                 "max_logprobs": info.spec.max_logprobs, "logprobs_mode": "processed_logprobs",
-                "return_sampling_mask": info.spec.return_sampling_mask, "skip_tokenizer_init": s.tokenizer is None,
+                "return_sampling_mask": info.spec.return_sampling_mask,
+                "skip_tokenizer_init": s.tokenizer is None,
             },
             "cache_config": {
                 "block_size": runner.cache.block_size, "num_gpu_blocks": runner.cache.num_blocks,
@@ -140,8 +141,8 @@ class ControlRoutes(RouteTable):
         return json_response({"status": "paused"})
 
     async def resume(self, request: web.Request) -> web.Response:
-        if self.hold.transfer.active and not await self.hold.holder_alive():  # its sender is gone: never finishes
-            await self.hold.abandon_transfer()
+        if self.hold.transfer.active and not await self.hold.holder_alive():
+            await self.hold.abandon_transfer()  # its sender is gone: it would never finish
         await self.engine.resume()
         self.hold.leases.resumed()
         return json_response({"status": "resumed"})

@@ -78,9 +78,8 @@ class GenerateRoutes(RouteTable):
         return self._rng.getrandbits(63)
 
     def _sequences(self, key: str, prompt: list[int], params, adapter: Adapter | None) -> list[Sequence]:
-        seqs = [
-            Sequence(next(self._seq_ids), key, i, prompt, p, self.spec.max_model_len) for i, p in enumerate(params)
-        ]
+        seqs = [Sequence(next(self._seq_ids), key, i, prompt, p, self.spec.max_model_len)
+                for i, p in enumerate(params)]
         if adapter is not None:
             for s in seqs:
                 s.lora_slot, s.hash_root = adapter.slot, adapter.hash_root
@@ -106,14 +105,14 @@ class GenerateRoutes(RouteTable):
         with self.names.in_use(adapter):
             return await self._generate(request, body, adapter)
 
-    async def _generate(self, request: web.Request, body: dict, adapter: Adapter | None) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, body: dict,
+                        adapter: Adapter | None) -> web.StreamResponse:
         if body.get("output_mode", "tokens") not in (None, "tokens"):
             raise P.ApiError(400, "output_mode must be 'tokens' on the embedded server", param="output_mode")
         prompt = P.token_id_list(body.get("token_ids"), self.spec, "token_ids")
         P.check_text_only(body, [prompt], self.spec, "token_ids")
-        params = P.parse_sampling(
-            body.get("sampling_params") or {}, self.spec, len(prompt), route="generate", draw_seed=self._draw_seed
-        )
+        params = P.parse_sampling(body.get("sampling_params") or {}, self.spec, len(prompt), route="generate",
+                                  draw_seed=self._draw_seed)
         rid = request.headers.get("X-Request-Id") or body.get("request_id") or _random_id()
         key = f"generate-tokens-{rid}"
         seqs = self._sequences(key, prompt, params, adapter)
@@ -127,7 +126,8 @@ class GenerateRoutes(RouteTable):
         return web.Response(text=text, content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, key: str, prompt: list[int], seqs: list[Sequence], return_ids: bool, usage: bool
+        self, request: web.Request, key: str, prompt: list[int], seqs: list[Sequence], return_ids: bool,
+        usage: bool,
     ) -> web.StreamResponse:
         sink = _Sink(len(seqs), stream=True)
         self.engine.submit(seqs, sink)
@@ -175,30 +175,34 @@ class GenerateRoutes(RouteTable):
     async def _completions(self, request: web.Request, body: dict, adapter: Adapter | None) -> web.Response:
         for key, bad in (("stream", True), ("echo", True), ("suffix", None), ("prompt_logprobs", None)):
             if body.get(key) not in (None, False) and (bad is True or body.get(key) is not None):
-                raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server", param=key)
+                raise P.ApiError(400, f"{key} is not supported on /v1/completions by the embedded server",
+                                 param=key)
         P.stream_include_usage(body)  # validated like vLLM even though streaming is not offered here
         prompts = self.text.prompts(body.get("prompt"))
         P.check_text_only(body, prompts, self.spec, "prompt")
         rid = body.get("request_id") or request.headers.get("X-Request-Id") or _random_id()
         all_seqs = []
         for i, prompt in enumerate(prompts):
-            params = P.parse_sampling(body, self.spec, len(prompt), route="completions", draw_seed=self._draw_seed)
+            params = P.parse_sampling(body, self.spec, len(prompt), route="completions",
+                                      draw_seed=self._draw_seed)
             all_seqs.append(self._sequences(f"cmpl-{rid}-{i}", prompt, params, adapter))
         await asyncio.gather(*(self._run(seqs[0].request_key, seqs) for seqs in all_seqs))
         tok = self.text.tokenizer
-        texts = [[tok.decode(s.output, skip_special_tokens=True) if tok else "" for s in seqs] for seqs in all_seqs]
+        texts = [[tok.decode(s.output, skip_special_tokens=True) if tok else "" for s in seqs]
+                 for seqs in all_seqs]
         as_ids = bool(body.get("return_tokens_as_token_ids", False)) or tok is None
 
         def decode(t: int) -> str:
             return tok.decode([t])
 
         lps = [
-            [R.completion_logprobs(s, decode, as_ids) if s.params.logprobs is not None else None for s in seqs]
+            [R.completion_logprobs(s, decode, as_ids) if s.params.logprobs is not None else None
+             for s in seqs]
             for seqs in all_seqs
         ]
         out = R.completion_response(
-            f"cmpl-{rid}", self.info.name if adapter is None else adapter.name, int(time.time()), prompts, all_seqs,
-            texts, lps,
+            f"cmpl-{rid}", self.info.name if adapter is None else adapter.name, int(time.time()), prompts,
+            all_seqs, texts, lps,
             bool(body.get("return_token_ids", False)), bool(body.get("return_weight_versions", False)),
         )
         return json_response(out)

@@ -2,7 +2,8 @@
 leaves behind (a pause, a half-finished weight update) outlives it. Embedded-server extensions (vLLM has
 none):
 
-    GET  /lease        {"lease_s", "holder", "holder_alive", "is_holder", "seconds_left", "is_paused", "message"}
+    GET  /lease        {"lease_s", "holder", "holder_alive", "is_holder", "seconds_left", "is_paused",
+                        "message"}
     POST /renew_lease  {"renewed", "lease_s", "is_paused"}    (the trainer, every lease_s / 3)
 
 `TrainerHold` is what the weight and control routes check (the holder of a weight-transfer group) and
@@ -45,9 +46,10 @@ class TrainerHold:
         left = self.leases.seconds_left()
         return (
             f"the weight transfer group of this server is already initialised by another trainer: "
-            f"{self.leases.describe_holder()}. Two trainers cannot share one server (each would overwrite the "
-            f"other's weights): stop the other trainer, or start a second server for this one (asyncgrpo serve "
-            f"MODEL --port N). If the other trainer is gone, its hold runs out within {left:.0f} s: start again then"
+            f"{self.leases.describe_holder()}. Two trainers cannot share one server (each would overwrite "
+            f"the other's weights): stop the other trainer, or start a second server for this one (asyncgrpo "
+            f"serve MODEL --port N). If the other trainer is gone, its hold runs out within {left:.0f} s: "
+            f"start again then"
         )
 
     async def holder_alive(self) -> bool:
@@ -100,8 +102,9 @@ class TrainerHold:
         self.leases.release()
         if active:
             version = f"{self.engine.weight_version}+partial"
-            logger.warning("abandoned a weight update left unfinished: some tensors may hold the new weights; the "
-                           "served weights are labelled %r until the next trainer pushes a full update", version)
+            logger.warning("abandoned a weight update left unfinished: some tensors may hold the new "
+                           "weights; the served weights are labelled %r until the next trainer pushes a full "
+                           "update", version)
             await self.engine.set_weight_version(version)
 
     async def watch(self) -> None:
@@ -111,8 +114,8 @@ class TrainerHold:
             if self.engine.pause_mode is None or not self.leases.pause_expired():
                 continue
             logger.warning(
-                "the pause lease ran out: nobody renewed it for %.0f s (the trainer that paused the server is "
-                "gone?); resuming generation", self.leases.pause_lease_s,
+                "the pause lease ran out: nobody renewed it for %.0f s (the trainer that paused the server "
+                "is gone?); resuming generation", self.leases.pause_lease_s,
             )
             if self.transfer.active:
                 await self.abandon_transfer()

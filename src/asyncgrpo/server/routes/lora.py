@@ -74,7 +74,8 @@ class LoraRoutes(RouteTable):
         name, path = _string(body, "lora_name"), _string(body, "lora_path")
         in_place = body.get("load_inplace", False)
         if not isinstance(in_place, bool):
-            raise P.ApiError(400, f"load_inplace must be true or false, got {in_place!r}", param="load_inplace")
+            raise P.ApiError(400, f"load_inplace must be true or false, got {in_place!r}",
+                             param="load_inplace")
         if not name or not path:
             raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
         if name == self.base_name:
@@ -90,11 +91,12 @@ class LoraRoutes(RouteTable):
             if slot is None:
                 raise P.ApiError(500, (
                     f"No free lora slots: all {len(self.adapters.slots)} (--max-loras) hold adapters "
-                    f"({', '.join(self.adapters.holders())}); unload one with /v1/unload_lora_adapter, or restart "
-                    f"the server with a larger --max-loras"
+                    f"({', '.join(self.adapters.holders())}); unload one with /v1/unload_lora_adapter, or "
+                    f"restart the server with a larger --max-loras"
                 ))
             try:
-                weights = await asyncio.to_thread(read_adapter, name, path, self.lora.targets(), self.lora.max_rank)
+                weights = await asyncio.to_thread(read_adapter, name, path, self.lora.targets(),
+                                                  self.lora.max_rank)
                 await self.engine.call(lambda: self.lora.write(slot, weights))
             except AdapterNotFound as exc:
                 self.adapters.release(slot)

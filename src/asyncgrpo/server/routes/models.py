@@ -20,8 +20,8 @@ from asyncgrpo.server.routes.common import RouteTable, ServerInfo, json_response
 def model_card(model_id: str, root: str, parent: str | None, max_model_len: int | None, created: int) -> dict:
     """One entry of /v1/models (vLLM's ModelCard)."""
     return {
-        "id": model_id, "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": parent,
-        "max_model_len": max_model_len,
+        "id": model_id, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+        "parent": parent, "max_model_len": max_model_len,
         "permission": [{
             "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": created,
             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,

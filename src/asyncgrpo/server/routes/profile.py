@@ -55,7 +55,8 @@ class EngineProfiler:
             raise P.ApiError(409, "the profiler is not running: POST /start_profile first")
         profile, self._profile = self._profile, None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the last steps' kernels belong in the trace
+            # the last steps' kernels belong in the trace
+            torch.cuda.current_stream(self.device).synchronize()
         profile.__exit__(None, None, None)
         return profile
 
@@ -84,7 +85,8 @@ class ProfileRoutes(RouteTable):
 
     async def start_profile(self, request: web.Request) -> web.Response:
         await self.engine.call(self.profiler.start)
-        return web.json_response({"message": f"profiling; POST /stop_profile writes to {self.profiler.directory}"})
+        message = f"profiling; POST /stop_profile writes to {self.profiler.directory}"
+        return web.json_response({"message": message})
 
     async def stop_profile(self, request: web.Request) -> web.Response:
         profile = await self.engine.call(self.profiler.stop)

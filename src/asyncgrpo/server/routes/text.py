@@ -31,13 +31,15 @@ class TextCodec:
 
     def prompts(self, prompt: Any) -> list[list[int]]:
         """str | list[int] | list[str] | list[list[int]] -> token-id prompts (none of them empty)."""
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        texts_given = isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
+        if isinstance(prompt, str) or texts_given:
             texts = [prompt] if isinstance(prompt, str) else prompt
             prompts = [self.encode(p) for p in texts]
             for i, ids in enumerate(prompts):
                 if not ids:  # nothing to condition on: vLLM refuses it too
                     where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
-                    raise P.ApiError(400, f"{where} is empty (it encodes to no token); send some text", param="prompt")
+                    raise P.ApiError(400, f"{where} is empty (it encodes to no token); send some text",
+                                     param="prompt")
             return prompts
         if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
             return [P.token_id_list(p, self.spec, "prompt") for p in prompt]
@@ -57,8 +59,8 @@ class TextRoutes(RouteTable):
         body = await read_body(request)
         self.names.resolve(body.get("model"))
         ids = self.text.encode(body.get("prompt"), bool(body.get("add_special_tokens", True)))
-        return web.json_response(
-            {"count": len(ids), "max_model_len": self.text.spec.max_model_len, "tokens": ids, "token_strs": None})
+        return web.json_response({"count": len(ids), "max_model_len": self.text.spec.max_model_len,
+                                  "tokens": ids, "token_strs": None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await read_body(request)

@@ -73,8 +73,9 @@ class WeightRoutes(RouteTable):
         if self._init_started is not None:
             raise P.ApiError(
                 409,
-                f"a weight-transfer init is already in progress (started {time.monotonic() - self._init_started:.0f} s "
-                f"ago; it succeeds or fails within {self.transfer.timeout_s:.0f} s); retry after it ends",
+                f"a weight-transfer init is already in progress (started "
+                f"{time.monotonic() - self._init_started:.0f} s ago; it succeeds or fails within "
+                f"{self.transfer.timeout_s:.0f} s); retry after it ends",
             )
         self._init_started = time.monotonic()
         try:
@@ -84,7 +85,8 @@ class WeightRoutes(RouteTable):
             raise
         init_info = body.get("init_info")
         fut = in_daemon_thread(lambda: self.transfer.init(init_info), "asyncgrpo-weight-init")
-        fut.add_done_callback(lambda _: setattr(self, "_init_started", None))  # when the init ends, not the request
+        # the next init may start when this one ends, not when its request does
+        fut.add_done_callback(lambda _: setattr(self, "_init_started", None))
         with self.metrics.operation("init"):
             await self._unless_stopping(fut)
         self.hold.leases.hold(trainer_id(request), request.remote)
