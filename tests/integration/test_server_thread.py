@@ -68,11 +68,13 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
     here); the error reaches the trainer at once, and the process exits without waiting for that."""
     script = textwrap.dedent("""
         import torch
+        from asyncgrpo.cli import serve_arguments
         from asyncgrpo.launch import free_port
-        from asyncgrpo.server.serve import ServeConfig, ServerThread
+        from asyncgrpo.server.serve import ServerThread
         from asyncgrpo.train.server_link import ServerLink
         from asyncgrpo.train.weight_push import make_transport
-        with ServerThread(ServeConfig.of("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:
+        # (the parsed command line, as the README shows it; ServeConfig.of elsewhere)
+        with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:
             link = ServerLink(running.url, timeout_s=60)
             try:
                 make_transport(link, torch.device("cpu"), link.connect().device).init()

@@ -302,11 +302,13 @@ class ServerThread:
 
     >>> with ServerThread(ServeConfig.of("asyncgrpo/tiny-chat", "--port", "8000")) as server:
     ...     ...  # http://127.0.0.1:8000 answers
+
+    The parsed arguments of `asyncgrpo serve` (`cli.serve_arguments`) are taken too, frozen here.
     """
 
-    def __init__(self, config: ServeConfig,
+    def __init__(self, config: ServeConfig | argparse.Namespace,
                  switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
-        self.config = config
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_args(config)
         self.switch_interval_s = switch_interval_s
         self._switch_before: float | None = None  # the interval to restore at stop
         self.server: Server | None = None
