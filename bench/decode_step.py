@@ -41,8 +41,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from provenance import command_line, package_versions
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
-from asyncgrpo.server import decode_attention as attention
-from asyncgrpo.server import fused_layers, kv_cache
+from asyncgrpo.server import fused_layers
+from asyncgrpo.server.attention import decode as attention
+from asyncgrpo.server.attention.base import DECODE, SHARED
+from asyncgrpo.server.attention.decode import GatherDecode
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -54,14 +57,6 @@ from asyncgrpo.server.step_graphs import StepGraphs
 
 BLOCK_SIZE = 16
 IMPLEMENTATIONS = {"triton": attention.decode_attention_triton, "gather": attention.decode_attention_gather}
-# as the attention layer calls them (kv_cache.decode_attention's arguments); a windowed layer reads its
-# own blocks, as decode_attention routes it
-LAYER_CALLS = {
-    "triton": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_triton(
-        q, k, v, tables, lens, scale, shared=None if window is not None else shared, window=window, softcap=softcap),
-    "gather": lambda q, k, v, tables, lens, scale, window, softcap, shared: attention.decode_attention_gather(
-        q, k, v, tables, lens, scale, window, softcap),
-}
 
 
 def cuda_ms(fn, device, repeats: int = 20, graph: bool = False) -> float:
@@ -158,16 +153,21 @@ def own_forwards(model: torch.nn.Module):
 
 
 def run_engine(served, args, prompts, impl: str) -> dict:
-    """Generate for all prompts with one attention implementation; per-phase host times."""
-    kv_cache.decode_attention = LAYER_CALLS[impl]  # what the attention layer calls for decode
+    """Generate for all prompts with one decode attention implementation: triton, the server's own plan
+    (main() checks that it takes the kernel); gather, that plan with every decode row (groups sharing blocks
+    included) read through the gather. Per-phase host times."""
     max_len = args.prompt_len + args.max_tokens + 16
     cache = PagedKVCache(served.num_layers, len(prompts) * max_len // BLOCK_SIZE, BLOCK_SIZE,
                          served.num_kv_heads, served.head_dim, served.dtype, served.device)
     scheduler = Scheduler(BlockPool(cache.num_blocks), BLOCK_SIZE, len(prompts), 1 << 20, max_len)
     cuda = served.device.type == "cuda"
-    graphs = StepGraphs(served.model, cache, served.device, len(prompts), scheduler.max_blocks, cuda,
-                        served.vocab_size)
-    runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs)
+    plan = resolve_plan(served.model, cache, served.device)
+    if impl == "gather":
+        for kind in (DECODE, SHARED):
+            if kind in plan.backends:
+                plan = plan.with_backend(kind, GatherDecode)
+    graphs = StepGraphs(served.model, cache, plan, len(prompts), scheduler.max_blocks, cuda, served.vocab_size)
+    runner = ModelRunner(served.model, cache, plan, served.vocab_size, scheduler.block_table, graphs)
     params = SeqParams(
         temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens, min_tokens=0,
         stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=args.logprobs or None,

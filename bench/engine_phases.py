@@ -27,7 +27,7 @@ is recorded, as the engine does: its `wait` and `record` are the previous step's
 `wait` is still near zero is host-bound even with the host's work overlapped.
 
 `--prompt-attention flash_varlen,padded` (the values of `asyncgrpo serve --prompt-attention`) compares
-the two layouts of prompt chunks (`server/varlen_attention.py`:
+the two layouts of prompt chunks (`server/attention/varlen.py`:
 one FlashAttention call per layer, against chunks padded into a batch) in one run.
 
 A step whose `wait` is near zero is host-bound (the device idles while Python launches); one whose
@@ -46,7 +46,7 @@ the Python functions with the most own time (`host_functions`), which is where a
 Each configuration runs twice over one KV cache and one set of step graphs, as a server serves two
 waves of requests: the first run captures the graphs and compiles the kernels, the second is reported
 (with the graphs it still had to capture: shapes the first run did not meet). `--shared-prefix off` serves decode attention without reading a group's shared
-prompt once for all its members (`decode_attention.py`), for a side-by-side. Writes
+prompt once for all its members (`server/attention/shared_prefix.py`), for a side-by-side. Writes
 bench/results/engine_phases_<shape>_<device>.json.
 """
 
@@ -70,6 +70,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from provenance import command_line, package_versions
 from serve_throughput import SHAPES, device_slug, make_prompts, prepare_model, write_results
 
+from asyncgrpo.server.attention.base import PlanFlags
+from asyncgrpo.server.attention.plan import ExecutionPlan, resolve_plan
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import load_served_model, resolve_device
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -180,9 +182,10 @@ def max_len_of(args) -> int:
     return args.prompt_len + args.turns * (args.max_tokens + args.turn_tokens) + 16
 
 
-def engine_state(served, args) -> tuple[PagedKVCache, StepGraphs | None]:
-    """The KV cache and the step graphs, kept from one run to the next (the graphs replay on the cache's
-    tensors), as a server keeps them from one wave of requests to the next."""
+def engine_state(served, args, flags: PlanFlags) -> tuple[PagedKVCache, ExecutionPlan, StepGraphs | None]:
+    """The KV cache, the execution plan (resolved with `flags`) and the step graphs, kept from one run to the
+    next (the graphs replay on the cache's tensors), as a server keeps them from one wave of requests to the
+    next."""
     max_len = max_len_of(args)
     # room for every sequence at full length, or with caching for each distinct prompt once
     num_tokens = args.concurrency * max_len
@@ -192,26 +195,26 @@ def engine_state(served, args) -> tuple[PagedKVCache, StepGraphs | None]:
     num_blocks = num_tokens // BLOCK_SIZE + 64
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
-    graphs = StepGraphs(served.model, cache, served.device, args.concurrency, -(-max_len // BLOCK_SIZE),
+    plan = resolve_plan(served.model, cache, served.device, flags)
+    graphs = StepGraphs(served.model, cache, plan, args.concurrency, -(-max_len // BLOCK_SIZE),
                         served.device.type == "cuda", served.vocab_size, args.max_prompt_rows) if args.graphs == "on" else None
-    return cache, graphs
+    return cache, plan, graphs
 
 
-def run_workload(served, args, seed: int, profile: bool, shared_prefix: bool, asynchronous: bool = False,
-                 state: tuple[PagedKVCache, StepGraphs | None] | None = None, varlen_prompts: bool | None = None) -> dict:
-    """One run of the workload through a fresh scheduler and model runner over `state` (`engine_state`;
-    None: a new one); per-class step times. asynchronous: each step is launched before the previous one
-    is recorded (`wait` and `record` are the previous step's, `device` is not measured, no profile).
-    varlen_prompts: the runner's prompt layout (None: its own choice; see `ModelRunner`)."""
+def run_workload(served, args, seed: int, profile: bool, state: tuple[PagedKVCache, ExecutionPlan, StepGraphs | None],
+                 asynchronous: bool = False) -> dict:
+    """One run of the workload through a fresh scheduler and model runner over `state` (`engine_state`: the
+    plan decides the shared-prefix pass and the prompt layout); per-class step times. asynchronous: each
+    step is launched before the previous one is recorded (`wait` and `record` are the previous step's,
+    `device` is not measured, no profile)."""
     max_len = max_len_of(args)
-    cache, graphs = engine_state(served, args) if state is None else state
+    cache, plan, graphs = state
     captures_before = 0 if graphs is None else graphs.num_captures
     scheduler = Scheduler(BlockPool(cache.num_blocks, args.caching == "on"), BLOCK_SIZE, args.concurrency,
                           args.max_num_batched_tokens, max_len, admission_interval=args.admission_interval)
     assert graphs is None or graphs.max_blocks == scheduler.max_blocks
     cuda = served.device.type == "cuda"
-    runner = ModelRunner(served.model, cache, served.device, served.vocab_size, scheduler.block_table, graphs,
-                         shared_prefix=shared_prefix, varlen_prompts=varlen_prompts)
+    runner = ModelRunner(served.model, cache, plan, served.vocab_size, scheduler.block_table, graphs)
     timer = StepTimer(runner)
     work = Workload(args, served.vocab_size, seed)
     for s in work.start(max_len):
@@ -377,7 +380,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args()
-    layouts = {"auto": None, "flash_varlen": True, "padded": False}  # -> ModelRunner(varlen_prompts=...)
+    layouts = {"auto": None, "flash_varlen": True, "padded": False}  # -> PlanFlags(packed_prompts=...)
     unknown = set(args.prompt_attention.split(",")) - set(layouts)
     if unknown:
         p.error(f"--prompt-attention {args.prompt_attention}: unknown {sorted(unknown)}; give auto, flash_varlen or padded")
@@ -394,11 +397,10 @@ def main() -> None:
     for mode, scheduling, layout in modes:
         shared, asynchronous, varlen = mode == "on", scheduling == "async", layouts[layout]
         # the first run captures the graphs and builds the kernels; the second replays them
-        state = engine_state(served, args)
-        first = run_workload(served, args, seed=1, profile=False, shared_prefix=shared, asynchronous=asynchronous,
-                             state=state, varlen_prompts=varlen)
-        r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, shared_prefix=shared,
-                         asynchronous=asynchronous, state=state, varlen_prompts=varlen)
+        state = engine_state(served, args, PlanFlags(shared_prefix=shared, packed_prompts=varlen))
+        first = run_workload(served, args, seed=1, profile=False, state=state, asynchronous=asynchronous)
+        r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, state=state,
+                         asynchronous=asynchronous)
         r["first_run"] = {k: first[k] for k in ("seconds", "generated_tokens_per_s", "graph_captures")}
         key = f"shared_prefix_{mode}" + ("_async" if asynchronous else "") + ("" if layout == "auto" else f"_{layout}")
         results["runs"][key] = r

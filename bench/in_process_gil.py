@@ -70,13 +70,12 @@ def one_run(load: str, interval: float | None) -> dict:
     """In this process: the server thread, the trainer's thread under `load`, the client in another."""
     import torch
 
-    from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import free_port
-    from asyncgrpo.server.serve import ServerThread
+    from asyncgrpo.server.serve import ServeConfig, ServerThread
 
     torch.set_num_threads(1)
-    args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()), "--max-num-seqs", "64")
-    with ServerThread(args, switch_interval_s=interval) as server:
+    config = ServeConfig.of("asyncgrpo/tiny-chat", "--port", str(free_port()), "--max-num-seqs", "64")
+    with ServerThread(config, switch_interval_s=interval) as server:
         stop, count = threading.Event(), [0]
         worker = None
         if load != "idle":

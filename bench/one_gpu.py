@@ -253,10 +253,9 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
 
 def run_shape(bench: Bench, shape: str) -> None:
     """Checkpoint, prompts, server, then the interleaved runs and their comparison."""
-    from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import EmbeddedServer, free_port
     from asyncgrpo.modeling.load import load_tokenizer
-    from asyncgrpo.server.serve import ServerThread
+    from asyncgrpo.server.serve import ServeConfig, ServerThread
 
     args = bench.args
     preset = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in PRESETS[shape].items()}
@@ -286,8 +285,8 @@ def run_shape(bench: Bench, shape: str) -> None:
             serve_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         if args.sharing == "in-process":  # the server's threads in this process: its memory counts as ours
             print(f"[{shape}] starting the embedded server in this process on {bench.device}", flush=True)
-            server = ServerThread(serve_arguments(str(model_dir), "--device", bench.device, "--port",
-                                                  str(free_port()), *serve_args))
+            server = ServerThread(ServeConfig.of(str(model_dir), "--device", bench.device, "--port",
+                                                 str(free_port()), *serve_args))
             url = server.start(timeout_s=args.server_start_timeout).url
             shape_result["server_log"] = None
 

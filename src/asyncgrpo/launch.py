@@ -141,10 +141,9 @@ def start_server(
         raise ValueError(f"an in-process server needs a CUDA device (it takes weights over CUDA IPC), got "
                          f"{device!r}; pass in_process=False")
     if in_process:
-        from asyncgrpo.cli_args import serve_arguments
-        from asyncgrpo.server.serve import ServerThread
+        from asyncgrpo.server.serve import ServeConfig, ServerThread
 
-        args = serve_arguments(model, "--device", device, "--port", str(free_port()), *flags)
-        return ServerThread(args).start(timeout_s=startup_timeout_s)
+        config = ServeConfig.of(model, "--device", device, "--port", str(free_port()), *flags)
+        return ServerThread(config).start(timeout_s=startup_timeout_s)
     return EmbeddedServer(model, device=device, extra_args=flags, log_path=log_path,
                           startup_timeout_s=startup_timeout_s, env=env).start()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import TINY
 
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
@@ -27,7 +28,7 @@ def _engine(model: torch.nn.Module, dtype: torch.dtype) -> tuple[ModelRunner, Sc
     cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, head_dim, dtype, CPU)
     window = kv_window(model, range(c.num_hidden_layers))  # as the server: blocks behind a window are freed
     scheduler = Scheduler(BlockPool(cache.num_blocks), 16, 4, 256, 128, window=window)
-    return ModelRunner(model, cache, CPU, c.vocab_size, scheduler.block_table), scheduler
+    return ModelRunner(model, cache, resolve_plan(model, cache, CPU), c.vocab_size, scheduler.block_table), scheduler
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,13 +37,12 @@ def _complete(url: str, seed: int) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphs_survive_a_trainer_thread_that_synchronizes_the_device(tmp_path):
     from asyncgrpo.capture_gate import device_work
-    from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import free_port
-    from asyncgrpo.server.serve import ServerThread
+    from asyncgrpo.server.serve import ServeConfig, ServerThread
 
     _tiny_qwen3(tmp_path / "tiny")
-    args = serve_arguments(str(tmp_path / "tiny"), "--device", "cuda:0", "--port", str(free_port()), "--dtype",
-                           "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3")
+    config = ServeConfig.of(str(tmp_path / "tiny"), "--device", "cuda:0", "--port", str(free_port()), "--dtype",
+                            "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3")
     stop = threading.Event()
     syncs = []
 
@@ -57,7 +56,7 @@ def test_graphs_survive_a_trainer_thread_that_synchronizes_the_device(tmp_path):
                 syncs.append(1)
             time.sleep(0.002)  # the gaps between micro-batches, where captures happen
 
-    with ServerThread(args) as server:
+    with ServerThread(config) as server:
         thread = threading.Thread(target=trainer, daemon=True)
         thread.start()
         try:
@@ -68,7 +67,7 @@ def test_graphs_survive_a_trainer_thread_that_synchronizes_the_device(tmp_path):
         finally:
             stop.set()
             thread.join(30)
-        graphs = server.server.runner.graphs
+        graphs = server.server.engine.runner.graphs
         assert syncs, "the trainer thread never ran"
         assert graphs.use_graphs, "a capture failed and the server fell back to eager steps"
         assert graphs.num_captures > 0

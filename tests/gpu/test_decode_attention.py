@@ -8,14 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.server.decode_attention import (
-    decode_attention,
-    decode_attention_gather,
+from asyncgrpo.server.attention.base import SHARED, DecodeSegment, PlanFlags, Probe, variant_of
+from asyncgrpo.server.attention.decode import TritonDecode, decode_attention_gather, triton_works_on
+from asyncgrpo.server.attention.plan import ALL_VARIANTS, probe_plan
+from asyncgrpo.server.attention.shared_prefix import (
+    TritonSharedDecode,
+    find_shared_prefixes,
+    max_members,
     shared_pass_works_on,
-    triton_works_on,
 )
 from asyncgrpo.server.decode_kernels import decode_attention_triton, triton_available
-from asyncgrpo.server.shared_prefix import find_shared_prefixes, max_members
+from asyncgrpo.server.kv_cache import PagedKVCache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,16 +103,23 @@ def test_windows_and_softcaps_match_float64_reference(dtype, tol, heads, kv_head
 
 @pytest.mark.parametrize("window,softcap", [(None, 50.0), (64, None), (64, 50.0)])
 def test_the_dispatch_routes_windowed_and_capped_layers_with_groups(window, softcap):
-    """decode_attention as a layer calls it during a GRPO decode step (groups sharing prompt blocks):
-    soft-capped layers use the shared pass, windowed ones read their own blocks; both equal the gather."""
+    """A GRPO decode step's segment (groups sharing prompt blocks) through the backend the execution plan
+    takes for each layer variant: soft-capped layers use the shared pass, windowed ones read their own
+    blocks (the plain kernel); both equal the gather."""
     q, k_pool, v_pool, tables, lens = _group_case(0, 16, 8, 128, torch.bfloat16)
     q = q * 8
     shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, max_members(16, 8), null_block=k_pool.shape[0] - 1)
     tables, lens = tables.cuda(), lens.cuda()
     ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 128**-0.5, window,
                                   softcap)
-    out = decode_attention(q, k_pool, v_pool, tables, lens, 128**-0.5, window, softcap,
-                           shared.to(torch.device("cuda")))
+    cuda = torch.device("cuda", 0)
+    plan = probe_plan(Probe(cuda, torch.bfloat16, 16, 8, 128, ALL_VARIANTS, PlanFlags(shared_prefix=True),
+                            max_members(16, 8)))
+    backend = plan.backend(SHARED, variant_of(window, softcap))
+    assert type(backend) is (TritonDecode if window is not None else TritonSharedDecode)
+    segment = DecodeSegment(len(lens), tables, lens, shared.to(cuda))
+    out = backend.forward(q.transpose(0, 1), None, None, k_pool, v_pool, segment, 128**-0.5, window,
+                          softcap).transpose(0, 1)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-2, err
 
@@ -176,17 +186,20 @@ def _compiled_kernels() -> int:
 
 
 def test_the_kernels_compiled_at_start_serve_every_step():
-    """`compile_decode_kernels` (run by the model runner at start) leaves nothing to compile mid-serving:
-    steps of any batch size, context width, split count and number of groups reuse its kernels."""
-    from asyncgrpo.server.decode_attention import compile_decode_kernels
-
+    """The plan's warm-up (`ExecutionPlan.warm_up`, at load) leaves nothing to compile mid-serving: steps
+    of any batch size, context width, split count and number of groups reuse its kernels."""
     heads, kv_heads, head_dim, block_size = 16, 8, 128, 16
     members = max_members(heads, kv_heads)
     g = torch.Generator().manual_seed(0)
     num_blocks = 600
-    k_pool, v_pool = (torch.randn(num_blocks + 1, block_size, kv_heads, head_dim, generator=g)
-                      .to("cuda", torch.bfloat16) for _ in range(2))
-    compile_decode_kernels(k_pool, v_pool, num_blocks, heads, {(False, False)}, members)
+    cuda = torch.device("cuda", 0)
+    cache = PagedKVCache(1, num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, cuda)
+    k_pool, v_pool = cache.k[0], cache.v[0]
+    for pool in (k_pool, v_pool):
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    plan = probe_plan(Probe(cuda, torch.bfloat16, heads, kv_heads, head_dim, frozenset({(False, False)}),
+                            PlanFlags(shared_prefix=True), members))
+    plan.warm_up(cache)
     compiled = _compiled_kernels()
     for batch, prompt_blocks, group in [(1, 1, 1), (3, 5, 3), (8, 9, 8), (40, 4, 8), (64, 2, 2), (17, 30, 4)]:
         # groups of `group` sequences sharing `prompt_blocks` blocks, then one or two blocks of their own

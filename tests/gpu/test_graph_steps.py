@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.loading import prepare_model
@@ -57,9 +58,10 @@ def test_hybrid_decode_graph_steps_sample_what_eager_steps_sample(model_type):
                              torch.float32, cuda)
         sched = Scheduler(BlockPool(64, enable_caching=False), 16, 8, 4096, MAX_LEN)
         recurrent = RecurrentState.for_model(model, 8, cuda)
-        graphs = StepGraphs(model, cache, cuda, 8, sched.max_blocks, True, text.vocab_size,
+        plan = resolve_plan(model, cache, cuda)
+        graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, True, text.vocab_size,
                             recurrent=recurrent) if fixed else None
-        runner = ModelRunner(model, cache, cuda, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
+        runner = ModelRunner(model, cache, plan, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
         seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)], params(i, n), MAX_LEN)
                 for i, (p, n) in enumerate(lengths)]
         run(sched, runner, seqs, join_every=3)
@@ -102,8 +104,9 @@ def test_lora_graphs_sample_what_eager_steps_sample(tmp_path):
     def serve(fixed: bool) -> tuple[list[Sequence], StepGraphs | None]:
         cache = PagedKVCache(2, 200, 16, 2, 64, torch.float32, cuda)
         sched = Scheduler(BlockPool(200), 16, 8, 4096, MAX_LEN)
-        graphs = StepGraphs(model, cache, cuda, 8, sched.max_blocks, True, 257, lora=lora) if fixed else None
-        runner = ModelRunner(model, cache, cuda, 257, sched.block_table, graphs, lora=lora)
+        plan = resolve_plan(model, cache, cuda)
+        graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, True, 257, lora=lora) if fixed else None
+        runner = ModelRunner(model, cache, plan, 257, sched.block_table, graphs, lora=lora)
         seqs = [Sequence(i, f"r{i}", 0, prompt + [i // 3], params(i % 3, 20), MAX_LEN, lora_slot=slot,
                          hash_root=bytes([slot + 1])) for i, slot in enumerate([0, 1, -1, 0, 1, -1])]
         run(sched, runner, seqs, join_every=2)

@@ -37,16 +37,15 @@ def gpu_server(request, tmp_path_factory):
     """The server as its own process, or inside this one (`ServerThread`: the trainer's buffer is read
     directly, CUDA cannot open a handle in the process that made it); (model, url, the `ServerThread`
     or None)."""
-    from asyncgrpo.cli import serve_arguments
     from asyncgrpo.launch import EmbeddedServer, free_port
-    from asyncgrpo.server.serve import ServerThread
+    from asyncgrpo.server.serve import ServeConfig, ServerThread
 
     model_dir = tmp_path_factory.mktemp("tiny_qwen3_gpu")
     model = _tiny_qwen3(model_dir)
     args = ["--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"]
     # a cold start compiles the Triton kernels and captures the CUDA graphs: allow minutes
     if request.param == "in-process":
-        server = ServerThread(serve_arguments(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
+        server = ServerThread(ServeConfig.of(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
         with server:
             yield model, server.url, server
         return
@@ -116,6 +115,6 @@ def test_the_in_process_engine_steps_on_a_stream_of_the_highest_priority(gpu_ser
         pytest.skip("the server runs in its own process")
     highest = torch.cuda.Stream(priority=HIGHEST_PRIORITY).priority
     assert thread.stream.priority == highest < torch.cuda.current_stream().priority
-    graphs = thread.server.runner.graphs
+    graphs = thread.server.engine.runner.graphs
     assert graphs is not None and graphs.num_captures > 0  # the start-up warm-up captured some
     assert graphs._capture_stream.priority == highest

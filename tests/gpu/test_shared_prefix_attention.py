@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.attention.base import PlanFlags
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.decode_kernels import triton_available
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -32,9 +34,10 @@ def _run(model, shared_prefix: bool, work, max_tokens: int) -> list[Sequence]:
     cuda = torch.device("cuda")
     cache = PagedKVCache(2, 400, BS, 2, 64, torch.float32, cuda)
     sched = Scheduler(BlockPool(400), BS, 32, 8192, MAX_LEN)
-    graphs = StepGraphs(model, cache, cuda, 32, sched.max_blocks, True, VOCAB)
-    runner = ModelRunner(model, cache, cuda, VOCAB, sched.block_table, graphs, shared_prefix=shared_prefix)
-    assert (runner.shared_members > 0) == shared_prefix
+    plan = resolve_plan(model, cache, cuda, PlanFlags(shared_prefix=shared_prefix))
+    graphs = StepGraphs(model, cache, plan, 32, sched.max_blocks, True, VOCAB)
+    runner = ModelRunner(model, cache, plan, VOCAB, sched.block_table, graphs)
+    assert (runner.plan.shared_members > 0) == shared_prefix
     seqs = []
     for i, (prompt, seed) in enumerate(work):
         params = SeqParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0, seed=seed, max_tokens=max_tokens,

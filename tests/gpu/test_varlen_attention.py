@@ -1,8 +1,8 @@
 """On the GPU, FlashAttention's variable-length kernel computes what the packed layouts' reference
-computes (`server/varlen_attention.py`): prompts from token 0 and chunks after cached keys in one call,
+computes (`server/attention/varlen.py`): prompts from token 0 and chunks after cached keys in one call,
 grouped heads, a chunk of one token (the kernel drops its causal rule there), a batch of one-token chunks
 only, windows shorter and longer than the chunks, the head dims of the families served; and a bf16
-runner picks it by default and computes, for a group, chunked prompts and a next turn, the log-probs of
+plan takes it by default and computes, for a group, chunked prompts and a next turn, the log-probs of
 a runner that pads them.
 
     pytest -m gpu tests/gpu/test_varlen_attention.py
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server.varlen_attention import HALF, VarlenChunks, varlen, varlen_reference, varlen_works_on
+from asyncgrpo.server.attention.varlen import HALF, VarlenChunks, varlen, varlen_reference, varlen_works_on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
 from test_prefix_caching import Harness, _prompt, tiny_qwen3
@@ -68,7 +68,7 @@ def test_a_bf16_runner_packs_prompts_and_computes_what_a_padding_one_computes():
     first_top = []
     for choice in (None, False):  # the runner's own (packed, on CUDA in bf16), padded
         h = Harness(model, caching=True, budget=24, varlen_prompts=choice, device="cuda", dtype=torch.bfloat16)
-        assert h.runner.varlen_prompts is (choice is None)
+        assert h.runner.plan.packed_prompts is (choice is None)
         first_top.append([sorted(s.top(0)[1]) for s in h.run(work, max_tokens=3)])
     # bf16: the two attention kernels round differently; the distributions sampled from agree
     torch.testing.assert_close(torch.tensor(first_top[0]), torch.tensor(first_top[1]), atol=0.1, rtol=0)

@@ -23,19 +23,18 @@ import pytest
 import torch
 from test_hybrid_server import post  # one HTTP POST helper for the integration tests
 
-from asyncgrpo.cli import serve_arguments
 from asyncgrpo.launch import free_port
-from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServerThread
+from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServeConfig, ServerThread
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weight_push import make_transport
 
 
 def test_a_server_thread_serves_refuses_collectives_and_stops():
     port = free_port()
-    args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(port), "--max-model-len", "256",
-                           "--async-scheduling")
+    config = ServeConfig.of("asyncgrpo/tiny-chat", "--port", str(port), "--max-model-len", "256",
+                            "--async-scheduling")
     before = sys.getswitchinterval()
-    with ServerThread(args) as running:
+    with ServerThread(config) as running:
         assert running.url == f"http://127.0.0.1:{port}"
         assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
         assert sys.getswitchinterval() == pytest.approx(min(IN_PROCESS_SWITCH_INTERVAL_S, before))
@@ -71,9 +70,10 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
         import torch
         from asyncgrpo.cli import serve_arguments
         from asyncgrpo.launch import free_port
-        from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServerThread
+        from asyncgrpo.server.serve import ServerThread
         from asyncgrpo.train.server_link import ServerLink
         from asyncgrpo.train.weight_push import make_transport
+        # (the parsed command line, as the README shows it; ServeConfig.of elsewhere)
         with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:
             link = ServerLink(running.url, timeout_s=60)
             try:
@@ -95,41 +95,45 @@ def test_prompt_attention_is_chosen_at_start_and_a_flash_request_it_cannot_serve
     from asyncgrpo.server.loading import ModelLoadError
     from asyncgrpo.server.serve import build_server
 
-    args = serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256", "--prompt-attention", "flash_varlen")
+    config = ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256", "--prompt-attention", "flash_varlen")
     with pytest.raises(ModelLoadError, match="--prompt-attention flash_varlen.*use --prompt-attention auto or padded"):
-        build_server(args)
+        build_server(config)
     for choice in ("auto", "padded"):  # CPU: the padded layouts either way
-        server = build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
-                                              "--prompt-attention", choice))
-        assert server.runner.varlen_prompts is False
+        server = build_server(ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256",
+                                             "--prompt-attention", choice))
+        assert server.engine.runner.plan.packed_prompts is False
 
 
 def test_packed_prompts_that_fail_the_models_self_check_fall_back_to_padded_ones(monkeypatch, caplog):
-    """Where the packed layout would be taken (here: its check made to pass on the CPU) but computes
-    something else than the model (here: attention outputs of zero), the server serves padded prompt
-    chunks with a warning; asked for explicitly, it refuses to start."""
-    import asyncgrpo.server.runner as runner_module
-    import asyncgrpo.server.varlen_attention as varlen_module
+    """Where the packed layout would be taken (here: FlashAttention's backends made to run on the CPU and
+    pass their check) but computes something else than the model (here: attention outputs of zero), the
+    server serves the plan's downgrade, padded prompt chunks, with a warning; asked for explicitly, it
+    refuses to start."""
+    from asyncgrpo.server.attention import base, varlen
+    from asyncgrpo.server.attention.continued import FlashContinued
+    from asyncgrpo.server.attention.fresh import FlashFresh
     from asyncgrpo.server.self_check import SelfCheckError
     from asyncgrpo.server.serve import build_server
 
-    monkeypatch.setattr(runner_module, "varlen_works_on", lambda *args, **kwargs: True)
-    monkeypatch.setattr(varlen_module, "varlen_reference", lambda q, *args, **kwargs: torch.zeros_like(q))
-    with caplog.at_level("WARNING", logger="asyncgrpo.server.serve"):
-        server = build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256"))
-    assert server.runner.varlen_prompts is False
+    monkeypatch.setattr(FlashFresh, "support", base.Support(softcap=False))  # every device and dtype
+    monkeypatch.setattr(varlen, "varlen_works_on", lambda *args, **kwargs: True)
+    for backend in (FlashFresh, FlashContinued):
+        monkeypatch.setattr(backend, "packed", lambda self, q, *args: torch.zeros_like(q))
+    with caplog.at_level("WARNING", logger="asyncgrpo.server.self_check"):
+        server = build_server(ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256"))
+    assert server.engine.runner.plan.packed_prompts is False
     assert "serving with padded prompt chunks instead" in caplog.text
     with pytest.raises(SelfCheckError):
-        build_server(serve_arguments("asyncgrpo/tiny-chat", "--max-model-len", "256",
-                                     "--prompt-attention", "flash_varlen"))
+        build_server(ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256", "--prompt-attention",
+                                    "flash_varlen"))
 
 
 def test_the_profiling_routes_write_a_trace_and_a_summary_of_the_engines_steps(tmp_path):
     generate = {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 6, "ignore_eos": True,
                                                                 "temperature": 1.0, "seed": 3}}
-    args = serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()), "--max-model-len", "256",
-                           "--profiler-dir", str(tmp_path / "profiles"))
-    with ServerThread(args) as running:
+    config = ServeConfig.of("asyncgrpo/tiny-chat", "--port", str(free_port()), "--max-model-len", "256",
+                            "--profiler-dir", str(tmp_path / "profiles"))
+    with ServerThread(config) as running:
         assert post(running, "/stop_profile", {})[0] == 409  # not started
         assert post(running, "/start_profile", {})[0] == 200
         assert post(running, "/start_profile", {})[0] == 409  # one at a time

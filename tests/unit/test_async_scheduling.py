@@ -16,6 +16,8 @@ import pytest
 import torch
 from test_prefix_caching import BS, MAX_LEN, VOCAB, tiny_qwen3
 
+from asyncgrpo.server.attention.base import PlanFlags
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.engine import Engine
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -63,10 +65,10 @@ class Server:
             cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, device)
             sched = Scheduler(BlockPool(num_blocks, True), BS, 8, 4096, MAX_LEN)
             # fixed_shape: the static path CUDA graphs replay (decode steps and steps of short chunks as rows)
-            graphs = StepGraphs(model, cache, device, 8, sched.max_blocks, device.type == "cuda", VOCAB,
+            plan = resolve_plan(model, cache, device, PlanFlags(shared_prefix=fixed_shape, continued_rows=fixed_shape))
+            graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, device.type == "cuda", VOCAB,
                                 64) if fixed_shape else None
-            served = sched, ModelRunner(model, cache, device, VOCAB, sched.block_table, graphs,
-                                        shared_prefix=fixed_shape, continued_rows=fixed_shape)
+            served = sched, ModelRunner(model, cache, plan, VOCAB, sched.block_table, graphs)
         self.sched, self.runner = served
         self.async_scheduling = async_scheduling
         self.launches_reading_pending = 0  # launches whose decode rows took a token from the device
@@ -90,9 +92,8 @@ class Server:
     def run(self, waves, abort_after_events: int | None = None):
         """Each wave's requests (built from the previous waves' sequences) to the end; returns them all."""
         async def go():
-            engine = Engine(self.runner, self.sched, asyncio.get_running_loop(),
-                            async_scheduling=self.async_scheduling)
-            engine.start()
+            engine = Engine(self.runner, self.sched, async_scheduling=self.async_scheduling)
+            engine.start(asyncio.get_running_loop())
             done = []
             for wave in waves:
                 seqs = self.seqs(wave(done))

@@ -1,11 +1,12 @@
-"""Attention of prompt chunks after cached tokens (`server/context_attention.py`), every layout, against
-a plain per-sequence computation in float64: the padded layout, the rows layout (each chunk token a
-query of the paged decode attention; on the CPU through the gather paths, which compute what the
-Triton kernels compute), with and without runs that read a sequence's cached blocks once, with a
-sliding window and a soft-cap; the packed layout of FlashAttention's variable-length kernel
-(`server/varlen_attention.py`, on the CPU through its reference computation), for chunks after
-cached tokens and prompts from token 0; the runs themselves (where a released block stops them); and
-`attend`'s folding of grouped query heads."""
+"""Attention of prompt chunks after cached tokens (`server/attention/continued.py`, `rows.py`), every
+layout, against a plain per-sequence computation in float64: the padded layout, the rows layout (each
+chunk token a query of the paged decode attention; on the CPU through the gather backends, which compute
+what the Triton kernels compute), with and without runs that read a sequence's cached blocks once, with
+a sliding window and a soft-cap; the packed layout of FlashAttention's variable-length kernel
+(`server/attention/varlen.py`, on the CPU through its reference computation), for chunks after cached
+tokens and prompts from token 0; the runs themselves (where a released block stops them); and
+`attend`'s folding of grouped query heads. Segments run through the backends a CPU execution plan
+takes for them, as the server's attention function runs them."""
 
 from __future__ import annotations
 
@@ -13,30 +14,53 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server.attention_math import attend
-from asyncgrpo.server.context_attention import (
-    MAX_RUNS,
+from asyncgrpo.server.attention.base import (
+    CONTINUED,
+    FRESH,
+    PlanFlags,
+    Probe,
     chunk_positions,
-    continued_attention,
-    continued_layout,
-    continued_rows,
-    num_row_chunks,
     pad_indices,
-    rows_attention,
-    rows_sharing,
+    variant_of,
 )
-from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS
-from asyncgrpo.server.varlen_attention import (
-    continued_varlen_attention,
-    fresh_attention,
-    varlen_check_error,
-    varlen_chunks,
-    varlen_works_on,
-)
+from asyncgrpo.server.attention.continued import continued_attention, continued_layout
+from asyncgrpo.server.attention.plan import ALL_VARIANTS, probe_plan
+from asyncgrpo.server.attention.rows import MAX_RUNS, continued_rows, num_row_chunks, rows_sharing
+from asyncgrpo.server.attention.shared_prefix import MIN_SHARED_BLOCKS, max_members
+from asyncgrpo.server.attention.varlen import varlen_check_error, varlen_chunks, varlen_works_on
+from asyncgrpo.server.attention_math import attend
 
 BS = 4
 TOL = {"atol": 1e-5, "rtol": 1e-5}  # the soft-cap and the shared runs compute in float32, as the kernels do
 HEADS, KV_HEADS, DIM = 4, 2, 8
+CPU = torch.device("cpu")
+# what the server takes on the CPU with the rows layout asked for (decode rows through the gather backends),
+# for layers of every variant; and with packed prompt chunks (their reference computation), which no
+# soft-capped layer takes
+ROWS_PLAN = probe_plan(Probe(CPU, torch.float64, HEADS, KV_HEADS, DIM, ALL_VARIANTS,
+                             PlanFlags(shared_prefix=True, continued_rows=True), max_members(HEADS, KV_HEADS)))
+PACKED_PLAN = probe_plan(Probe(CPU, torch.float64, HEADS, KV_HEADS, DIM, frozenset({(False, False), (True, False)}),
+                               PlanFlags(packed_prompts=True)))
+
+
+def rows_attention(q, k_pool, v_pool, rows, scale, window=None, softcap=None):
+    """q [H, T, D] of chunks laid out as decode rows -> [T, H, D], through the plan's decode backends."""
+    backend = ROWS_PLAN.backend(rows.kind, variant_of(window, softcap))
+    return backend.forward(q, None, None, k_pool, v_pool, rows, scale, window, softcap)
+
+
+def continued_varlen_attention(q, k_pool, v_pool, packed, scale, window=None):
+    """q [H, T, D] of chunks after cached tokens, packed -> [T, H, D]."""
+    assert packed.kind == CONTINUED
+    backend = PACKED_PLAN.backend(CONTINUED, variant_of(window, None))
+    return backend.forward(q, None, None, k_pool, v_pool, packed, scale, window, None)
+
+
+def fresh_attention(q, k, v, packed, scale, window=None):
+    """q [H, T, D], k/v [KVH, T, D] of prompts from token 0, packed -> [T, H, D]."""
+    assert packed.kind == FRESH
+    return PACKED_PLAN.backend(FRESH, variant_of(window, None)).forward(q, k, v, None, None, packed, scale, window,
+                                                                       None)
 
 
 def _case(seed: int, starts: list[int], lens: list[int]):
@@ -154,7 +178,7 @@ def test_the_flash_kernel_is_only_taken_on_cuda_in_half_precision():
 def test_the_flash_check_catches_misaligned_chunks_and_a_missing_window(monkeypatch):
     """A kernel that aligned each chunk's queries to the start of its keys (SDPA's causal rule) or ignored
     the layer's window would be refused: the check measures it far from the reference."""
-    import asyncgrpo.server.varlen_attention as module
+    import asyncgrpo.server.attention.varlen as module
 
     cpu = torch.device("cpu")
     reference = module.varlen_reference

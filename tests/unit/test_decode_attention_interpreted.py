@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.server import decode_attention as da
-from asyncgrpo.server.shared_prefix import find_shared_prefixes
+from asyncgrpo.server.attention import decode as da
+from asyncgrpo.server.attention.shared_prefix import find_shared_prefixes
 
 # Triton reads TRITON_INTERPRET when it is imported: set here on a machine without CUDA (where no compiled
 # kernel can run anyway); with CUDA only when asked for (TRITON_INTERPRET=1), the GPU tests compile theirs
@@ -121,9 +121,10 @@ def test_softcap_in_the_shared_prefix_pass():
 
 
 def test_chunks_after_cached_tokens_as_rows_of_the_kernels():
-    """The rows layout of `context_attention.py`: every token of a chunk after cached tokens is a query of
+    """The rows layout of `attention/rows.py`: every token of a chunk after cached tokens is a query of
     the kernels, runs of one sequence's rows reading its cached blocks once; equals the padded layout."""
-    from asyncgrpo.server.context_attention import continued_attention, continued_layout, continued_rows
+    from asyncgrpo.server.attention.continued import continued_attention, continued_layout
+    from asyncgrpo.server.attention.rows import continued_rows
 
     g = torch.Generator().manual_seed(4)
     starts, lens = [80, 80, 33, 96], [5, 16, 20, 1]  # group members' last blocks, a chunk from mid-block
@@ -183,9 +184,9 @@ def test_a_step_of_decode_rows_and_prompt_rows_in_the_kernels():
 @pytest.mark.parametrize("windowed,capped", [(False, False), (True, False), (False, True), (True, True)])
 def test_the_load_time_check_passes_each_variant(windowed, capped):
     cpu = torch.device("cpu")
-    assert da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=windowed, capped=capped)
+    assert da.triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=windowed, capped=capped)
     if not windowed:
-        assert da._triton_matches_gather(cpu, torch.float32, shared_pass=True, windowed=False, capped=capped)
+        assert da.triton_matches_gather(cpu, torch.float32, shared_pass=True, windowed=False, capped=capped)
 
 
 def test_the_load_time_check_catches_a_wrong_variant(monkeypatch, caplog):
@@ -198,6 +199,35 @@ def test_the_load_time_check_catches_a_wrong_variant(monkeypatch, caplog):
 
     monkeypatch.setattr(da, "decode_attention_triton", uncapped)
     cpu = torch.device("cpu")
-    assert not da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=False, capped=True)
+    assert not da.triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=False, capped=True)
     assert "soft-cap disagrees with the gather path" in caplog.text
-    assert da._triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=True, capped=False)
+    assert da.triton_matches_gather(cpu, torch.float32, shared_pass=False, windowed=True, capped=False)
+
+
+def test_the_plans_triton_backends_serve_an_engine_as_the_gather_backends_do(monkeypatch):
+    """The execution plan's dispatch to the Triton backends, which declare CUDA only: widened to the CPU
+    (Triton's interpreter running the kernels), the plan takes them for decode rows, for groups sharing
+    their first blocks and for short chunks as rows (after their load-time checks, compiled by its warm-up),
+    and an engine serving a GRPO group and a next turn samples what the CPU plan (the gather backends)
+    samples."""
+    from test_prefix_caching import Harness, _assert_same, _prompt, tiny_qwen3
+
+    from asyncgrpo.server.attention.base import DECODE, ROWS, SHARED, Support
+    from asyncgrpo.server.attention.decode import TritonDecode
+    from asyncgrpo.server.attention.shared_prefix import TritonSharedDecode
+
+    model = tiny_qwen3()
+    first = _prompt(80, 5 * BLOCK + 3)
+    work = [(first, seed) for seed in range(3)] + [(first + _prompt(81, 9), 3)]
+    rows = {"shared_prefix": True, "continued_rows": True, "max_prompt_rows": 24, "num_blocks": 96}
+    gather = Harness(model, caching=True, **rows)
+    assert {type(b) for b in gather.runner.plan.backends[DECODE].values()} != {TritonDecode}
+    expected = gather.run(work, max_tokens=4)
+    monkeypatch.setattr(TritonDecode, "support", Support(graphs=True))
+    monkeypatch.setattr(TritonSharedDecode, "support", Support(windows=False, graphs=True))
+    triton = Harness(model, caching=True, **rows)
+    plan = triton.runner.plan
+    assert type(plan.backend(DECODE, (False, False))) is TritonDecode
+    assert type(plan.backend(SHARED, (False, False))) is TritonSharedDecode and ROWS in plan.backends
+    _assert_same(triton.run(work, max_tokens=4), expected)
+    assert any(entries for entries in triton.shared_entries), "decode steps read a group's blocks once"

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.decode_kernels import choose_splits, one_split_programs
 from asyncgrpo.server.fused_layers import fuse_layers
-from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata, register_attention
+from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.step_graphs import StepGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.step_rows import decode_inputs
@@ -48,8 +49,8 @@ def _step(model, cache, seqs, decode, prefill):
         last.append(len(ids) - 1)
     nb = max((len(seqs[n][1]) for n in decode), default=0)
     tables = torch.tensor([seqs[n][1] + [0] * (nb - len(seqs[n][1])) for n in decode], dtype=torch.int64)
-    meta = build_metadata(cache, slots, tables, [len(seqs[n][0]) for n in decode],
-                          [len(seqs[n][0]) for n in prefill], torch.device("cpu"))
+    meta = resolve_plan(model, cache, torch.device("cpu")).attention(
+        cache, slots, tables, [len(seqs[n][0]) for n in decode], [len(seqs[n][0]) for n in prefill])
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), use_cache=False,
                     logits_to_keep=torch.tensor(last), kv_meta=meta)
@@ -89,8 +90,8 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     got = _step(paged, cache, seqs, ["a", "b"], ["c"])  # decode and a single prefill in one pass
     torch.testing.assert_close(got, expected(["a", "b", "c"]), atol=1e-5, rtol=1e-5)
     # fixed-shape decode path (what CUDA graphs replay): 3 rows padded to 4, tables to 4 blocks
-    graphs = StepGraphs(paged, cache, torch.device("cpu"), max_num_seqs=8, max_blocks=8, use_graphs=False,
-                        vocab_size=97)
+    graphs = StepGraphs(paged, cache, resolve_plan(paged, cache, torch.device("cpu")), max_num_seqs=8, max_blocks=8,
+                        use_graphs=False, vocab_size=97)
     for _ in range(2):
         for n in "abc":
             grow(n)
@@ -121,7 +122,7 @@ def test_small_decode_batches_split_the_context_across_programs():
     assert choose_splits(num_programs=2048, max_context=512, tile=64, num_sms=132) == (1, 512)
     assert choose_splits(num_programs=8, max_context=16, tile=64, num_sms=132) == (1, 64)
     # from one_split_programs on, no context is split, however long: a graph of such a step can take the
-    # whole block table (StepGraphs.wide_from); one program fewer and long contexts are split
+    # whole block table (ExecutionPlan.unsplit_rows); one program fewer and long contexts are split
     for context in (16, 512, 32768):
         assert choose_splits(one_split_programs(132), context, 64, 132)[0] == 1
     assert choose_splits(one_split_programs(132) - 1, 32768, 64, 132)[0] == 2
@@ -137,7 +138,8 @@ class _Captured:
 def _graphs_capturing_on_cpu(paged) -> StepGraphs:
     """CPU step graphs that take the capture path (`_capture` is the test's to replace)."""
     cache = PagedKVCache(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
-    graphs = StepGraphs(paged, cache, torch.device("cpu"), 8, 8, use_graphs=False, vocab_size=97)
+    graphs = StepGraphs(paged, cache, resolve_plan(paged, cache, torch.device("cpu")), 8, 8, use_graphs=False,
+                        vocab_size=97)
     graphs.use_graphs = True
     return graphs
 

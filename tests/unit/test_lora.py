@@ -117,6 +117,8 @@ def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
     """The path CUDA graphs replay (decode steps, and steps whose prompt chunks are rows of the decode
     attention), run eagerly on the CPU: requests under two adapters and the base model, in one batch,
     sample what the eager runner samples, and the adapters change what is sampled."""
+    from asyncgrpo.server.attention.base import PlanFlags
+    from asyncgrpo.server.attention.plan import resolve_plan
     from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
     from asyncgrpo.server.prefix_cache import BlockPool
     from asyncgrpo.server.runner import ModelRunner
@@ -138,9 +140,9 @@ def test_fixed_shape_steps_serve_adapters_as_the_eager_steps_do(tmp_path):
     def run(fixed: bool) -> list[Sequence]:
         cache = PagedKVCache(2, 80, 16, 2, 8, torch.float32, cpu)
         sched = Scheduler(BlockPool(80), 16, 8, 4096, 64)
-        graphs = StepGraphs(model, cache, cpu, 8, sched.max_blocks, False, 64, lora=lora) if fixed else None
-        runner = ModelRunner(model, cache, cpu, 64, sched.block_table, graphs, lora=lora, shared_prefix=fixed,
-                             continued_rows=fixed)
+        plan = resolve_plan(model, cache, cpu, PlanFlags(shared_prefix=fixed, continued_rows=fixed))
+        graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, False, 64, lora=lora) if fixed else None
+        runner = ModelRunner(model, cache, plan, 64, sched.block_table, graphs, lora=lora)
         seqs = []
         for i, slot in enumerate([0, 1, -1, 0, 1, -1]):
             params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i % 3, max_tokens=12,

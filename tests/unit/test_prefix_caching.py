@@ -13,13 +13,15 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from asyncgrpo.server.context_attention import MAX_RUNS
+from asyncgrpo.server.attention.base import PlanFlags
+from asyncgrpo.server.attention.plan import resolve_plan
+from asyncgrpo.server.attention.rows import MAX_RUNS
+from asyncgrpo.server.attention.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
-from asyncgrpo.server.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 from asyncgrpo.server.step_graphs import StepGraphs
 
 MAX_LEN = 256
@@ -55,15 +57,16 @@ class Harness:
                                admission_interval=admission_interval)
         # shared_prefix: decode steps take the fixed-shape path (what CUDA graphs replay) and read the
         # blocks that groups share through the group's first table (the Triton kernels' arithmetic)
-        graphs = StepGraphs(model, cache, dev, max_num_seqs, self.sched.max_blocks, False, VOCAB,
-                            max_prompt_rows) if shared_prefix else None
         # continued_rows (with shared_prefix): short chunks after cached tokens run as rows of the decode
         # attention, as on a GPU with the Triton kernels; with max_prompt_rows, steps whose chunks add
         # at most that many rows take the fixed-shape path (`step_rows.prompt_rows`) with all chunks as rows
         # varlen_prompts: prompt chunks packed as for FlashAttention (on the CPU through its reference
-        # computation; None: the runner's choice)
-        self.runner = ModelRunner(model, cache, dev, VOCAB, self.sched.block_table, graphs, shared_prefix=shared_prefix,
-                                  continued_rows=continued_rows, varlen_prompts=varlen_prompts)
+        # computation; None: the probe's choice)
+        flags = PlanFlags(shared_prefix=shared_prefix, continued_rows=continued_rows, packed_prompts=varlen_prompts)
+        plan = resolve_plan(model, cache, dev, flags)
+        graphs = StepGraphs(model, cache, plan, max_num_seqs, self.sched.max_blocks, False, VOCAB,
+                            max_prompt_rows) if shared_prefix else None
+        self.runner = ModelRunner(model, cache, plan, VOCAB, self.sched.block_table, graphs)
         self.num_ids = 0
         self.num_preempted = 0
         self.plans = []  # (decode, prefill chunks as (seq_id, start, end)) of every step
@@ -93,11 +96,11 @@ class Harness:
         self.num_preempted += len(plan.preempted)
         self.plans.append(([s.seq_id for s in plan.decode],
                            [(s.seq_id, s.prefill_start, s.prefill_end) for s in plan.prefill]))
-        if plan.decode and self.runner.shared_members:
+        if plan.decode and self.runner.plan.shared_members:
             rows = [s.row for s in plan.decode]
             num = np.array([s.num_tokens for s in plan.decode])
             found = find_shared_prefixes(self.sched.block_table[rows, : -(-num.max() // BS)], num, BS,
-                                         self.runner.shared_members, self.sched.null_block)
+                                         self.runner.plan.shared_members, self.sched.null_block)
             self.shared_entries.append(0 if found is None else found.num_groups)
         scheduled = plan.sampled
         self.runner.step(plan.decode, plan.prefill).record(scheduled, "v")
@@ -264,7 +267,7 @@ def test_short_chunks_as_decode_rows_beside_a_long_padded_one_match_an_uncached_
     group = _prompt(42, 6 * BS + 4)
     work = [(group, seed) for seed in range(3)] + [(turn2, 7)]
     _assert_same(rows.run(work, max_tokens=16), off.run(work, max_tokens=16))
-    limit = MAX_RUNS * rows.runner.row_members
+    limit = MAX_RUNS * rows.runner.plan.row_members
     continued = [[end - start for _, start, end in prefill if start > 0] for _, prefill in rows.plans]
     assert any(min(c) <= limit < max(c) for c in continued if c)
 
@@ -299,8 +302,8 @@ def test_steps_with_prompt_chunks_as_graph_rows_match_an_uncached_server(model):
 
 
 def test_a_step_whose_rows_would_read_too_much_runs_eagerly(model, monkeypatch):
-    from asyncgrpo.server import runner as runner_module
-    from asyncgrpo.server.context_attention import row_step_reads
+    from asyncgrpo.server.attention import rows as rows_module
+    from asyncgrpo.server.attention.rows import row_step_reads
 
     # runs of 16 rows each read up to their chunk's end: 2 runs x 40 + 1 run x 110 (+ 1 x 1 of a decode)
     assert row_step_reads(np.array([20, 10]), np.array([20, 100]), 16) == 2 * 40 + 110
@@ -308,8 +311,8 @@ def test_a_step_whose_rows_would_read_too_much_runs_eagerly(model, monkeypatch):
     seen = []
     run = h.runner.graphs.run
     h.runner.graphs.run = lambda inputs, pending=None: seen.append(inputs.sample_rows is not None) or run(inputs, pending)
-    monkeypatch.setattr(runner_module, "ROW_STEP_READS", 30)
+    monkeypatch.setattr(rows_module, "ROW_STEP_READS", 30)
     h.run([(_prompt(70, 20), 0)], max_tokens=3)  # 2 runs x 20 > 30: the prompt's step is eager
-    monkeypatch.setattr(runner_module, "ROW_STEP_READS", 40)
+    monkeypatch.setattr(rows_module, "ROW_STEP_READS", 40)
     h.run([(_prompt(71, 20), 0)], max_tokens=3)
     assert seen == [False, False, True, False, False]

@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from test_tree_deltanet import HYBRIDS, tiny_hybrid  # tests/unit is on the path (pytest's rootdir imports)
 
 from asyncgrpo.modeling.deltanet.layer import deltanet_layers
+from asyncgrpo.server.attention.plan import GraphKey, resolve_plan
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.loading import prepare_model
@@ -57,9 +58,10 @@ def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_to
     sched = Scheduler(BlockPool(num_blocks, enable_caching=False), 16, max_num_seqs, max_num_batched_tokens, MAX_LEN)
     recurrent = RecurrentState.for_model(model, max_num_seqs, CPU)
     assert recurrent is not None
-    graphs = StepGraphs(model, cache, CPU, max_num_seqs, sched.max_blocks, False, text.vocab_size,
+    plan = resolve_plan(model, cache, CPU)
+    graphs = StepGraphs(model, cache, plan, max_num_seqs, sched.max_blocks, False, text.vocab_size,
                         recurrent=recurrent) if fixed else None
-    runner = ModelRunner(model, cache, CPU, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
+    runner = ModelRunner(model, cache, plan, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
     warm_up(runner, sched)
     return sched, runner
 
@@ -210,7 +212,8 @@ def test_a_graphs_warm_up_leaves_the_rows_deltanet_state_alone():
     for i, (c, d) in before.items():  # ... restore, then the warm-up alone
         state.conv[i].copy_(c), state.delta[i].copy_(d)
     bp = len(rows)
-    graphs._warm_up(("forward", bp, 0, 0, False), lambda: graphs._forward(bp, 1, 0))
+    key = GraphKey(bp, 1, 0, False)
+    graphs._warm_up(("forward", *key), lambda: graphs._forward(key))
     for i, (c, d) in before.items():
         assert torch.equal(state.conv[i][rows], c[rows]) and torch.equal(state.delta[i][rows], d[rows])
         assert not torch.equal(advanced[i][1][rows], d[rows])  # a step does advance them

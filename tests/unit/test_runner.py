@@ -4,11 +4,13 @@ same tokens and log-probs as the eager flat path, with sequences joining and lea
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.engine import warm_up
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -29,11 +31,16 @@ def _model():
     return model
 
 
-def _engine(model, static: bool):
+def _engine(model, static: bool, wide: bool = False):
+    """wide: every step's graph takes the whole block table (columns past its contexts hold stale blocks),
+    as a plan whose decode attention never splits contexts orders."""
     cache = PagedKVCache(2, 40, 16, 2, 16, torch.float32, torch.device("cpu"))
     sched = Scheduler(BlockPool(40), 16, 8, 4096, MAX_LEN)
-    graphs = StepGraphs(model, cache, torch.device("cpu"), 8, sched.max_blocks, False, 101) if static else None
-    runner = ModelRunner(model, cache, torch.device("cpu"), 101, sched.block_table, graphs)
+    plan = resolve_plan(model, cache, torch.device("cpu"))
+    if wide:
+        plan = dataclasses.replace(plan, unsplit_rows=1)
+    graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, False, 101) if static else None
+    runner = ModelRunner(model, cache, plan, 101, sched.block_table, graphs)
     warm_up(runner, sched)
     return sched, runner
 
@@ -55,9 +62,7 @@ def _step(sched, runner) -> None:
 
 
 def _run(model, static: bool, wide: bool = False) -> list[Sequence]:
-    sched, runner = _engine(model, static)
-    if wide:  # every step's graph takes the whole block table (columns past its contexts hold stale blocks)
-        runner.graphs.wide_from = 1
+    sched, runner = _engine(model, static, wide)
     seqs = [Sequence(i, f"r{i}", 0, list(range(3 + i, 10 + 2 * i)), _params(i, 12 + 3 * i), MAX_LEN)
             for i in range(5)]
     steps = 0

@@ -1,4 +1,4 @@
-"""Finding decode sequences that share their first KV blocks (server/shared_prefix.py), against a
+"""Finding decode sequences that share their first KV blocks (server/attention/shared_prefix.py), against a
 brute-force reading of the block tables."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
+from asyncgrpo.server.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 
 BS = 4
 NULL = 10_000

@@ -22,6 +22,8 @@ from transformers import (
     MistralForCausalLM,
 )
 
+from asyncgrpo.server.attention.base import PlanFlags
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool
@@ -56,7 +58,8 @@ def test_logprobs_equal_the_models_own_forward(family, varlen):
     # 7 tokens per step: prompts prefilled in chunks; Mistral (windowed everywhere) frees blocks behind it
     sched = Scheduler(BlockPool(64), BS, 4, 7, 256, window=kv_window(served, range(2)))
     # varlen: prompt chunks packed as for FlashAttention's variable-length kernel (its left window)
-    runner = ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table, varlen_prompts=varlen)
+    plan = resolve_plan(served, cache, torch.device("cpu"), PlanFlags(packed_prompts=varlen))
+    runner = ModelRunner(served, cache, plan, VOCAB, sched.block_table)
     params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=14, min_tokens=0,
                        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=None,
                        want_mask=False)
@@ -87,6 +90,5 @@ def test_packed_prompt_chunks_are_refused_for_soft_capped_layers():
     served = FAMILIES["gemma2"]().eval()
     served.set_attn_implementation(register_attention())
     cache = PagedKVCache(2, 8, BS, 2, 16, torch.float32, torch.device("cpu"))
-    sched = Scheduler(BlockPool(8), BS, 4, 7, 256, window=kv_window(served, range(2)))
     with pytest.raises(ValueError, match="soft-cap"):
-        ModelRunner(served, cache, torch.device("cpu"), VOCAB, sched.block_table, varlen_prompts=True)
+        resolve_plan(served, cache, torch.device("cpu"), PlanFlags(packed_prompts=True))

@@ -23,6 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.attention_math import kv_window
 from asyncgrpo.server.kv_cache import PagedKVCache, register_attention
 from asyncgrpo.server.prefix_cache import BlockPool, extend_block_hashes
@@ -60,7 +61,8 @@ class Harness:
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, torch.device("cpu"))
         window = kv_window(model, range(2)) if free_window else None
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, 8, budget, MAX_LEN, window=window)
-        self.runner = ModelRunner(model, cache, torch.device("cpu"), VOCAB, self.sched.block_table)
+        plan = resolve_plan(model, cache, torch.device("cpu"))
+        self.runner = ModelRunner(model, cache, plan, VOCAB, self.sched.block_table)
         self.num_ids = 0
         self.num_preempted = 0
         self.max_held = 0  # most blocks one sequence held in a step

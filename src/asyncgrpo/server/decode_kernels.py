@@ -1,11 +1,12 @@
 """The Triton kernels of decode attention over the paged KV cache, and their launch
-(`decode_attention_triton`); `decode_attention.py` picks between them and the gather path.
+(`decode_attention_triton`), which the Triton backends of `attention/decode.py` and
+`attention/shared_prefix.py` run where the execution plan took them.
 
 One program per (sequence, kv head, context split) walks the block table and reads only the sequence's
 own cached rows once, with an online softmax in float32; small batches split the context so that every
 multiprocessor has work, and a second kernel merges the splits. Given groups of sequences that share
-their first blocks (`shared_prefix.py`), a third kernel reads those blocks once per group for all its
-members' queries. A sliding window (the loop starts at the first key it reaches) and a logit soft-cap
+their first blocks (`attention/shared_prefix.py`), a third kernel reads those blocks once per group for
+all its members' queries. A sliding window (the loop starts at the first key it reaches) and a logit soft-cap
 are compile-time switches: a variant left unused costs nothing.
 """
 
@@ -15,7 +16,7 @@ import functools
 
 import torch
 
-from asyncgrpo.server.shared_prefix import SharedPrefixTensors
+from asyncgrpo.server.attention.base import SharedPrefixTensors
 
 
 @functools.cache
@@ -72,7 +73,8 @@ def _triton_kernels():
 
     # what varies from step to step (split counts and lengths, the block tables' width) is a run-time
     # argument Triton does not specialise on: one compiled kernel serves every step (a compile in the
-    # middle of serving stalls a step for ~1 s); `compile_decode_kernels` launches each variant at start
+    # middle of serving stalls a step for ~1 s); the plan's warm-up (`ExecutionPlan.warm_up`) launches
+    # each variant at start
     @triton.jit(do_not_specialize=["stride_tb", "split_len", "num_splits", "shared_slots"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, shared_ptr, out_ptr, part_ptr, stats_ptr,

@@ -62,24 +62,17 @@ class Sink(Protocol):
 
 
 class Engine:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        scheduler: Scheduler,
-        loop: asyncio.AbstractEventLoop,
-        on_update: Callable[[Engine], None] | None = None,
-        async_scheduling: bool = False,
-        stream=None,
-    ) -> None:
-        """stream: a CUDA stream the engine thread runs its steps on (a server inside a trainer's process,
-        whose kernels may then run beside the trainer's); None: the default stream."""
+    """The engine thread over a runner and a scheduler (`build.build_engine` assembles them), handed to the
+    HTTP side, which drives it with the loop-side API below."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, async_scheduling: bool = False) -> None:
         self.runner = runner
         self.scheduler = scheduler
-        self.loop = loop
+        self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP side's, from `start`
         self.stats = EngineStats()
         self.weight_version = "default"
         self.pause_mode: str | None = None  # None, "keep", "abort", "wait"
-        self._on_update = on_update
+        self._on_update: Callable[[Engine], None] | None = None
         self._commands: queue.Queue = queue.Queue()
         self._wait_futures: list[asyncio.Future] = []
         self._clear_after_wait = False  # pause(wait, clear_cache=True): reset the prefix cache once drained
@@ -89,10 +82,15 @@ class Engine:
         # plan and launch step N + 1 before recording step N (CUDA: the host's work overlaps the device's)
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[LaunchedStep, list[Sequence]] | None = None  # launched, not recorded
-        self._stream = stream
+        self._stream = None
 
     # ---- loop-side API (call from the asyncio loop) -------------------------------------------
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_update: Callable[[Engine], None] | None = None,
+              stream=None) -> None:
+        """Start the engine thread, delivering to `loop`; `on_update(engine)` after every change of what
+        runs (metrics); stream: a CUDA stream the thread runs its steps on (a server inside a trainer's
+        process, whose kernels may then run beside the trainer's); None: the default stream."""
+        self.loop, self._on_update, self._stream = loop, on_update, stream
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -135,6 +133,14 @@ class Engine:
         fut = self._future()
         self._commands.put(("call", fn, fut))
         return await fut
+
+    async def set_weight_version(self, version: str) -> None:
+        """Label the served weights (tokens sampled after this carry it), between two steps."""
+
+        def apply() -> None:
+            self.weight_version = version
+
+        await self.call(apply)
 
     # ---- engine thread ------------------------------------------------------------------------
     def _resolve(self, fut: asyncio.Future | None, value: Any = None, error: BaseException | None = None):

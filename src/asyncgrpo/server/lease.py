@@ -12,7 +12,7 @@ the lease that keeps its pause (or a half-finished weight update) from outliving
 vLLM's /pause has no lease: a pause that names none gets `--trainer-lease` seconds (0: no expiry, as
 vLLM), and every weight-transfer call renews it, so a vLLM-shaped client that never renews still
 works as long as it keeps syncing. Nothing expires while a weight-transfer call is in flight.
-Plain bookkeeping on the event loop's thread; the watchdog that acts on it lives in `control.py`.
+Plain bookkeeping on the event loop's thread; the watchdog that acts on it lives in `routes/lease.py`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ transfer per step (`step_output.py`): `launch` returns before the device is done
 plan and launch the next step meanwhile, whose decode rows read their last tokens on the device.
 With CUDA graphs (`step_graphs.py`), decode steps replay one, and so do steps whose prompt chunks
 are all short (`step_rows.prompt_rows`: every chunk token a row of the decode attention); other steps
-run the eager forward, their prompt chunks packed for FlashAttention where it runs
-(`varlen_attention.py`).
+run the eager forward. How each part of a step attends (decode rows, shared prompt blocks, prompt
+chunks packed or padded, short chunks as rows) is the execution plan's (`attention/plan.py`), resolved
+once at load: the runner lays every step out through it and never decides again.
 
 Host work per step is a few array operations over the step's rows rather than a loop over the
 sequences' parameters: a sequence's sampling parameters are written into `RowParams` when it
@@ -24,11 +25,10 @@ import contextlib
 import numpy as np
 import torch
 
-from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.context_attention import ROW_STEP_READS, row_step_reads
-from asyncgrpo.server.decode_attention import compile_decode_kernels, shared_pass_works_on, triton_works_on
+from asyncgrpo.server.attention.plan import ExecutionPlan
+from asyncgrpo.server.attention.shared_prefix import SharedPrefixes, find_shared_prefixes
 from asyncgrpo.server.host_copy import to_device
-from asyncgrpo.server.kv_cache import PagedKVCache, build_metadata
+from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.lora import ServedLora
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState
 from asyncgrpo.server.sampling import (
@@ -42,11 +42,9 @@ from asyncgrpo.server.sampling import (
     token_hash,
 )
 from asyncgrpo.server.sequence import Sequence
-from asyncgrpo.server.shared_prefix import SharedPrefixes, find_shared_prefixes, max_members
 from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.step_output import LaunchedStep, StepOutput
 from asyncgrpo.server.step_rows import StepRows, decode_inputs, prompt_rows
-from asyncgrpo.server.varlen_attention import varlen_works_on
 
 
 class RowParams:
@@ -89,65 +87,35 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         cache: PagedKVCache,
-        device: torch.device,
+        plan: ExecutionPlan,
         vocab_size: int,
         block_table: np.ndarray,
         graphs: StepGraphs | None = None,
         recurrent: RecurrentState | None = None,
         lora: ServedLora | None = None,
-        shared_prefix: bool | None = None,
-        continued_rows: bool | None = None,
-        varlen_prompts: bool | None = None,
     ) -> None:
-        """shared_prefix: decode attention reads the first blocks that sequences share (a GRPO group's
-        prompt) once per group (`shared_prefix.py`); None: where the Triton decode attention runs (the
-        gather path elsewhere would only read them twice), False: never. continued_rows: short prompt
-        chunks after cached tokens run as rows of the decode attention (`context_attention.py`; needs
-        the shared pass); None: where the Triton kernel runs every attention variant of the model and
-        none has a sliding window (whose layers read each row's window on its own), False: never.
-        varlen_prompts: prompt chunks stay packed for FlashAttention's variable-length kernel
-        (`varlen_attention.py`) instead of padded; None: where it runs every layer of the model (none
-        soft-capped), True on CPU: through its reference computation."""
+        """plan: how each part of a step attends (`attention.plan.resolve_plan`, on the cache's device).
+        block_table: the scheduler's, one row per running sequence. graphs: steps of rows through static
+        buffers (CUDA graphs), built with the same plan. recurrent: a hybrid's DeltaNet state. lora: the
+        served LoRA adapters."""
+        assert graphs is None or graphs.plan is plan, "the graphs replay steps laid out by the runner's plan"
         assert graphs is None or graphs.recurrent is recurrent, "the graphs carry the runner's recurrent state"
         assert graphs is None or graphs.lora is lora, "the graphs add the deltas of the runner's adapters"
         self.model = model
         self.cache = cache
-        self.device = device
+        self.plan = plan
+        self.device = plan.device
         self.vocab_size = vocab_size
         self.block_table = block_table  # the scheduler's, one row per running sequence
         self.graphs = graphs  # decode-only steps through static buffers (CUDA graphs) when set
         self.recurrent = recurrent  # the DeltaNet layers' per-row state of a hybrid model
         self.lora = lora  # stacked LoRA adapters (--enable-lora): each token's slot is set per step
         self.params = RowParams(block_table.shape[0])
-        text = model.config.get_text_config()
-        heads, kv_heads = getattr(text, "num_attention_heads", 0), cache.num_kv_heads
-        if shared_prefix is None:
-            shared_prefix = device.type == "cuda" and shared_pass_works_on(device, cache.k[0].dtype)
-        # members per group entry of the shared pass; 0: every sequence reads its whole context
-        self.shared_members = max_members(heads, kv_heads) if shared_prefix and heads else 0
         self._shared: tuple[tuple, SharedPrefixes | None] = ((), None)  # the last decode set and its groups
-        variants = attention_variants(model)
-        if continued_rows is None:  # the gather path would copy each row's whole context; a window too
-            continued_rows = device.type == "cuda" and all(
-                not windowed and triton_works_on(device, cache.k[0].dtype, windowed, capped)
-                for windowed, capped in variants)
-        # short chunks after cached tokens run as rows of the decode attention, in runs of this many
-        self.row_members = self.shared_members if continued_rows else 0
-        if varlen_prompts is None:
-            varlen_prompts = bool(heads) and all(
-                not capped and varlen_works_on(device, cache.k[0].dtype, heads, kv_heads, cache.head_dim, windowed)
-                for windowed, capped in variants)
-        elif varlen_prompts and any(capped for _, capped in variants):
-            raise ValueError("packed prompt chunks (varlen_prompts=True) have no soft-capped attention: this model's "
-                             "layers soft-cap their logits; leave varlen_prompts unset")
-        self.varlen_prompts = varlen_prompts
-        self.token_hashes = token_hash(torch.arange(vocab_size, device=device))
+        self.token_hashes = token_hash(torch.arange(vocab_size, device=self.device))
         self.wait_s = 0.0  # seconds the host waited for the device's step outputs
         self.kv_tokens = 0  # context tokens the last launch's decode rows attend over, shared parts once
         self._last_sampled: torch.Tensor | None = None  # [B] token ids the last launch sampled (device)
-        if device.type == "cuda" and heads:
-            compile_decode_kernels(cache.k[0], cache.v[0], cache.scratch_block, heads, variants,
-                                   self.shared_members)
 
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOutput:
         """`launch` a step and wait for what it sampled."""
@@ -179,7 +147,7 @@ class ModelRunner:
             # last_token: a prompt whose last chunk stopped one token short computes it as a decode
             last = np.fromiter((0 if s.pending else s.last_token() for s in decode), dtype=np.int64, count=nd)
             dec = decode_inputs(last, num_tokens[:nd], rows[:nd], self.block_table, self.cache.block_size)
-            if self.shared_members:
+            if self.plan.shared_members:
                 dec.shared = self._shared_prefixes(decode, dec)
             self.kv_tokens = dec.kv_tokens
             pending = self._pending_tokens(decode)
@@ -190,8 +158,8 @@ class ModelRunner:
         plan = self._plan(rows, positions)
         if self.graphs is not None and (not prefill or self._fits_rows(prefill)):
             if prefill:
-                dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size, self.row_members,
-                                  self.cache.scratch_block)
+                dec = prompt_rows(dec, prefill, self.block_table, self.cache.block_size,
+                                  self.plan.row_members, self.cache.scratch_block)
             if self.lora is not None:
                 dec.lora_slots = self.params.lora_slot[dec.seq_rows]
             logits = self.graphs.run(dec, pending)
@@ -249,18 +217,15 @@ class ModelRunner:
         sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
         last = np.concatenate([np.arange(num_decode), ends[sampled]])
         prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
-        meta = build_metadata(
+        meta = self.plan.attention(
             self.cache,
             np.concatenate(slots),
             None if dec is None else torch.from_numpy(dec.block_tables),
             [] if dec is None else dec.context_lens,
             prefill_lens,
-            self.device,
             starts,
             self.block_table[prefill_rows],  # each sequence's blocks, as its `blocks` list holds them
             None if dec is None else dec.shared,
-            self.row_members,
-            self.varlen_prompts,
         )
         extra = {}
         if self.recurrent is not None:
@@ -283,14 +248,15 @@ class ModelRunner:
 
     def _fits_rows(self, prefill: list[Sequence]) -> bool:
         """Whether a step's prompt chunks run as rows of a graph's decode attention (`prompt_rows`): where
-        the rows layout runs, with few enough rows for the graphs' buffers, reading little enough."""
-        if not (self.row_members and self.graphs.max_prompt_rows) or self.recurrent is not None:
+        the plan has the rows layout, with few enough rows for the graphs' buffers, reading little enough."""
+        rows = self.plan.rows
+        if rows is None or not self.graphs.max_prompt_rows or self.recurrent is not None:
             return False  # (a DeltaNet layer runs prompt chunks with its chunked rule, not as rows)
         lens = np.fromiter((s.prefill_end - s.prefill_start for s in prefill), np.int64, len(prefill))
         if lens.sum() > self.graphs.max_prompt_rows:
             return False
         starts = np.fromiter((s.prefill_start for s in prefill), np.int64, len(prefill))
-        return row_step_reads(lens, starts, self.row_members) <= ROW_STEP_READS
+        return rows.fits_graph(lens, starts)
 
     def _shared_prefixes(self, decode: list[Sequence], dec: StepRows) -> SharedPrefixes | None:
         """The groups of the decode sequences that share their first blocks, found again only when the
@@ -299,7 +265,7 @@ class ModelRunner:
         key = tuple((s.seq_id, s.released) for s in decode)
         if key != self._shared[0]:
             found = find_shared_prefixes(dec.block_tables, dec.context_lens, self.cache.block_size,
-                                         self.shared_members, self.cache.scratch_block)
+                                         self.plan.shared_members, self.cache.scratch_block)
             self._shared = (key, found)
         return self._shared[1]
 

@@ -8,16 +8,23 @@ in one pass. If the log-probs of the sampled tokens and of the top-K tokens disa
 dtype's tolerance, the engine serves this model wrongly (it would sample from a distribution the
 trainer does not know, silently biasing every importance ratio) and the model is refused.
 
+`check_plan` runs it on the engine under its execution plan (`attention/plan.py`). A plan whose fast
+paths passed their own checks may still not serve the whole model right: then its `downgraded()` plan
+(packed prompt chunks padded instead) is checked and served, where the start-up left that choice to the
+probe; the plan is never changed afterwards.
+
 It costs one prompt of PROMPT_LEN tokens and NUM_DECODE decode steps: milliseconds on the tiny model.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.server.attention.plan import ExecutionPlan
 from asyncgrpo.server.loading import ModelLoadError
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
@@ -120,3 +127,29 @@ def check_engine(
     logger.info("self-check passed: engine and model log-probs agree within %.2g (%s allows %g, %d compared)",
                 worst, dtype, tolerance, len(engine))
     return result
+
+
+def check_plan(
+    plan: ExecutionPlan, runner_for: Callable[[ExecutionPlan], ModelRunner], scheduler: Scheduler,
+    model: torch.nn.Module, *, vocab_size: int, dtype: torch.dtype, name: str, downgrade: bool,
+) -> ModelRunner:
+    """The runner (`runner_for(plan)`) of the first plan whose engine computes what the model computes:
+    `plan`, else, with `downgrade`, its downgraded plan. Raises SelfCheckError when none does."""
+    runner = runner_for(plan)
+    try:
+        check_engine(runner, scheduler, model, vocab_size=vocab_size, dtype=dtype, device=plan.device,
+                     name=name)
+        return runner
+    except SelfCheckError as exc:
+        lower = plan.downgraded() if downgrade else None
+        if lower is None:
+            raise
+        # the packed prompt attention passed its own check but not the whole model's: serve what is known to
+        # be right (the check's cached prompt block was computed the packed way: forget it)
+        logger.warning("%s\nwith prompt chunks packed for FlashAttention; serving with padded prompt chunks "
+                       "instead (what --prompt-attention padded asks for)", exc)
+        scheduler.invalidate_prefix_cache()
+    logger.info("execution plan: %s", lower.describe())
+    runner = runner_for(lower)
+    check_engine(runner, scheduler, model, vocab_size=vocab_size, dtype=dtype, device=lower.device, name=name)
+    return runner

@@ -1,8 +1,11 @@
-"""The `asyncgrpo serve` process: load the model, check the engine against it, listen, stop on a signal.
+"""The `asyncgrpo serve` process: load the model, build and check the engine, listen, stop on a signal.
 
-    load (loading.py) -> Server (app.py) -> self-check (self_check.py) -> listen -> SIGTERM/SIGINT -> stop
+    flags -> ServeConfig -> load (loading.py) -> EngineConfig -> build_engine (build.py: the parts, the
+    execution plan, the self-check) -> Server (app.py: routes) -> listen -> SIGTERM/SIGINT -> stop
 
-`ServerThread` runs the same server inside another process (a trainer's, on one GPU), in threads.
+This module is where command-line arguments end: `ServeConfig.from_args` freezes them, and everything
+below takes configs and collaborators. `ServerThread` runs the same server inside another process (a
+trainer's, on one GPU), in threads.
 
 A user error found while loading (a bad flag, a missing model, a model the engine would serve
 wrongly) is a `ModelLoadError`: its message is logged without a traceback and the exit status is 2.
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
+import gc
 import logging
 import os
 import signal
@@ -21,16 +26,31 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from aiohttp import web
 
 from asyncgrpo.parent_watch import watch_parent
-from asyncgrpo.server.app import BLOCK_SIZE, Server
-from asyncgrpo.server.loading import ModelLoadError, kv_cache_tokens, load_served_model, resolve_device
-from asyncgrpo.server.self_check import SelfCheckError, check_engine
+from asyncgrpo.server import protocol as P
+from asyncgrpo.server.app import Server
+from asyncgrpo.server.build import BLOCK_SIZE, EngineConfig, build_engine
+from asyncgrpo.server.engine import warm_up
+from asyncgrpo.server.lease import Leases
+from asyncgrpo.server.loading import (
+    ModelLoadError,
+    ServedModel,
+    kv_cache_tokens,
+    load_served_model,
+    resolve_device,
+)
+from asyncgrpo.server.lora import AdapterRegistry
+from asyncgrpo.server.metrics import ServerMetrics
+from asyncgrpo.server.routes.common import ServerInfo
+from asyncgrpo.server.routes.profile import EngineProfiler
 from asyncgrpo.server.step_graphs import HIGHEST_PRIORITY
+from asyncgrpo.server.weights import WeightLoader, WeightTransfer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -38,18 +58,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def _serve(args: argparse.Namespace, server: Server, stop: asyncio.Event | None = None,
+async def _serve(config: ServeConfig, server: Server, stop: asyncio.Event | None = None,
                  listening: Callable[[], None] | None = None, engine_stream=None) -> None:
     """Serve until `stop` is set (None: until SIGINT or SIGTERM, in the main thread); `listening` is
     called once the port is open; `engine_stream`: the CUDA stream of the engine thread."""
     loop = asyncio.get_running_loop()
-    server.start_engine(loop, engine_stream)
-    watchdog = asyncio.ensure_future(server.watch_leases())
+    start_engine(server, loop, engine_stream)
+    watchdog = asyncio.ensure_future(server.hold.watch())
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    logger.info("embedded server for %s listening on http://%s:%d", server.name, args.host, args.port)
+    logger.info("embedded server for %s listening on http://%s:%d", server.name, config.host, config.port)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,6 +82,24 @@ async def _serve(args: argparse.Namespace, server: Server, stop: asyncio.Event |
     watchdog.cancel()
     server.engine.stop()  # in-flight requests end with an error instead of holding the shutdown
     await runner.cleanup()
+
+
+def start_engine(server: Server, loop: asyncio.AbstractEventLoop, stream=None) -> None:
+    """Warm the engine up and start its thread (`stream`: its CUDA stream; None: the default one), the
+    metrics following every change of what runs."""
+    engine, metrics = server.engine, server.metrics
+    warm_up(engine.runner, engine.scheduler)
+    # what start-up built (modules, model, tokenizer) lives as long as the server: keep it out of
+    # the collector's full passes, which otherwise stall both threads for ~0.1 s every few thousand
+    # requests
+    gc.collect()
+    gc.freeze()
+
+    def update(engine) -> None:
+        s = engine.scheduler
+        metrics.update(len(s.running), len(s.waiting), s.kv_usage(), engine.stats, s.pool.stats)
+
+    engine.start(loop, on_update=update, stream=stream)
 
 
 def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 30.0) -> threading.Thread:
@@ -79,67 +117,137 @@ def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 
     return watch_parent(parent_pid, gone, interval_s)
 
 
-def build_server(args: argparse.Namespace) -> Server:
-    """Load the model, size the KV cache, build the server and check its engine against the model (a
-    user error is a `ModelLoadError`)."""
-    device = resolve_device(args.device)
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = 8192 if device.type == "cuda" else 2048
+@dataclass(frozen=True)
+class ServeConfig:
+    """`asyncgrpo serve`'s flags (`asyncgrpo.cli_args`; see its help for each), frozen: the only form they take
+    below the command line. None where the flag's default depends on the device or the model."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    kv_cache_tokens: int | None = None
+    gpu_memory_utilization: float | None = None
+    api_key: str | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    max_num_batched_tokens: int | None = None  # 8192 on CUDA, 2048 elsewhere
+    admission_interval: int = 1
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None  # on with CUDA
+    prompt_attention: str = "auto"
+    return_sampling_mask: bool = False
+    profiler_dir: str | None = None
+    enable_prefix_caching: bool = True
+    weight_transfer_timeout: float = 300.0
+    trainer_lease: float = 30.0
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    log_level: str = "info"
+    parent_pid: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """The config of parsed `asyncgrpo serve` arguments."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def of(cls, model: str, *flags: str) -> ServeConfig:
+        """What `asyncgrpo serve MODEL FLAGS...` runs with (a bad flag exits, as on the command line)."""
+        from asyncgrpo.cli_args import serve_arguments
+
+        return cls.from_args(serve_arguments(model, *flags))
+
+    @property
+    def name(self) -> str:
+        """The served model's name (/v1/models, requests' `model`)."""
+        return self.served_model_name or self.model
+
+    def batched_tokens(self, device: torch.device) -> int:
+        """The token budget of one forward pass on `device`."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.type == "cuda" else 2048
+
+    def engine(self, device: torch.device, kv_tokens: int) -> EngineConfig:
+        """The engine's config on `device`, with a KV cache of `kv_tokens` tokens."""
+        return EngineConfig(
+            name=self.model, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.batched_tokens(device),
+            kv_cache_tokens=kv_tokens, admission_interval=self.admission_interval,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
+            prompt_attention=self.prompt_attention, enable_prefix_caching=self.enable_prefix_caching,
+            enable_lora=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+        )
+
+    def info(self, served: ServedModel, engine: EngineConfig) -> ServerInfo:
+        """What the server says about itself, serving `served` with `engine`."""
+        spec = P.ServerSpec(
+            served_name=self.name,
+            max_model_len=served.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_logprobs=self.max_logprobs,
+            vocab_size=served.vocab_size,
+            return_sampling_mask=self.return_sampling_mask,
+            eos_token_id=served.eos_token_id,
+            extra_eos_ids=served.extra_eos_ids,
+            media_token_ids=served.media_token_ids,
+        )
+        return ServerInfo(model=self.model, name=self.name, created=int(time.time()), seed=self.seed,
+                          spec=spec, engine=engine)
+
+
+def build_server(config: ServeConfig) -> Server:
+    """Load the model, size the KV cache, build the engine (checked against the model) and the HTTP server
+    around it (a user error is a `ModelLoadError`)."""
+    device = resolve_device(config.device)
     reserved_before = 0  # what this process already holds is not the server's (a trainer's, in-process)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(device)
-    served = load_served_model(args.model, device, args.dtype, args.max_model_len)
-    kv_tokens = kv_cache_tokens(args.kv_cache_tokens, served, args.max_num_seqs, BLOCK_SIZE,
-                                args.gpu_memory_utilization, args.max_num_batched_tokens, reserved_before)
-    server = Server(args, served, kv_tokens)
-    # --prompt-attention: the runner packs prompt chunks where FlashAttention's check passed (auto), never
-    # (padded); flash_varlen insists, and an engine that then fails the model's self-check is refused
-    if args.prompt_attention == "flash_varlen" and not server.runner.varlen_prompts:
-        raise ModelLoadError(
-            "--prompt-attention flash_varlen: FlashAttention's variable-length kernel does not serve this model "
-            f"here (it needs CUDA, fp16/bf16, no soft-capped layers, and its start-up check; device {served.device}, "
-            f"{served.dtype}); use --prompt-attention auto or padded"
-        )
-
-    def check() -> None:
-        check_engine(server.runner, server.scheduler, served.model, vocab_size=served.vocab_size, dtype=served.dtype,
-                     device=served.device, name=args.model)
-
-    try:
-        check()
-    except SelfCheckError as exc:
-        if not (server.runner.varlen_prompts and args.prompt_attention == "auto"):
-            raise
-        # the packed prompt attention passed its own check but not the whole model's: serve what is known to
-        # be right (the check's cached prompt block was computed the packed way: forget it)
-        logger.warning("%s\nwith prompt chunks packed for FlashAttention; serving with padded prompt chunks instead "
-                       "(what --prompt-attention padded asks for)", exc)
-        server.runner.varlen_prompts = False
-        server.scheduler.invalidate_prefix_cache()
-        check()
-    return server
+    served = load_served_model(config.model, device, config.dtype, config.max_model_len)
+    kv_tokens = kv_cache_tokens(config.kv_cache_tokens, served, config.max_num_seqs, BLOCK_SIZE,
+                                config.gpu_memory_utilization, config.batched_tokens(device), reserved_before)
+    engine_config = config.engine(device, kv_tokens)
+    info = config.info(served, engine_config)
+    metrics = ServerMetrics(info.name)
+    engine = build_engine(engine_config, served)
+    return Server(
+        engine, served, info,
+        transfer=WeightTransfer(device, WeightLoader(served.model), config.weight_transfer_timeout),
+        leases=Leases(config.trainer_lease),
+        metrics=metrics,
+        adapters=AdapterRegistry(config.max_loras) if config.enable_lora else None,
+        profiler=EngineProfiler(config.profiler_dir, device) if config.profiler_dir else None,
+        api_key=config.api_key,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli`)."""
+    """Entry point of `asyncgrpo serve` (arguments from `asyncgrpo.cli_args`)."""
+    config = ServeConfig.from_args(args)
     logging.basicConfig(
-        level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=str(config.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.parent_pid is not None:
-        exit_with_parent(args.parent_pid)
+    if config.parent_pid is not None:
+        exit_with_parent(config.parent_pid)
     try:
-        check_port_free(args.host, args.port)  # before minutes of loading, not after
-        server = build_server(args)
+        check_port_free(config.host, config.port)  # before minutes of loading, not after
+        server = build_server(config)
     except ModelLoadError as exc:  # the user's input: the message says what to change, a traceback would not
         logger.error("%s", exc)
         return 2
     try:
-        asyncio.run(_serve(args, server))
+        asyncio.run(_serve(config, server))
     except OSError as exc:  # the port was taken while the model loaded
         if exc.errno != errno.EADDRINUSE:
             raise
-        logger.error("%s", port_in_use(args.host, args.port))
+        logger.error("%s", port_in_use(config.host, config.port))
         return 2
     return 0
 
@@ -192,12 +300,15 @@ class ServerThread:
     The threads share this process's interpreter lock: while the server runs, the interpreter switches
     threads every `switch_interval_s` (None: leave it as it is) instead of Python's 5 ms.
 
-    >>> with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", "8000")) as server:
+    >>> with ServerThread(ServeConfig.of("asyncgrpo/tiny-chat", "--port", "8000")) as server:
     ...     ...  # http://127.0.0.1:8000 answers
+
+    The parsed arguments of `asyncgrpo serve` (`cli_args.serve_arguments`) are taken too, frozen here.
     """
 
-    def __init__(self, args: argparse.Namespace, switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
-        self.args = args
+    def __init__(self, config: ServeConfig | argparse.Namespace,
+                 switch_interval_s: float | None = IN_PROCESS_SWITCH_INTERVAL_S) -> None:
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig.from_args(config)
         self.switch_interval_s = switch_interval_s
         self._switch_before: float | None = None  # the interval to restore at stop
         self.server: Server | None = None
@@ -210,10 +321,10 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"http://{self.args.host}:{self.args.port}"
+        return f"http://{self.config.host}:{self.config.port}"
 
     def start(self, timeout_s: float = 60.0) -> Self:
-        self.server = build_server(self.args)
+        self.server = build_server(self.config)
         self.server.transfer.in_process = True
         if self.server.served.device.type == "cuda":
             torch.cuda.synchronize(self.server.served.device)  # start-up work done before another stream reads it
@@ -224,7 +335,7 @@ class ServerThread:
 
         async def run() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await _serve(self.args, self.server, self._stop, self._ready.set, self.stream)
+            await _serve(self.config, self.server, self._stop, self._ready.set, self.stream)
 
         def target() -> None:
             try:

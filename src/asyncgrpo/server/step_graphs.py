@@ -1,11 +1,13 @@
 """Steps with fixed shapes, replayed as CUDA graphs: the forward pass, then sampling.
 
 A decode step of B sequences is padded to a batch bucket (1, 2, 4, 8, 16, 32, then steps of 32 up to
-256 and of 128 above), its block tables to a power-of-two number of blocks (from the bucket where the
-decode attention no longer splits contexts, about 2 x multiprocessors / kv heads rows, the whole
-table: one graph for every context length) and its groups of rows sharing their first blocks
-(`shared_prefix.py`) to a power-of-two number of group entries (0: none); every input lives in a
-static device buffer, so each (batch, block, group) bucket is captured once and replayed: the ~30 kernels per layer of the Hugging Face forward cost one launch. Padded rows read
+256 and of 128 above), its block tables to a power-of-two number of blocks and its groups of rows
+sharing their first blocks (`attention/shared_prefix.py`) to a power-of-two number of group entries (0:
+none); every input lives in a static device buffer, so each bucket is captured once and replayed: the
+~30 kernels per layer of the Hugging Face forward cost one launch. The execution plan keys the graphs
+(`ExecutionPlan.graph_key`): where its decode attention never splits a context from some batch bucket
+on (the Triton kernel, about 2 x multiprocessors / kv heads rows), such steps take the whole table, one
+graph for every context length; without the shared pass no graph has group entries. Padded rows read
 and write the cache's scratch block and their logits are dropped; padded group entries have no members.
 
 A row is one query of the paged decode attention: a token, its position, the cache slot its keys go
@@ -24,7 +26,7 @@ output (`sampling.pack`). Steps whose logits need processing first (repetition p
 bans) sample eagerly.
 
 Without CUDA (or with graphs off) the same static path runs eagerly, which is how the CPU tests
-check it.
+check it. The graphs read the plan they were built with; the runner that replays them holds the same.
 """
 
 from __future__ import annotations
@@ -38,14 +40,12 @@ import numpy as np
 import torch
 
 from asyncgrpo.capture_gate import capture_window
-from asyncgrpo.server.attention_math import attention_variants
-from asyncgrpo.server.decode_attention import check_decode_variants, triton_serves
-from asyncgrpo.server.decode_kernels import one_split_programs
+from asyncgrpo.server.attention.base import DecodeSegment, SharedPrefixTensors, StepAttention
+from asyncgrpo.server.attention.plan import ExecutionPlan, GraphKey
 from asyncgrpo.server.host_copy import copy_into
-from asyncgrpo.server.kv_cache import AttentionMetadata, PagedKVCache
+from asyncgrpo.server.kv_cache import PagedKVCache
 from asyncgrpo.server.recurrent_state import STEP_KWARG, RecurrentState, RecurrentStep
 from asyncgrpo.server.sampling import SamplingPlan, pack, sample
-from asyncgrpo.server.shared_prefix import SharedPrefixTensors
 
 # a CUDA stream priority past the device's range maps to the nearest one it has (lower is higher)
 HIGHEST_PRIORITY = -(1 << 10)
@@ -88,7 +88,7 @@ class StepGraphs:
         self,
         model: torch.nn.Module,
         cache: PagedKVCache,
-        device: torch.device,
+        plan: ExecutionPlan,
         max_num_seqs: int,
         max_blocks: int,
         use_graphs: bool,
@@ -97,27 +97,21 @@ class StepGraphs:
         lora: ServedLora | None = None,
         recurrent: RecurrentState | None = None,
     ) -> None:
-        """max_prompt_rows: prompt tokens a step may add to its decode rows and still take a graph
-        (where the model runner lays chunks out as rows; 0: decode-only steps). lora: the served LoRA
-        adapters (`--enable-lora`): steps with adapter rows replay graphs that add every slot's delta,
-        each row's slot a one-hot in a static buffer. recurrent: a hybrid model's DeltaNet state
-        (`recurrent_state.py`): decode steps read and write the slots of the scheduler rows held in a
-        static buffer (padded rows: its scratch slot); steps with prompt tokens run eagerly."""
+        """plan: the execution plan (device, decode attention backends, graph keys). max_prompt_rows: prompt
+        tokens a step may add to its decode rows and still take a graph (where the plan lays chunks out as
+        rows; 0: decode-only steps). lora: the served LoRA adapters (`--enable-lora`): steps with adapter
+        rows replay graphs that add every slot's delta, each row's slot a one-hot in a static buffer.
+        recurrent: a hybrid model's DeltaNet state (`recurrent_state.py`): decode steps read and write the
+        slots of the scheduler rows held in a static buffer (padded rows: its scratch slot); steps with
+        prompt tokens run eagerly."""
         self.model = model
         self.cache = cache
-        self.device = device
+        self.plan = plan
+        self.device = device = plan.device
         self.max_blocks = max_blocks
-        self.use_graphs = use_graphs
+        # (every decode backend of the plan declares that a graph may capture it)
+        self.use_graphs = use_graphs and plan.graphs_capture
         self.max_prompt_rows = max_prompt_rows
-        # batch buckets from which a step's graph takes the whole block table, whatever its contexts: None
-        # (every bucket keys graphs by a power-of-two table width too), see `_table_width`
-        self.wide_from: int | None = None
-        if device.type == "cuda":  # the decode attention variants the layers use, checked before any capture
-            variants = attention_variants(model)
-            check_decode_variants(device, cache.k[0].dtype, variants)
-            if all(triton_serves(device, cache.k[0].dtype, cache.head_dim, *v) for v in variants):
-                sms = torch.cuda.get_device_properties(device).multi_processor_count
-                self.wide_from = -(-one_split_programs(sms) // cache.num_kv_heads)
         self._num_sampled = batch_bucket(max_num_seqs)  # rows that sample: at most one per sequence
         n = batch_bucket(max_num_seqs + max_prompt_rows)
         # rows: input ids, positions, cache slots, context lengths, rows the LM head keeps (sampled first)
@@ -155,7 +149,6 @@ class StepGraphs:
         b, nb = inputs.block_tables.shape
         bp = batch_bucket(b)
         width = block_bucket(nb, self.max_blocks)  # the columns written; those past them are never read
-        nbp = self._table_width(bp, width)
         # padded rows: token 0 at position 0, written to and read from the scratch block
         host = np.empty((5, bp), dtype=np.int64)
         host[:4, b:] = np.array([[0], [0], [self._scratch_slot], [1]])
@@ -196,16 +189,8 @@ class StepGraphs:
             slots = np.full(bp, -1, dtype=np.int64)
             slots[:b] = inputs.lora_slots
             copy_into(self._slots[:bp], self.lora.slot_onehot(slots))
-        key = ("forward", bp, nbp, gp, adapters)
-        return self._replay(key, lambda: self._forward(bp, nbp, gp, adapters))[:num_sampled]
-
-    def _table_width(self, bp: int, width: int) -> int:
-        """Block-table columns a step of `bp` rows attends through (a graph's input shape, in its key).
-        The decode attention splits a row's context so that every multiprocessor has work, by the
-        table's width; from `wide_from` rows on it never splits, so the graph takes the whole table and
-        serves every context length: fewer graphs, fewer mid-run captures as contexts grow. Smaller
-        steps take the power-of-two `width` that covers their contexts, which sizes their splits."""
-        return self.max_blocks if self.wide_from is not None and bp >= self.wide_from else width
+        key = self.plan.graph_key(bp, width, gp, adapters, self.max_blocks)
+        return self._replay(("forward", *key), lambda: self._forward(key))[:num_sampled]
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, token_hashes: torch.Tensor) -> torch.Tensor:
         """Sample B rows of logits ([B, V], any float dtype) with the host parameters of `plan`
@@ -250,24 +235,18 @@ class StepGraphs:
         graph.replay()
         return out
 
-    def _forward(self, bp: int, nbp: int, gp: int, adapters: bool = False) -> torch.Tensor:
-        meta = AttentionMetadata(
-            cache=self.cache,
-            slot_mapping=self._vec[2, :bp],
-            num_decode=bp,
-            block_tables=self._tables[:bp, :nbp],
-            context_lens=self._vec[3, :bp],
-            prefill_lens=[],
-            pad_index=None,
-            unpad_index=None,
-            shared=SharedPrefixTensors(self._shared_lens[:bp], self._groups[:gp]) if gp else None,
-        )
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        """The step of `key`'s shape over the static buffers: one segment of decode rows."""
+        bp, gp = key.rows, key.groups
+        shared = SharedPrefixTensors(self._shared_lens[:bp], self._groups[:gp]) if gp else None
+        rows = DecodeSegment(bp, self._tables[:bp, : key.blocks], self._vec[3, :bp], shared)
+        meta = StepAttention(self.cache, self._vec[2, :bp], [rows], self.plan.backends)
         extra = {}
         if self.recurrent is not None:
             if bp not in self._recurrent_steps:
                 self._recurrent_steps[bp] = self.recurrent.decode_step(self._state_rows[:bp])
             extra[STEP_KWARG] = self._recurrent_steps[bp]
-        lora = self.lora.fixed_step(self._slots[:bp]) if adapters else contextlib.nullcontext()
+        lora = self.lora.fixed_step(self._slots[:bp]) if key.adapters else contextlib.nullcontext()
         with lora:
             out = self.model(
                 input_ids=self._vec[0, :bp][None],

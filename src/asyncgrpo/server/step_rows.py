@@ -3,7 +3,7 @@
 A decode sequence is one row: its last token over its cached context (`decode_inputs`). A step whose
 prompt chunks are short enough to replay a CUDA graph (`step_graphs.py`) makes every chunk token one
 more row, which sees its sequence's tokens up to itself (`prompt_rows`); runs of a chunk's rows read
-the blocks before them once (`context_attention.rows_sharing`).
+the blocks before them once (`attention.rows.rows_sharing`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncgrpo.server.context_attention import chunk_positions, rows_sharing
+from asyncgrpo.server.attention.base import chunk_positions
+from asyncgrpo.server.attention.rows import rows_sharing
+from asyncgrpo.server.attention.shared_prefix import SharedPrefixes
 from asyncgrpo.server.sequence import Sequence
-from asyncgrpo.server.shared_prefix import SharedPrefixes
 
 
 @dataclass
@@ -58,7 +59,7 @@ def prompt_rows(
 ) -> StepRows:
     """A step as rows of the decode attention (`step_graphs.py`): the decode rows `dec` (None: none),
     then a row per token of each prompt chunk, which sees its sequence's tokens up to itself. Runs of up
-    to `members` rows of a chunk read its blocks before them once (`context_attention.rows_sharing`);
+    to `members` rows of a chunk read its blocks before them once (`attention.rows.rows_sharing`);
     the rows that sample are the decode rows and the last row of each chunk that ends its prompt."""
     nd = 0 if dec is None else len(dec.token_ids)
     lens = np.fromiter((s.prefill_end - s.prefill_start for s in prefill), np.int64, len(prefill))

@@ -1,9 +1,9 @@
 """vLLM's profiling routes: the torch profiler over the engine thread, between two HTTP calls.
 
     POST /start_profile   the profiler starts in the engine thread, between two steps
-    POST /stop_profile    it stops there, and (off the engine thread) a Chrome trace (`trace-<time>.json.gz`, for Perfetto or
-                          chrome://tracing) and a table of the operators and kernels with the most own
-                          time (`summary-<time>.txt`) are written to the profiler directory
+    POST /stop_profile    it stops there, and (off the engine thread) a Chrome trace (`trace-<time>.json.gz`,
+                          for Perfetto or chrome://tracing) and a table of the operators and kernels with
+                          the most own time (`summary-<time>.txt`) are written to the profiler directory
 
 The routes exist only when the server has a profiler directory (`--profiler-dir`, or vLLM's
 `VLLM_TORCH_PROFILER_DIR`): profiling slows every step while it runs. The trace holds the engine
@@ -22,10 +22,11 @@ import torch
 from aiohttp import web
 
 from asyncgrpo.server import protocol as P
+from asyncgrpo.server.engine import Engine
+from asyncgrpo.server.routes.common import RouteTable
 
 logger = logging.getLogger(__name__)
 
-PROFILE_ROUTES = (("POST", "/start_profile", "start_profile"), ("POST", "/stop_profile", "stop_profile"))
 SUMMARY_ROWS = 40
 
 
@@ -54,7 +55,8 @@ class EngineProfiler:
             raise P.ApiError(409, "the profiler is not running: POST /start_profile first")
         profile, self._profile = self._profile, None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the last steps' kernels belong in the trace
+            # the last steps' kernels belong in the trace
+            torch.cuda.current_stream(self.device).synchronize()
         profile.__exit__(None, None, None)
         return profile
 
@@ -72,12 +74,19 @@ class EngineProfiler:
         return {"trace": str(trace), "summary": str(summary), "num_events": len(profile.events())}
 
 
-class ProfileRoutes:
-    """Handlers of the profiling routes (mixed into app.Server, which sets `self.profiler`)."""
+class ProfileRoutes(RouteTable):
+    """POST /start_profile, /stop_profile over the engine's profiler."""
+
+    ROUTES = (("POST", "/start_profile", "start_profile"), ("POST", "/stop_profile", "stop_profile"))
+
+    def __init__(self, engine: Engine, profiler: EngineProfiler) -> None:
+        self.engine = engine
+        self.profiler = profiler
 
     async def start_profile(self, request: web.Request) -> web.Response:
         await self.engine.call(self.profiler.start)
-        return web.json_response({"message": f"profiling; POST /stop_profile writes to {self.profiler.directory}"})
+        message = f"profiling; POST /stop_profile writes to {self.profiler.directory}"
+        return web.json_response({"message": message})
 
     async def stop_profile(self, request: web.Request) -> web.Response:
         profile = await self.engine.call(self.profiler.stop)

@@ -1,30 +1,53 @@
-"""Decode sequences that share their first KV blocks: read the shared part once for all of them.
+"""Segment kind `decode_shared`: decode rows whose first KV blocks are the same, read once for all.
 
 With prefix caching, the samples of a GRPO group (the same prompt sent G times) hold the same
 physical blocks for the whole prompt. Decode attention that walks each sequence's blocks on its own
 reads that prompt G times per layer and step; at 2048-token prompts and 256-token completions that
-is ~90 % of the KV it reads. The Triton decode attention (`decode_attention.py`) can instead split
-each such sequence's context in two:
+is ~90 % of the KV it reads. Instead each such sequence's context is split in two:
 
     shared part   tokens [0, shared_len) of the group, read once by one program per (group, kv
                   head, split) for the queries of all its members (members x query heads per kv head
                   rows of one tile), giving each member a partial softmax (sum, max, normaliser)
     own part      tokens [shared_len, context) of the sequence, as before
 
-and merging the partial results exactly (the flash-decoding merge of splits).
+and the partial results are merged exactly (the flash-decoding merge of splits).
 
-This module finds the groups on the host, once per step, from the decode block tables: sequences
-whose tables start with the same blocks share those blocks' KV (a block id names one copy of the
-KV; only full, cached blocks are ever shared). Pure numpy; the device side is in decode_attention.py.
+The groups are found on the host, once per step, from the decode block tables (`find_shared_prefixes`):
+sequences whose tables start with the same blocks share those blocks' KV (a block id names one copy of
+the KV; only full, cached blocks are ever shared). Pure numpy. Two backends compute the segment:
+`TritonSharedDecode` (the Triton kernels' shared pass, where its check passes) and
+`GatherSharedDecode` (the same arithmetic in plain torch, any device, layers without window or
+soft-cap). Windowed layers read each sequence's own blocks (members at different lengths see
+different windows): for them, and where neither serves, the plan takes a `decode` backend, which reads
+the same segment and ignores its groups.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from asyncgrpo.server.attention.base import (
+    SHARED,
+    AttentionBackend,
+    DecodeSegment,
+    Probe,
+    SharedPrefixTensors,
+    Support,
+    Variant,
+)
+from asyncgrpo.server.attention.decode import (
+    first_pools,
+    triton_matches_gather,
+    triton_serves,
+    triton_works_on,
+    warm_up_options,
+    warm_up_rows,
+)
+from asyncgrpo.server.decode_kernels import decode_attention_triton
 from asyncgrpo.server.host_copy import to_device
 
 # a group's part is worth a separate pass from this many shared blocks on
@@ -77,14 +100,6 @@ class SharedPrefixes:
                 g[:, 1:] = np.where(g[:, 1:] >= 0, g[:, 1:] + offset, -1)
                 groups.append(g)
         return SharedPrefixes(lens, np.concatenate(groups))
-
-
-@dataclass
-class SharedPrefixTensors:
-    """`SharedPrefixes` on the device: lens [B] and groups [G, 1 + M], int64."""
-
-    lens: torch.Tensor
-    groups: torch.Tensor
 
 
 def find_shared_prefixes(
@@ -165,7 +180,7 @@ def decode_attention_shared_gather(
 ) -> torch.Tensor:
     """What the Triton kernels compute, in plain torch: each sequence's shared tokens [0, lens) read
     through its group's first member's table, its own tokens [lens, context) through its own, the two
-    partial softmaxes merged. Shapes as `decode_attention.decode_attention_gather` (no window, no soft-cap).
+    partial softmaxes merged. Shapes as `decode.decode_attention_gather` (no window, no soft-cap).
     Equals plain attention exactly when the groups only claim blocks their members share."""
     bd, h, d = q.shape
     _, block_size, kvh, _ = k_pool.shape
@@ -189,3 +204,57 @@ def decode_attention_shared_gather(
     w_own, w_common = torch.exp(own[2] - m), torch.exp(common[2] - m)
     out = (own[0] * w_own + common[0] * w_common) / (own[1] * w_own + common[1] * w_common)
     return out.reshape(bd, h, d).to(q.dtype)
+
+
+@functools.cache
+def shared_pass_works_on(device: torch.device, dtype: torch.dtype, capped: bool = False) -> bool:
+    """The Triton check (`decode.triton_works_on`) for the shared-prefix pass (layers without a window);
+    where it fails, decode attention keeps the plain Triton kernel and reads every sequence's blocks
+    itself."""
+    return triton_works_on(device, dtype, False, capped) and triton_matches_gather(
+        device, dtype, shared_pass=True, windowed=False, capped=capped)
+
+
+class TritonSharedDecode(AttentionBackend):
+    """The Triton kernels with their shared pass: each group entry's blocks once, then each row's own."""
+
+    kind = SHARED
+    name = "triton_shared"
+    support = Support(devices=frozenset({"cuda"}), windows=False, graphs=True)
+    reads = DecodeSegment
+
+    @classmethod
+    def check(cls, probe: Probe, variant: Variant) -> bool:
+        return triton_serves(probe.device, probe.dtype, probe.head_dim, *variant) and shared_pass_works_on(
+            probe.device, probe.dtype, variant[1])
+
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
+        return decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
+                                       segment.context_lens, scale, shared=segment.shared, window=window,
+                                       softcap=softcap)
+
+    def warm_up(self, cache, variant: Variant) -> None:
+        """The shared pass with groups of the plan's members (its split counts are run-time arguments)."""
+        q, tables, lens = warm_up_rows(cache, self.probe.num_heads)
+        device, block_size = q.device, cache.block_size
+        groups = torch.full((1, 1 + self.probe.shared_members), -1, dtype=torch.int64, device=device)
+        groups[0, :3] = torch.tensor([block_size, 0, 1])
+        shared = SharedPrefixTensors(torch.full((2,), block_size, dtype=torch.int64, device=device), groups)
+        decode_attention_triton(q, *first_pools(cache), tables, lens, 1.0, num_splits=1, shared=shared,
+                                num_shared_splits=2, **warm_up_options(block_size, variant))
+
+
+class GatherSharedDecode(AttentionBackend):
+    """`decode_attention_shared_gather`: what the kernels compute, in plain torch (any device; no window,
+    no soft-cap)."""
+
+    kind = SHARED
+    name = "gather_shared"
+    support = Support(windows=False, softcap=False, graphs=True)
+    reads = DecodeSegment
+
+    def forward(self, q, k, v, k_pool, v_pool, segment: DecodeSegment, scale, window,
+                softcap) -> torch.Tensor:
+        return decode_attention_shared_gather(q.transpose(0, 1), k_pool, v_pool, segment.block_tables,
+                                              segment.context_lens, scale, segment.shared)

@@ -1,0 +1,96 @@
+"""What the route classes share: their route tables, the server's description, request-body and query
+parsing, and the check that the engine takes new requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from asyncgrpo.server import protocol as P
+from asyncgrpo.server.build import EngineConfig
+from asyncgrpo.server.engine import Engine
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouteTable:
+    """A route class: `ROUTES` names its (method, path, handler method); `routes()` binds them."""
+
+    ROUTES: ClassVar[tuple[tuple[str, str, str], ...]] = ()
+
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        return [(method, path, getattr(self, handler)) for method, path, handler in self.ROUTES]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the server says about itself (/v1/models, /server_info), fixed at start."""
+
+    model: str  # the model as it was asked for (a card's root)
+    name: str  # the served name (--served-model-name, else `model`)
+    created: int  # unix time of the start
+    seed: int  # of requests that send none
+    spec: P.ServerSpec  # what requests are checked against
+    engine: EngineConfig
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+async def read_body(request: web.Request, required: bool = True) -> dict:
+    """The request's JSON object (parsed as JSON only: nothing a client sends is ever unpickled); {} for an
+    empty body that is not `required`."""
+    text = await request.text()
+    if not text.strip() and not required:
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise P.ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise P.ApiError(400, "the request body nests JSON arrays or objects too deeply") from None
+    if not isinstance(body, dict):
+        raise P.ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def query_seconds(request: web.Request, key: str) -> float | None:
+    value = request.query.get(key)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{key} must be a number of seconds >= 0 (0: no expiry), got {value!r}")
+    return seconds
+
+
+def query_bool(request: web.Request, key: str, default: bool) -> bool:
+    value = request.query.get(key)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key} must be true or false, got {value!r}")
+
+
+def engine_running(engine: Engine) -> None:
+    """500 unless the engine thread runs."""
+    if not engine.alive:
+        raise P.ApiError(500, "the generation engine is not running; see the server log")
+
+
+def accepting(engine: Engine) -> None:
+    """Whether a generation request may enter: the engine runs and is not paused (keep mode queues)."""
+    engine_running(engine)
+    if engine.pause_mode in ("abort", "wait"):
+        raise P.ApiError(503, P.PAUSED_MESSAGE)
