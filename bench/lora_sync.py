@@ -10,9 +10,9 @@ Per server (the embedded server, started here; with `--vllm-url` also a running 
     adapter sync   the trainer's `AdapterSync.push` (write the PEFT folder, POST /v1/load_lora_adapter,
                    unload the version that left the window, max_staleness 1): write / load / total
                    seconds and bytes; the first load (before the generation phase) is kept apart
-    merged sync    the trainer's `push_weights` of the PEFT model (merged into the base weights for the
-                   copy) through the transport the trainer would pick (`make_transport`): pause /
-                   transfer / resume seconds and bytes, after one unreported warm-up sync
+    merged sync    the trainer's push of the PEFT model (merged into the base weights for the copy)
+                   through the full-weight transport the trainer would pick (`full_weight_transport`):
+                   pause / transfer / resume seconds and bytes, after one unreported warm-up sync
 
 The embedded server runs twice: without LoRA (base generation and merged sync, what a run without
 adapter serving does) and with --enable-lora (base vs adapter generation, adapter sync; on CUDA its
@@ -57,6 +57,8 @@ import torch
 from provenance import command_line
 from random_qwen3 import SHAPES, build_random_qwen3
 from serve_throughput import device_slug, make_prompts, wait_for_health
+
+from asyncgrpo.types import WeightVersion
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_STALENESS = 1  # two adapter versions stay registered, as in a run with max_staleness=1
@@ -218,7 +220,7 @@ def adapter_sync_phase(sync, model, dtype: torch.dtype, args, deadline: float) -
             timed_out = True
             break
         move_adapter(model, seed=100 + i)
-        runs.append(sync.push(model, version=1 + i, dtype=dtype))
+        runs.append(sync.push(model, WeightVersion(1 + i)))
         r = runs[-1]
         print(f"  adapter sync {i}: write {r['write_s']:.3f} s, load {r['load_s']:.3f} s, total {r['total_s']:.3f} s, "
               f"{r['bytes'] / 1e6:.1f} MB", flush=True)
@@ -231,13 +233,13 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
     """One warm-up and `--syncs` reported merged pushes; with `restore_base` a last push of the base
     weights (lora_B zeroed), so the server serves what it was started with."""
     from asyncgrpo.train.server_link import ServerLink
-    from asyncgrpo.train.weight_push import make_transport, push_weights
+    from asyncgrpo.train.weights.choose import full_weight_transport
 
     link = ServerLink(url, timeout_s=max(30.0, deadline - time.monotonic()))
     try:
         info = link.connect()
         try:
-            transport = make_transport(link, torch.device(args.device), info.device)
+            transport = full_weight_transport(link, torch.device(args.device), dtype, info.device)
         except ValueError as exc:  # this server takes no weights from this trainer: say why, not a failure
             return {"skipped": str(exc)}
         transport.init()
@@ -250,14 +252,14 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
                 move_adapter(model, seed=200 + i)
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
-                r = push_weights(model, transport, dtype=dtype, version=f"bench-merged-{i}")
+                r = transport.push(model, WeightVersion(1 + i))
                 print(f"  merged sync {i}{' (warm-up)' if i == 0 else ''}: pause {r['pause_s']:.3f} s, transfer "
                       f"{r['transfer_s']:.3f} s, total {r['total_s']:.3f} s, {r['bytes'] / 1e6:.1f} MB", flush=True)
                 if i:
                     runs.append(r)
             if restore_base:
                 with adapter_off(model):
-                    push_weights(model, transport, dtype=dtype, version="bench-base")
+                    transport.push(model, WeightVersion(0))  # the weights the server started with
                 print("  base weights pushed back", flush=True)
         finally:
             transport.close()
@@ -272,13 +274,13 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
 
 def lora_phases(report: Report, label: str, url: str, model, dtype, prompts, args, workdir: Path) -> None:
     """Against a server serving LoRA adapters at run time: first load, generation, adapter syncs."""
-    from asyncgrpo.train.lora_sync import AdapterSync
+    from asyncgrpo.train.weights.adapters import AdapterSync
 
     sync = AdapterSync(url, output_dir=workdir / label, max_staleness=MAX_STALENESS, timeout_s=args.phase_timeout_s,
-                       name="bench-lora")
-    sync.start()
+                       dtype=dtype, name="bench-lora")
+    sync.init()
     try:
-        report.phase(label, "first_load", lambda deadline: sync.push(model, version=0, dtype=dtype),
+        report.phase(label, "first_load", lambda deadline: sync.push(model, WeightVersion(0)),
                      args.phase_timeout_s)
         report.phase(label, "generation",
                      lambda deadline: generation_phase(url, sync.adapter_name(0), prompts, args, deadline),

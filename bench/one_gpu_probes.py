@@ -342,10 +342,8 @@ class RunRecorder(TrainerCallback):
         return self.elapsed_s() - self.steps[self.warmup_steps - 1]["t_s"]
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.transport is None and self.trainer is not None and self.trainer.weight_transport is not None:
-            t = self.trainer.weight_transport
-            detail = getattr(getattr(t, "sender", None), "dialect", None) or getattr(t, "backend", None)
-            self.transport = f"{type(t).__name__}({detail})"
+        if self.transport is None and self.trainer is not None and self.trainer.weights is not None:
+            self.transport = str(self.trainer.weights)  # "CollectiveTransport(gloo)", "IpcTransport(embedded)", ...
         if self.steady_s() > self.max_seconds:
             self.stopped_by_time = True
             control.should_training_stop = True

@@ -1,5 +1,5 @@
 """Weight-sync benchmark: the trainer's weights pushed into the embedded server, several times, through
-the trainer's own path (`ServerLink.sync_weights`: pause(keep) -> `WeightSender.push` of
+the trainer's own path (`CollectiveTransport.push(model, version)`: pause(keep) -> `WeightSender.push` of
 `weights_for_server` -> resume); NCCL when the trainer is on CUDA, gloo on CPU, packed layout.
 
 Before each sync every weight is perturbed (seeded), so every push carries new values. Per sync it
@@ -53,17 +53,13 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype), alpha=1e-3)
 
 
-def one_sync(link, model: torch.nn.Module, dtype: torch.dtype, version: str) -> dict:
-    """What `AsyncGRPOTrainer` does at a sync of an unsharded model."""
-    from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
+def one_sync(transport, model: torch.nn.Module, version: int) -> dict:
+    """What `AsyncGRPOTrainer` does at a sync of an unsharded model (`self.weights.push`)."""
+    from asyncgrpo.types import WeightVersion
 
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    tensors = weights_for_server(model, dtype)
-    try:
-        timings = link.sync_weights(lambda: tensors, version=version, metas=server_weight_metas(model, dtype))
-    finally:
-        tensors.close()
+    timings = transport.push(model, WeightVersion(version))
     timings["gb_per_s"] = timings["bytes"] / timings["transfer_s"] / 1e9
     return timings
 
@@ -71,7 +67,7 @@ def one_sync(link, model: torch.nn.Module, dtype: torch.dtype, version: str) -> 
 def compare_checksums(url: str, model: torch.nn.Module, dtype: torch.dtype) -> dict:
     from asyncgrpo.generation.client import GenerationClient
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
-    from asyncgrpo.train.model_setup import weights_for_server
+    from asyncgrpo.train.weights.gather import weights_for_server
 
     async def served() -> tuple[dict[str, str], str]:
         async with GenerationClient(url, timeout_s=600) as client:
@@ -111,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncgrpo.launch import EmbeddedServer
     from asyncgrpo.train.server_link import ServerLink
+    from asyncgrpo.train.weights.collective import CollectiveTransport
 
     tmp = tempfile.TemporaryDirectory() if args.model_dir is None else None
     path = Path(args.model_dir or tmp.name)
@@ -125,21 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedServer(str(path), device=kind, extra_args=serve_args, log_path=log, env=server_env,
                         startup_timeout_s=600) as server:
         link = ServerLink(server.url, timeout_s=600)
+        transport = None
         try:
             info = link.connect()
             dtype = getattr(torch, str(info.dtype).removeprefix("torch."))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(trainer_device)
+            transport = CollectiveTransport(link, trainer_device, dtype)
             t0 = time.perf_counter()
-            link.init_weight_transfer(trainer_device)
+            transport.init()
             init_s = time.perf_counter() - t0
             syncs = []
             for i in range(args.warmup + args.syncs):
                 perturb(model, seed=i)
-                timings = one_sync(link, model, dtype, version=f"bench-{i}")
+                timings = one_sync(transport, model, version=i + 1)
                 if i >= args.warmup:
                     syncs.append(timings)
             checksum = compare_checksums(server.url, model, dtype)
         finally:
+            if transport is not None:
+                transport.close()
             link.close()
     if tmp is not None:
         tmp.cleanup()

@@ -14,6 +14,9 @@ One vocabulary from `TrainingSequence` on (the `TurnRecord` names are the refere
     | the sampler's top-K log-probs          | output_sampler_logprobs | sampler_topk (dicts) -> sampler_topk_ids / sampler_topk_logprobs (arrays) |
     | the ids the sampler could draw from    | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / candidate_offsets (CSR) |
 
+The model version every record carries (`RolloutGroup.model_version`, `Sample.model_version`) is a
+`WeightVersion`'s value, stored as a plain int: the one spelling of "which weights" (see its docstring).
+
 `TurnRecord`, `Rollout` and `RolloutGroup` are mutable on purpose: user hooks build them and set
 `Rollout.reward` / `RolloutGroup.rewards`. `TrainingSequence` and `Sample` are frozen; `Sample` leaves
 the rollout process through the queue (`asyncgrpo.rollout.channel.QueuedSample`) as numpy arrays.
@@ -34,6 +37,46 @@ Messages = list[dict[str, Any]]
 
 def _new_rollout_id() -> str:
     return uuid.uuid4().hex
+
+
+# -- the weights version ---------------------------------------------------------------------------
+
+ADAPTER_NAME = "asyncgrpo-lora"
+"""The name adapter-only LoRA sync registers its adapter versions under, before the version suffix."""
+
+
+def adapter_name_template(name: str = ADAPTER_NAME) -> str:
+    """The served adapter name of every version, with "{version}" to fill (`AsyncRolloutLoop(lora_name=...)`)."""
+    return f"{name}-v{{version}}"
+
+
+class WeightVersion(int):
+    """THE version of the policy's weights: 0 for the weights training starts from (pushed by `train()`;
+    on resume, the version of the checkpoint's `rollout_state.json`), one more at each weight sync.
+
+        trainer          pushes version v, then publishes v to the rollout process (`RolloutChannel`)
+        rollout process  a group started under v stamps v on its samples (`Sample.model_version`)
+        staleness        the trainer's version minus a sample's (`rollout.admission.staleness`)
+        server           the label `label()` ("v3") of the pushed weights (`/finish_weight_update`,
+                         `/weight_info`, the `weight_versions` spans); the server's own "default" names
+                         the weights it loaded, which no trainer pushed
+        LoRA adapters    adapter-only sync serves v as the adapter `adapter_name()` ("asyncgrpo-lora-v3")
+
+    The label follows the version, not the optimizer step: with `weight_sync_steps` > 1 or a resumed run
+    the step says nothing about which weights are served. An int, so it is stored and sent as a plain
+    number (the shared value, `Sample`, `rollout_state.json`); arithmetic on it gives a plain int."""
+
+    __slots__ = ()
+
+    def label(self) -> str:
+        return f"v{int(self)}"
+
+    def adapter_name(self, name: str = ADAPTER_NAME) -> str:
+        return adapter_name_template(name).format(version=int(self))
+
+    def next(self) -> WeightVersion:
+        """The version the next weight sync makes."""
+        return WeightVersion(int(self) + 1)
 
 
 @dataclass
@@ -171,7 +214,7 @@ class RolloutGroup:
             re-tokenized history changed between turns yields more than one.
         tool_call_counts: Number of tool calls in each rollout.
         tool_failure_counts: Number of failed tool calls in each rollout.
-        model_version: Model version when the group's first rollout started.
+        model_version: Model version (a `WeightVersion`'s value) when the group's first rollout started.
         group_id: Group identifier, counted from 0 in the rollout process.
         row_index: Index of the prompt's row in the training dataset.
         env_rewards: For a rollout whose environment defines `get_reward`, the environment class
@@ -258,6 +301,7 @@ class Sample:
         sampler_logprobs: float32 [L], the sampler's log-prob of each token (0.0 where not trained).
         advantage: the rollout's advantage, shared by all its trained tokens.
         group_id: the prompt group (the batcher keeps a group in one row to share its prompt).
+        model_version: the `WeightVersion` (as a plain int) its group started under.
         sampler_topk: init-only, per token None or the sampler's top-K as ((id, logprob), ...) or
             {id: logprob} (`TrainingSequence.sampler_topk`). Converted to `sampler_topk_ids` /
             `sampler_topk_logprobs`.

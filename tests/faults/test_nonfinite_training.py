@@ -14,7 +14,7 @@ from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import weights_for_server
+from asyncgrpo.train.weights.gather import weights_for_server
 
 
 class InfOnThirdGroup:

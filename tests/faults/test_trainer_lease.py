@@ -15,6 +15,7 @@ import torch
 from conftest import TINY, call
 
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.weights.collective import CollectiveTransport
 
 LEASE_S = 2.0
 
@@ -92,9 +93,11 @@ def test_a_trainer_killed_mid_update_is_taken_over_by_the_next(leased_server, ti
         assert "was paused" in caplog.text and not _paused(leased_server)
         assert call(leased_server.url, "GET", "/weight_info")[1]["weight_version"].endswith("+partial")
         assert "abandoned a weight update left unfinished" in Path(leased_server.log_path).read_text()
-        link.init_weight_transfer(torch.device("cpu"))
-        link.sync_weights(lambda: iter(tiny_weights), version="after-takeover")
+        transport = CollectiveTransport(link, torch.device("cpu"), torch.float32)
+        transport.init()
+        transport.send(iter(tiny_weights), label="after-takeover")
         assert call(leased_server.url, "GET", "/weight_info")[1] == {"weight_version": "after-takeover"}
+        transport.close()
     finally:
         link.close()
 
@@ -103,14 +106,16 @@ def test_a_second_trainer_is_refused_at_start_while_the_first_lives(leased_serve
     first, second = ServerLink(leased_server.url, timeout_s=30), ServerLink(leased_server.url, timeout_s=30)
     try:
         first.connect()
-        first.init_weight_transfer(torch.device("cpu"))
+        transport = CollectiveTransport(first, torch.device("cpu"), torch.float32)
+        transport.init()
         time.sleep(2 * LEASE_S)  # renewals keep the first one's hold alive past its lease
         with pytest.raises(RuntimeError, match="already initialised by another trainer.*stop the other trainer"):
             second.connect()
         # its weight routes are refused too, and the first trainer's sync is untouched
         status, body = call(leased_server.url, "POST", "/start_weight_update", headers={"X-Asyncgrpo-Trainer": "x"})
         assert status == 409 and first.trainer_id in body["error"]["message"]
-        first.sync_weights(lambda: iter(tiny_weights), version="first")
+        transport.send(iter(tiny_weights), label="first")
+        transport.close()
         first.close()
         # a trainer that closes gives the server back at once (on a GPU there is no gloo store whose end
         # would tell the server: the next run of a script would wait out the lease)

@@ -71,7 +71,7 @@ def test_fsdp2_trainer_syncs_over_nccl_into_the_server_on_another_gpu(tmp_path):
     for step in zip(*(r["micro_batches"] for r in ranks)):
         assert len({mb["global"] for mb in step}) == 1 and step[0]["global"] == sum(mb["local"] for mb in step)
     assert len(zero["syncs"]) == NUM_STEPS
-    assert zero["server_version"] == f"step-{NUM_STEPS}"
+    assert zero["server_version"] == f"v{NUM_STEPS}"
     assert zero["num_weights"] > 0 and zero["checksum_mismatches"] == []
     assert zero["changed"], "no parameter moved"
     assert all(r["weights"] == zero["weights"] for r in ranks)  # every rank gathered the same full weights

@@ -70,7 +70,9 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
     from asyncgrpo.sync.packed import TensorMeta
     from asyncgrpo.train.server_link import ServerLink
-    from asyncgrpo.train.weight_push import IpcTransport, make_transport
+    from asyncgrpo.train.serving import serving_dtype
+    from asyncgrpo.train.weights.choose import full_weight_transport
+    from asyncgrpo.train.weights.ipc import IpcTransport
 
     model, url, _ = gpu_server
     device = torch.device("cuda:0")
@@ -78,7 +80,7 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
     link = ServerLink(url, timeout_s=120)
     try:
         info = link.connect()
-        transport = make_transport(link, device, info.device)
+        transport = full_weight_transport(link, device, serving_dtype(info), info.device)
         assert isinstance(transport, IpcTransport) and transport.sender.dialect == "embedded"
         transport.init()
         original = link.run(link.client.generate(PROMPT, params))
@@ -87,7 +89,7 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
                 transport.sender.buffer_size_bytes = buffer_bytes  # several chunks through one buffer
             named = _perturb_(model, seed)
             on_gpu = [(n, t.to(device)) for n, t in named]
-            timings = transport.push(iter(on_gpu), version=version, metas=[TensorMeta.of(n, t) for n, t in on_gpu])
+            timings = transport.send(iter(on_gpu), label=version, metas=[TensorMeta.of(n, t) for n, t in on_gpu])
 
             served = link.run(link.client.weight_checksum())
             assert checksum_mismatches(weights_checksum(named), served) == []

@@ -10,7 +10,7 @@ Start vLLM on a GPU (this test may share it: it holds up to five bf16 copies of 
 
 (no --return-sampling-mask: it refuses the top_k=0 requests that give the full distribution.)
 
-The trainer side is `AdapterSync` (train/lora_sync.py): PEFT folders written here, loaded by vLLM from
+The trainer side is `AdapterSync` (train/weights/adapters.py): PEFT folders written here, loaded by vLLM from
 disk. After each sync, for every version still registered, vLLM's log-probs of a fixed token sequence
 (`prompt_logprobs`) and of the tokens it samples must equal the trainer's PEFT model of that version
 merged into the weights (bf16 tolerance) and differ from the base model's; base requests must still get
@@ -61,7 +61,7 @@ def _server_info():
 
 def _checked_lora_config(info, rank: int):
     """A LoRA config vLLM can serve with max_staleness 1, or a failure naming the vLLM flags."""
-    from asyncgrpo.train.lora_mode import choose_lora_sync
+    from asyncgrpo.train.weights.adapters import choose_lora_sync
 
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
     choice = choose_lora_sync(info.lora, config, max_staleness=MAX_STALENESS, sharded=False, server_url=VLLM_URL)
@@ -152,7 +152,7 @@ def _served_adapters(prefix: str) -> list[str]:
 
 @needs_vllm
 def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_path):
-    from asyncgrpo.train.lora_sync import AdapterSync
+    from asyncgrpo.train.weights.adapters import AdapterSync
 
     info = _server_info()
     config = _checked_lora_config(info, rank=min(16, info.lora.max_lora_rank if info.lora else 16))
@@ -164,14 +164,14 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
     fixed = torch.randint(2, vocab, (64,), generator=g).tolist()
     prompts = [torch.randint(2, vocab, (32,), generator=g).tolist() for _ in range(4)]
     sync = AdapterSync(VLLM_URL, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=120,
-                       name="asyncgrpo-gpu-test")
-    sync.start()
+                       dtype=torch.bfloat16, name="asyncgrpo-gpu-test")
+    sync.init()
     merged = {}
     report = []
     try:
         for version in range(3):
             _set_adapter(model, seed=version)
-            stats = sync.push(model, version=version, dtype=torch.bfloat16)
+            stats = sync.push(model, version)
             merged[version] = copy.deepcopy(model).merge_and_unload().eval()
             merged.pop(version - MAX_STALENESS - 1, None)  # left the window: unloaded, and its memory freed
             window = sorted(merged)
@@ -197,7 +197,7 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
 def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tmp_path):
     from asyncgrpo.generation.client import GenerationClient
     from asyncgrpo.generation.transport import ServerRequestError
-    from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError
+    from asyncgrpo.train.weights.adapters import AdapterSync, AdapterSyncError
 
     info = _server_info()
     max_rank = info.lora.max_lora_rank if info.lora else 16
@@ -206,17 +206,17 @@ def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tm
     model = peft.get_peft_model(_base(), config)
     _set_adapter(model, seed=0)
     sync = AdapterSync(VLLM_URL, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=120,
-                       name="asyncgrpo-gpu-refused")
-    sync.start()
+                       dtype=torch.bfloat16, name="asyncgrpo-gpu-refused")
+    sync.init()
     try:
-        sync.push(model, version=0, dtype=torch.bfloat16)
+        sync.push(model, 0)
         reference = copy.deepcopy(model).merge_and_unload().eval()
         # a rank above --max-lora-rank: vLLM's engine refuses it (500 InternalServerError)
         model.add_adapter("too_big", peft.LoraConfig(r=2 * max_rank, target_modules=["q_proj"],
                                                      init_lora_weights=False))
         model.set_adapter("too_big")
         with pytest.raises(AdapterSyncError) as err:
-            sync.push(model, version=1, dtype=torch.bfloat16)
+            sync.push(model, 1)
         model.set_adapter("default")
         message = str(err.value)
         print(message)

@@ -18,7 +18,7 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
-from asyncgrpo.train.model_setup import weights_for_server
+from asyncgrpo.train.weights.gather import weights_for_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -36,7 +36,7 @@ def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, serve
     for mine, theirs in zip(ranks[0]["micro_batches"], ranks[1]["micro_batches"]):
         assert mine["global"] == theirs["global"] == mine["local"] + theirs["local"]
     # after the last sync the server holds exactly the trainer's weights
-    assert ranks[0]["server_version"] == f"step-{NUM_STEPS}" and len(ranks[0]["syncs"]) == NUM_STEPS
+    assert ranks[0]["server_version"] == f"v{NUM_STEPS}" and len(ranks[0]["syncs"]) == NUM_STEPS
     assert ranks[0]["num_weights"] > 0 and ranks[0]["checksum_mismatches"] == []
     assert ranks[0]["changed"], "no parameter moved"
     # the replicas' gradients were averaged: both ranks hold the same weights

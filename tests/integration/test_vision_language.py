@@ -22,8 +22,8 @@ from asyncgrpo.modeling.load import BUNDLED_MODELS
 from asyncgrpo.packing import Sample
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
 from asyncgrpo.train.rollout_batches import MicroBatchInput
+from asyncgrpo.train.weights.gather import server_weight_metas, weights_for_server
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 _TEXT = {"vocab_size": 491, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -28,7 +28,7 @@ from asyncgrpo.rewards.format import last_assistant_text
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import is_sharded, server_weight_metas, weights_for_server
+from asyncgrpo.train.weights.gather import is_sharded, server_weight_metas, weights_for_server
 
 MODEL = "asyncgrpo/tiny-chat"
 

@@ -1,11 +1,12 @@
-"""Weight transport selection (train/transport_choice.py) from /server_info bodies as the servers send them."""
+"""Weight transport selection (train/weights/choose.py) from /server_info bodies as the servers send them."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncgrpo.generation.server_info import parse_server_device, parse_server_info
-from asyncgrpo.train.transport_choice import choose_transport, nccl_failure_hint, same_gpu, sharing_hint
+from asyncgrpo.train.weights.choose import choose_transport, same_gpu, sharing_hint
+from asyncgrpo.train.weights.collective import nccl_failure_hint
 
 GPU_A = "5c1e0f3a-0000-4000-8000-00000000000a"
 GPU_B = "5c1e0f3a-0000-4000-8000-00000000000b"

@@ -55,7 +55,8 @@ def on_policy_extension(token_budget: int, num_processes: int) -> int:
 
 
 def staleness(model_version: int, current_version: int) -> int:
-    """Weight updates between the policy that generated a sample and the one training it."""
+    """Weight updates between the policy that generated a sample and the one training it: the difference
+    of two `WeightVersion`s (a sample carries its version as a plain int)."""
     return current_version - model_version
 
 

@@ -1,9 +1,9 @@
-"""The policy model: prepared for training, its parts the loss needs, and the weights the server receives.
+"""The policy model: prepared for training, and its parts the loss needs.
 
 The loss never asks the model for logits: `hidden_states_and_head` returns the transformer body's
 hidden states for the packed row and the LM head, and `asyncgrpo.train.logprobs` computes log-probs
-only at trained positions, chunk by chunk. `weights_for_server` yields what a weight sync sends (full
-tensors, merged adapters), gathering sharded parameters one by one.
+only at trained positions, chunk by chunk. What a weight sync sends (full tensors, merged adapters,
+sharded parameters gathered) is `asyncgrpo.train.weights.gather.weights_for_server`.
 
 A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole (`modeling/load.py`), with the
 architecture its config declares (`AutoModelForImageTextToText`), so parameter names stay the checkpoint's
@@ -15,7 +15,6 @@ and left out of the weight sync, so the server keeps what it loaded from the che
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from asyncgrpo.modeling.load import is_vision_language, load_policy, resolve_model_path
 from asyncgrpo.modeling.support import check_supported
 from asyncgrpo.packing.attention import enable_tree_attention
-from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +51,7 @@ def train_text_model_only(model: PreTrainedModel) -> None:
     A causal LM is left as it is."""
     if not is_vision_language(model.config):
         return
-    text = _text_parameter_ids(model)
+    text = text_parameter_ids(model)
     frozen = 0
     for param in model.parameters():
         if id(param) not in text:
@@ -65,7 +63,8 @@ def train_text_model_only(model: PreTrainedModel) -> None:
                 100 * frozen / max(total, 1), total)
 
 
-def _text_parameter_ids(model: torch.nn.Module) -> set[int]:
+def text_parameter_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters that train: the text model's (decoder body and LM head)."""
     body, head = decoder_and_head(model)
     return {id(p) for module in (body, head) for p in module.parameters()}
 
@@ -176,69 +175,6 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
             )
         return 0.0
     return float(text.router_aux_loss_coef if requested is None else requested)
-
-
-def _server_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(checkpoint name, parameter) of every weight the server holds, in `named_parameters` order (tied
-    weights once); of a vision-language model, its text model's only. PEFT: adapter factors are
-    skipped (they are merged into the base weights) and wrapper names are mapped back to the
-    checkpoint's."""
-    base = unwrap(model)
-    is_peft = base is not model and hasattr(model, "merge_adapter")
-    text = _text_parameter_ids(base) if is_vision_language(base.config) else None
-    for name, param in base.named_parameters():
-        if text is not None and id(param) not in text:
-            continue  # a vision-language model's vision tower and projector: frozen, the server keeps its own
-        if is_peft:
-            if "lora_" in name or ".original_module." in name:
-                continue  # adapter factors are merged; the trained copy replaces the original
-            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield name, param
-
-
-def server_weight_metas(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
-    """Name, serving dtype and full (unsharded) shape of every tensor `weights_for_server` yields, in
-    its order, without gathering anything (a sharded parameter reports its global shape)."""
-    return [TensorMeta(name, dtype, tuple(param.shape)) for name, param in _server_parameters(model)]
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are DTensors (FSDP2): gathering them takes every rank."""
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
-def weights_for_server(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, full tensor in the serving dtype) for every weight the server must hold.
-
-    Names are Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`). A PEFT model
-    is sent merged: LoRA deltas are folded into the base weights for the copy only, the trained
-    model keeps its adapter. A sharded (FSDP2) parameter is cast to `dtype` on its shard, then
-    gathered (`full_tensor()`, one all-gather): with a sharded model, every rank must iterate this
-    to the end, in step (`asyncgrpo.train.weight_push`).
-    """
-    base = unwrap(model)
-    is_peft = base is not model and hasattr(model, "merge_adapter")
-    if is_peft:
-        model.merge_adapter()
-    try:
-        for name, param in _server_parameters(model):
-            tensor = param.detach().to(dtype)
-            if _is_dtensor(tensor):
-                tensor = tensor.full_tensor()
-            elif is_peft and tensor.data_ptr() == param.data_ptr():
-                tensor = tensor.clone()  # a view of a merged weight would read unmerged values once unmerged
-            yield name, tensor.contiguous()
-    finally:
-        if is_peft:
-            model.unmerge_adapter()
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 # Families whose forward scales `hidden @ W` (checked against each model's own forward in

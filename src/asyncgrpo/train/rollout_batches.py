@@ -44,6 +44,7 @@ from asyncgrpo.rollout.admission import is_stale, on_policy_extension, staleness
 from asyncgrpo.rollout.channel import IDLE_ON_POLICY, GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.train.distributed import rank_and_world_size
 from asyncgrpo.train.progress import TrainedPrompts
+from asyncgrpo.types import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class RolloutBatches:
         batcher: Any,
         progress: TrainedPrompts,
         check_health: Callable[[], None],
-        current_version: Callable[[], int],
+        current_version: Callable[[], WeightVersion],
         record: Callable[[str, float], None],
         add_record: Callable[[Any], None],
         max_staleness: int,

@@ -1,12 +1,13 @@
-"""The trainer's connection to the inference server: detection, pause/resume and weight pushes.
+"""The trainer's connection to the inference server: detection, the trainer lease, and the pause
+around a weight push.
 
-The HTTP client and the weight sender are asyncio objects; the trainer is synchronous. `ServerLink`
-owns one event loop on a daemon thread and runs every call there with a timeout, so the training loop
-never blocks on a dead server for longer than `timeout_s`.
+The HTTP client (and the weight transports' senders, which use it) are asyncio objects; the trainer is
+synchronous. `ServerLink` owns one event loop on a daemon thread and runs every call there with a
+timeout, so the training loop never blocks on a dead server for longer than `timeout_s`.
 
-One weight sync (DESIGN section 7):
+One weight sync (DESIGN section 7), whatever the transport (`asyncgrpo.train.weights`):
 
-    pause(mode=keep) -> push(named tensors, version) -> resume
+    while_paused:  pause(mode=keep) -> the transport's push coroutine -> resume
     a failure anywhere leaves the server resumed and raises with what happened
 
 At start (`connect`): a server held by another live trainer is refused (embedded server); a server
@@ -23,15 +24,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
-
-import torch
 
 from asyncgrpo.generation.client import GenerationClient, ServerRestartedError
 from asyncgrpo.generation.protocol import INITIAL_WEIGHT_VERSION, TRAINER_HEADER, ProtocolError
 from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
-from asyncgrpo.sync.packed import TensorMeta
 from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
@@ -54,7 +52,6 @@ class ServerLink:
             base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id},
             outage_s=restart_timeout_s,
         )
-        self._sender = None
         self.info = None
         self._renewal: asyncio.Task | None = None
         self._leased = False  # the server has a trainer lease (the embedded server): release it at close
@@ -122,31 +119,13 @@ class ServerLink:
         """Run a coroutine of this link's client on its loop (bounded by `timeout_s`)."""
         return self._run(coro, timeout_s)
 
-    def init_weight_transfer(self, device: torch.device, backend: str | None = None) -> None:
-        """Form the collective weight-transfer group; `backend` defaults to NCCL from a CUDA trainer."""
-        from asyncgrpo.sync.sender import WeightSender
-
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        self._sender = WeightSender(self.client, backend=backend, device=device, timeout_s=self.timeout_s)
-        self._run(self._sender.init())
-
-    def sync_weights(
-        self,
-        named_tensors: Callable[[], Any],
-        *,
-        version: str,
-        metas: Sequence[TensorMeta] | None = None,
-    ) -> dict[str, float]:
-        """Pause (keep), push, resume. With `metas` (every tensor's name, dtype and full shape, in
-        order) the tensors are pulled lazily, one chunk at a time (see `WeightSender.push`). Returns
-        the time split for `perf/weight_sync_*` and the transfer's size (`bytes`, `num_chunks`)."""
-        assert self._sender is not None, "init_weight_transfer() must run before sync_weights()"
-        sender = self._sender
-        return self.while_paused(lambda: sender.push(named_tensors(), version=version, metas=metas))
+    def is_open(self) -> bool:
+        """Whether calls can still run (`close()` not yet called)."""
+        return self._thread.is_alive()
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
-        """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()` returns on the link's loop, resume; the push returns
-        at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises; a server that
+        """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()`
+        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises; a server that
         restarted since the last push (its weight-transfer group gone with it) is `ServerRestartedError`."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
@@ -188,12 +167,6 @@ class ServerLink:
         except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
 
-    def close_weight_transfer(self) -> None:
-        """Leave the weight-transfer group (`init_weight_transfer` forms a new one)."""
-        sender, self._sender = self._sender, None
-        if sender is not None and self._thread.is_alive():
-            self._run(sender.close(), timeout_s=30)
-
     async def _release(self) -> None:
         """Drop this trainer's hold on the embedded server (and the server's end of its weight-transfer
         group) so that the next trainer need not wait out the lease; a server already gone is fine."""
@@ -204,14 +177,14 @@ class ServerLink:
                            "its --trainer-lease", self.base_url, exc)
 
     def close(self) -> None:
+        """Stop renewing, give the server back, close the client (idempotent). The weight transport, which
+        runs on this link's loop, is closed first."""
         if not self._thread.is_alive():  # closed already
             return
 
         async def _close() -> None:
             if self._renewal is not None:
                 self._renewal.cancel()
-            if self._sender is not None:
-                await self._sender.close()
             if self._leased:
                 await self._release()
             await self.client.close()

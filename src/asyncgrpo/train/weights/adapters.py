@@ -1,4 +1,17 @@
-"""Adapter-only weight sync: each sync writes the LoRA adapter to disk and has the server load it.
+"""Adapter-only LoRA sync as a weight transport: each push writes the adapter and the server loads it.
+
+Chosen once at start for a PEFT run (`choose_lora_sync`, which `choose.make_transport` asks):
+
+    adapter-only   the server runs with LoRA enabled (vLLM: --enable-lora and
+                   VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the embedded server: --enable-lora) and the adapter
+                   is one it can serve: `AdapterSync` below
+    merged         otherwise: the adapter is merged and the full weights are pushed (`gather.py`)
+
+The choice is made when the server is already running, so a server whose LoRA limits are too small for
+the run is an error naming the flags to restart it with, not a silent fallback: --max-lora-rank must be
+one of vLLM's values and at least the adapter's rank, --max-loras at least max_staleness + 2 (the
+trainer keeps max_staleness + 1 versions registered and loads the next one before unloading the
+oldest). One push of `AdapterSync`:
 
     push(model, version v)
       write <output_dir>/.vllm_lora/<name>-v<v>-<run>  temp folder + rename: the server never reads half
@@ -10,9 +23,10 @@
                                                       under it
       remove the folder of v-2k-2                     folders outlive their registration by k + 1 syncs
 
-Versions are the trainer's model versions: the rollout process asks for `<name>-v{version}` with the
-version it read when the rollout started (`AsyncRolloutLoop(lora_name=...)`), and the trainer publishes
-version v only after `push(v)` returned, so the adapter a rollout names is loaded. No pause is needed:
+Versions are the trainer's `WeightVersion`s, and `<name>-v<v>` is `WeightVersion.adapter_name`: the
+rollout process asks for the version it read when the rollout started (`AsyncRolloutLoop(lora_name=...)`),
+and the trainer publishes version v only after `push(v)` returned, so the adapter a rollout names is
+loaded. No pause is needed:
 a new version is a new name, and requests under the older ones run on. The server reads the folder
 itself, so `output_dir` must be on a file system it can see. Rank 0 only (the adapter of an unsharded
 model is whole there).
@@ -35,6 +49,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +58,111 @@ import torch
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.server_info import LoraServing
 from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
-from asyncgrpo.train.lora_mode import choose_lora_sync
+from asyncgrpo.modeling.lora_rules import ALLOWED_MAX_RANKS, PLAIN_LORA_INITS, max_lora_ranks_for
+from asyncgrpo.types import ADAPTER_NAME, WeightVersion, adapter_name_template
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_DIR = ".vllm_lora"
-ADAPTER_NAME = "asyncgrpo-lora"
 
+
+# -- the choice at start (pure) --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoraSyncChoice:
+    adapter_only: bool
+    reason: str  # why, for the INFO line at start
+
+
+def adapter_rank(peft_config: Any) -> int:
+    """The largest rank among the adapter's modules (`r` and any `rank_pattern` value)."""
+    return max([int(peft_config.r), *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values())])
+
+
+def _unservable(peft_config: Any) -> str | None:
+    """Why the server cannot serve this adapter as an adapter (None: it can). vLLM 0.33 refuses the
+    same features at load time (`PEFTHelper._validate_features`); routing them to merged sync here
+    keeps the run going instead of failing its first sync."""
+    c = peft_config
+    if str(getattr(c, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
+        return f"the adapter is {c.peft_type}, and servers load LoRA adapters only"
+    init = getattr(c, "init_lora_weights", True)
+    features = [
+        (getattr(c, "use_dora", False), "DoRA adapters cannot be served as adapters"),
+        (getattr(c, "modules_to_save", None), f"modules_to_save={c.modules_to_save} are full modules, not adapters"),
+        (getattr(c, "trainable_token_indices", None), "trainable_token_indices (embedding rows) cannot be served"),
+        (getattr(c, "bias", "none") != "none", f"bias={getattr(c, 'bias', None)!r} adapters cannot be served"),
+        (getattr(c, "lora_bias", False), "lora_bias adapters cannot be served as adapters"),
+        (isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS,
+         f"init_lora_weights={init!r} also changes the base weights, which the server does not have"),
+        (getattr(c, "layer_replication", None), "layer_replication adapters cannot be served as adapters"),
+        (getattr(c, "alora_invocation_tokens", None), "activated LoRA (alora_invocation_tokens) cannot be served"),
+        (getattr(c, "use_qalora", False), "QALoRA adapters cannot be served as adapters"),
+        (getattr(c, "use_bdlora", None), "block-diagonal LoRA (use_bdlora) cannot be served as adapters"),
+        (getattr(c, "target_parameters", None), "LoRA on raw parameters (target_parameters) is not served as adapters"),
+        (getattr(c, "fan_in_fan_out", False), "fan_in_fan_out adapters (Conv1D layers) cannot be served"),
+    ]
+    return next((why for present, why in features if present), None)
+
+
+def restart_flags(rank: int, max_staleness: int, lora: LoraServing | None) -> str:
+    """The server flags that serve an adapter of `rank` with `max_staleness`."""
+    allowed = max_lora_ranks_for(rank)
+    if not allowed:
+        raise ValueError(
+            f"LoRA rank {rank} is above the largest --max-lora-rank a server accepts ({ALLOWED_MAX_RANKS[-1]}): "
+            f"train with r <= {ALLOWED_MAX_RANKS[-1]}"
+        )
+    max_rank = lora.max_lora_rank if lora is not None and lora.max_lora_rank in allowed else allowed[0]
+    max_loras = max(max_staleness + 2, lora.max_loras if lora is not None else 0)
+    return f"--enable-lora --max-lora-rank {max_rank} --max-loras {max_loras}"
+
+
+def choose_lora_sync(
+    lora: LoraServing | None, peft_config: Any, *, max_staleness: int, sharded: bool, server_url: str
+) -> LoraSyncChoice:
+    """Adapter-only sync when the server serves LoRA at run time and this adapter fits it, merged
+    otherwise. Raises `ValueError` naming the restart flags when the server serves LoRA with limits too
+    small for this run."""
+    rank = adapter_rank(peft_config)
+    if lora is None:
+        return LoraSyncChoice(False, (
+            f"the server at {server_url} runs without LoRA; restart it with {restart_flags(rank, max_staleness, None)} "
+            "to sync only the adapter"
+        ))
+    if not lora.runtime_updating:
+        return LoraSyncChoice(False, (
+            f"the server at {server_url} runs with --enable-lora but without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so "
+            "it cannot load adapters at run time; restart it with that variable set to sync only the adapter"
+        ))
+    unservable = _unservable(peft_config)
+    if unservable is not None:
+        return LoraSyncChoice(False, unservable)
+    if sharded:
+        return LoraSyncChoice(False, "adapter-only sync of an FSDP-sharded model is not implemented")
+    problems = []
+    if lora.max_lora_rank not in ALLOWED_MAX_RANKS:
+        problems.append(f"--max-lora-rank {lora.max_lora_rank} is not one of {', '.join(map(str, ALLOWED_MAX_RANKS))}")
+    elif lora.max_lora_rank < rank:
+        problems.append(f"--max-lora-rank {lora.max_lora_rank} is below the adapter's rank {rank}")
+    if lora.max_loras < max_staleness + 2:
+        problems.append(
+            f"--max-loras {lora.max_loras} is below max_staleness + 2 = {max_staleness + 2} (the trainer keeps "
+            f"max_staleness + 1 = {max_staleness + 1} adapter versions registered and loads the next one before "
+            "unloading the oldest)"
+        )
+    if problems:
+        raise ValueError(
+            f"the server at {server_url} serves LoRA adapters, but {'; '.join(problems)}. Restart it with "
+            f"{restart_flags(rank, max_staleness, lora)} (or lower max_staleness / the LoRA r)"
+        )
+    return LoraSyncChoice(True, (
+        f"the server at {server_url} serves LoRA adapters (--max-lora-rank {lora.max_lora_rank}, --max-loras "
+        f"{lora.max_loras}); rank {rank}, {max_staleness + 1} versions kept"
+    ))
+
+
+# -- the transport ------------------------------------------------------------------------------
 
 class AdapterSyncError(RuntimeError):
     """The server did not take a new adapter version (the previous ones keep serving)."""
@@ -80,7 +193,8 @@ def write_adapter(model: Any, folder: Path, dtype: torch.dtype) -> int:
 
 
 class AdapterSync:
-    """Writes, loads and retires the adapter versions of one run (see the module docstring)."""
+    """The weight transport of adapter-only sync: writes, loads and retires the adapter versions of one
+    run (see the module docstring), the adapter in `dtype` (the serving dtype). Rank 0's."""
 
     def __init__(
         self,
@@ -89,26 +203,28 @@ class AdapterSync:
         output_dir: str | Path,
         max_staleness: int,
         timeout_s: float,
+        dtype: torch.dtype,
         api_key: str | None = None,
         name: str = ADAPTER_NAME,
     ) -> None:
         self.base_url = base_url
+        self.dtype = dtype
         self.root = Path(output_dir) / ADAPTER_DIR
         self.keep = max_staleness + 1
         self.timeout_s = timeout_s
         self.api_key = api_key
         self.name = name
         self.run_id = uuid.uuid4().hex[:8]  # in every folder name: a new path per run (module docstring)
-        self.loaded: deque[int] = deque()  # the versions registered on the server, oldest first
-        self.on_disk: deque[int] = deque()  # the versions whose folders exist, oldest first
+        self.loaded: deque[WeightVersion] = deque()  # the versions registered on the server, oldest first
+        self.on_disk: deque[WeightVersion] = deque()  # the versions whose folders exist, oldest first
 
     @property
-    def name_template(self) -> str:
+    def lora_name(self) -> str:
         """The rollout process's `lora_name`: "{version}" is filled with a rollout's model version."""
-        return f"{self.name}-v{{version}}"
+        return adapter_name_template(self.name)
 
     def adapter_name(self, version: int) -> str:
-        return f"{self.name}-v{version}"
+        return WeightVersion(version).adapter_name(self.name)
 
     def folder(self, version: int) -> Path:
         return self.root / f"{self.adapter_name(version)}-{self.run_id}"
@@ -120,10 +236,10 @@ class AdapterSync:
 
         return asyncio.run(run())
 
-    def start(self) -> None:
+    def init(self) -> None:
         """Unload the adapters an earlier run of this name left on the server and remove their folders
         (a trainer restarted against a running server reuses the names)."""
-        prefix = f"{self.name}-v"
+        prefix = self.lora_name.partition("{version}")[0]
 
         async def unload_leftovers(client: GenerationClient) -> list[str]:
             names = [n for n in await client.served_adapters() if n.startswith(prefix)]
@@ -139,13 +255,14 @@ class AdapterSync:
                 if path.name.startswith((prefix, f".tmp-{prefix}")):
                     shutil.rmtree(path, ignore_errors=True)
 
-    def push(self, model: Any, *, version: int, dtype: torch.dtype) -> dict[str, float]:
+    def push(self, model: Any, version: WeightVersion) -> dict[str, float]:
         """Serve `model`'s adapter as version `version`, then retire the versions that left the window.
         Returns the time split and size for `perf/weight_sync_*` (no pause: pause_s is 0; transfer_s =
         write_s + load_s, the folder written, then loaded by the server)."""
         t0 = time.perf_counter()
-        name, folder = self.adapter_name(version), self.folder(version)
-        num_bytes = write_adapter(model, folder, dtype)
+        version = WeightVersion(version)
+        name, folder = version.adapter_name(self.name), self.folder(version)
+        num_bytes = write_adapter(model, folder, self.dtype)
         t_written = time.perf_counter()
         try:
             self._call(lambda client: client.load_lora_adapter(name, str(folder.resolve())))
@@ -199,28 +316,8 @@ class AdapterSync:
             logger.warning("unloading the LoRA adapters at the end of training failed (%s); the next run unloads "
                            "them at its start", exc)
 
+    def idle(self, model: Any, version: WeightVersion) -> None:
+        """Nothing to do while the trainer waits (a restarted server is not watched: module docstring)."""
 
-def start_adapter_sync(
-    peft_config: Any,
-    lora: LoraServing | None,
-    *,
-    base_url: str,
-    output_dir: str | Path,
-    max_staleness: int,
-    timeout_s: float,
-    api_key: str | None,
-    sharded: bool,
-) -> AdapterSync | None:
-    """At start, for a PEFT run (`peft_config` not None): an `AdapterSync` ready to push when the server
-    serves LoRA adapters at run time, None for merged sync; an INFO line says which and why. Raises
-    `ValueError` with the restart flags when the server's LoRA limits are too small for the run."""
-    if peft_config is None:
-        return None
-    choice = choose_lora_sync(lora, peft_config, max_staleness=max_staleness, sharded=sharded, server_url=base_url)
-    logger.info("PEFT weight sync: %s (%s)", "adapter only" if choice.adapter_only else "merged", choice.reason)
-    if not choice.adapter_only:
-        return None
-    sync = AdapterSync(base_url, output_dir=output_dir, max_staleness=max_staleness, timeout_s=timeout_s,
-                       api_key=api_key)
-    sync.start()
-    return sync
+    def __str__(self) -> str:
+        return "AdapterSync"
