@@ -7,7 +7,7 @@ reports pause / transfer / resume seconds, bytes and GB/s (bytes / transfer seco
 sync it checks the server's weights against the trainer's: sha256 of every tensor (the embedded
 server's GET /weight_checksum).
 
-    python bench/weight_sync.py                     # CPU: random tiny Qwen3, server and trainer on CPU (~30 s)
+    python bench/weight_sync.py          # CPU: random tiny Qwen3, server and trainer on CPU (~30 s)
     # 2 GPUs: server on GPU 0, trainer on GPU 1, a random Qwen3-0.6B shape (bf16)
     NCCL_NVLS_ENABLE=0 python bench/weight_sync.py --random-qwen3 0.6b \
         --server-device cuda:0 --trainer-device cuda:1 --syncs 10
@@ -50,7 +50,10 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype), alpha=1e-3)
+            p.add_(
+                torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype),
+                alpha=1e-3,
+            )
 
 
 def one_sync(transport, model: torch.nn.Module, version: int) -> dict:
@@ -82,11 +85,11 @@ def compare_checksums(url: str, model: torch.nn.Module, dtype: torch.dtype) -> d
 
 
 def print_table(syncs: list[dict], checksum: dict) -> None:
-    print(f"{'sync':>4} {'pause s':>9} {'transfer s':>11} {'resume s':>9} {'total s':>9} {'MB':>9} {'chunks':>7} "
-          f"{'GB/s':>7}")
+    print(f"{'sync':>4} {'pause s':>9} {'transfer s':>11} {'resume s':>9} {'total s':>9} {'MB':>9} "
+          f"{'chunks':>7} {'GB/s':>7}")
     for i, s in enumerate(syncs):
-        print(f"{i:>4} {s['pause_s']:>9.4f} {s['transfer_s']:>11.4f} {s['resume_s']:>9.4f} {s['total_s']:>9.4f} "
-              f"{s['bytes'] / 1e6:>9.2f} {s['num_chunks']:>7.0f} {s['gb_per_s']:>7.3f}")
+        print(f"{i:>4} {s['pause_s']:>9.4f} {s['transfer_s']:>11.4f} {s['resume_s']:>9.4f} "
+              f"{s['total_s']:>9.4f} {s['bytes'] / 1e6:>9.2f} {s['num_chunks']:>7.0f} {s['gb_per_s']:>7.3f}")
     state = "equal" if checksum["ok"] else f"DIFFER on {len(checksum['mismatches'])} tensors"
     print(f"checksum after the last sync ({checksum['server_version']}): server and trainer weights {state} "
           f"({checksum['num_tensors']} tensors)")
@@ -95,8 +98,12 @@ def print_table(syncs: list[dict], checksum: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--random-qwen3", choices=sorted(SHAPES), default="tiny", help="Random Qwen3 shape.")
-    p.add_argument("--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir).")
-    p.add_argument("--server-device", default="cpu", help="cpu or cuda:N (the server gets CUDA_VISIBLE_DEVICES=N).")
+    p.add_argument(
+        "--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir)."
+    )
+    p.add_argument(
+        "--server-device", default="cpu", help="cpu or cuda:N (the server gets CUDA_VISIBLE_DEVICES=N)."
+    )
     p.add_argument("--trainer-device", default="cpu", help="cpu or cuda:M (this process).")
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="Syncs run first and not reported.")
@@ -153,10 +160,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['gb_per_s']:.3f} GB/s; group init {init_s:.2f} s")
     names = {d: torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else platform.machine()
              for d in {args.trainer_device}}
-    meta = {"trainer_device": args.trainer_device, "server_device": args.server_device, "device_names": names,
-            "backend": "nccl" if trainer_device.type == "cuda" else "gloo", "dtype": str(dtype).removeprefix("torch."),
-            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "platform": platform.platform(), "args": vars(args)}
+    meta = {
+        "trainer_device": args.trainer_device,
+        "server_device": args.server_device,
+        "device_names": names,
+        "backend": "nccl" if trainer_device.type == "cuda" else "gloo",
+        "dtype": str(dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in model.parameters()),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "args": vars(args),
+    }
     out = Path(args.output or Path(__file__).parent / "results" / f"weight_sync_{trainer_device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "init_s": init_s, "syncs": syncs, "summary": summary, "checksum": checksum}

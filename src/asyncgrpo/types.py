@@ -8,11 +8,14 @@
 
 One vocabulary from `TrainingSequence` on (the `TurnRecord` names are the reference API's):
 
-    | what                                   | TurnRecord              | TrainingSequence, Sample, PackedRow |
-    |----------------------------------------|-------------------------|-------------------------------------|
-    | the sampled token's log-prob           | output_log_probs        | sampler_logprobs                    |
-    | the sampler's top-K log-probs          | output_sampler_logprobs | sampler_topk (dicts) -> sampler_topk_ids / sampler_topk_logprobs (arrays) |
-    | the ids the sampler could draw from    | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / candidate_offsets (CSR) |
+    | what                           | TurnRecord              | TrainingSequence, Sample, PackedRow       |
+    |--------------------------------|-------------------------|-------------------------------------------|
+    | the sampled token's log-prob   | output_log_probs        | sampler_logprobs                          |
+    | the sampler's top-K log-probs  | output_sampler_logprobs | sampler_topk (dicts) ->                   |
+    |                                |                         | sampler_topk_ids / sampler_topk_logprobs  |
+    |                                |                         | (arrays)                                  |
+    | the ids the sampler could draw | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / |
+    | from                           |                         | candidate_offsets (CSR)                   |
 
 The model version every record carries (`RolloutGroup.model_version`, `Sample.model_version`) is a
 `WeightVersion`'s value, stored as a plain int: the one spelling of "which weights" (see its docstring).
@@ -46,7 +49,7 @@ ADAPTER_NAME = "asyncgrpo-lora"
 
 
 def adapter_name_template(name: str = ADAPTER_NAME) -> str:
-    """The served adapter name of every version, with "{version}" to fill (`AsyncRolloutLoop(lora_name=...)`)."""
+    """The served adapter name of every version, "{version}" to fill (`AsyncRolloutLoop(lora_name=...)`)."""
     return f"{name}-v{{version}}"
 
 
@@ -189,7 +192,9 @@ class TrainingSequence:
         n = len(self.token_ids)
         for name in ("trained_mask", "sampler_logprobs", "sampler_topk", "candidate_sets"):
             value = getattr(self, name)
-            assert value is None or len(value) == n, f"TrainingSequence.{name}: {len(value)} entries, {n} tokens"
+            assert value is None or len(value) == n, (
+                f"TrainingSequence.{name}: {len(value)} entries, {n} tokens"
+            )
         assert not (n and self.trained_mask[0]), "the first token of a sequence has no position predicting it"
 
     def __len__(self) -> int:
@@ -262,7 +267,9 @@ class RolloutGroup:
         if len(sequences) != n:
             raise ValueError(f"{len(sequences)} sequence lists for {n} rollouts; give one per rollout")
         if env_rewards is not None and len(env_rewards) != n:
-            raise ValueError(f"{len(env_rewards)} env_rewards for {n} rollouts; give one (or None) per rollout")
+            raise ValueError(
+                f"{len(env_rewards)} env_rewards for {n} rollouts; give one (or None) per rollout"
+            )
         return cls(
             prompts=[prompt] * n,
             reward_kwargs=reward_kwargs,
@@ -351,19 +358,22 @@ class Sample:
         if sampler_topk is not None:
             if self.sampler_topk_ids is not None:
                 raise ValueError(
-                    "give the sampler top-K either as sampler_topk or as sampler_topk_ids/sampler_topk_logprobs"
+                    "give the sampler top-K either as sampler_topk or as "
+                    "sampler_topk_ids/sampler_topk_logprobs"
                 )
             ids, logprobs = _topk_to_arrays(sampler_topk, length)
             put("sampler_topk_ids", ids)
             put("sampler_topk_logprobs", logprobs)
         if (self.sampler_topk_ids is None) != (self.sampler_topk_logprobs is None):
-            raise ValueError("Sample.sampler_topk_ids and Sample.sampler_topk_logprobs must be given together")
+            raise ValueError(
+                "Sample.sampler_topk_ids and Sample.sampler_topk_logprobs must be given together"
+            )
         if self.sampler_topk_ids is not None:
             ids = np.asarray(self.sampler_topk_ids, dtype=np.int32)
             logprobs = np.asarray(self.sampler_topk_logprobs, dtype=np.float32)
             if ids.ndim != 2 or ids.shape[0] != length or ids.shape != logprobs.shape:
-                raise ValueError(f"Sample.sampler_topk_ids/sampler_topk_logprobs must both be [L={length}, K], "
-                                 f"got {ids.shape} and {logprobs.shape}")
+                raise ValueError(f"Sample.sampler_topk_ids/sampler_topk_logprobs must both be [L={length}, "
+                                 f"K], got {ids.shape} and {logprobs.shape}")
             put("sampler_topk_ids", ids)
             put("sampler_topk_logprobs", logprobs)
 
@@ -403,7 +413,9 @@ def _per_token(values, dtype, length: int, name: str) -> np.ndarray:
 
 def _topk_to_arrays(sampler_topk: TopKPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
     if len(sampler_topk) != length:
-        raise ValueError(f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}")
+        raise ValueError(
+            f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}"
+        )
     k = max((len(entry) for entry in sampler_topk if entry is not None), default=0)
     ids = np.full((length, k), -1, dtype=np.int32)
     logprobs = np.full((length, k), -np.inf, dtype=np.float32)
@@ -444,8 +456,8 @@ def _check_trained_tokens_in_their_sets(tokens: np.ndarray, trained: np.ndarray,
         t = int(bad[0])
         raise ValueError(
             f"trained token {int(tokens[t])} at position {t} is not in its candidate set "
-            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such tokens "
-            "in this sample): the sampler could not have drawn it. A custom generate_one_turn must return, for "
-            "each output token, the candidate set it was drawn from in output_sampling_mask (or None for the "
-            "full vocabulary)"
+            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such "
+            "tokens in this sample): the sampler could not have drawn it. A custom generate_one_turn must "
+            "return, for each output token, the candidate set it was drawn from in output_sampling_mask (or "
+            "None for the full vocabulary)"
         )

@@ -64,7 +64,9 @@ def _checked_lora_config(info, rank: int):
     from asyncgrpo.train.weights.adapters import choose_lora_sync
 
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    choice = choose_lora_sync(info.lora, config, max_staleness=MAX_STALENESS, sharded=False, server_url=VLLM_URL)
+    choice = choose_lora_sync(
+        info.lora, config, max_staleness=MAX_STALENESS, sharded=False, server_url=VLLM_URL
+    )
     if not choice.adapter_only:
         pytest.fail(f"vLLM cannot take adapter-only syncs: {choice.reason}")
     return config
@@ -86,7 +88,11 @@ def _set_adapter(model, seed: int, fraction: float = 2.0) -> None:
                 continue
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             scaling = module.scaling["default"]
-            spread = fraction * module.base_layer.weight.float().std() / (scaling * a.float().std() * a.shape[0] ** 0.5)
+            spread = (
+                fraction
+                * module.base_layer.weight.float().std()
+                / (scaling * a.float().std() * a.shape[0] ** 0.5)
+            )
             b.copy_((torch.randn(b.shape, generator=g, device="cuda") * spread).to(b.dtype))
 
 
@@ -100,18 +106,26 @@ def _reference(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 def _fixed_token_logprobs(model_name: str | None, tokens: list[int]) -> torch.Tensor:
     """vLLM's log-probs of tokens[1:] given what precedes each (`prompt_logprobs`, generate route)."""
-    body = {"token_ids": tokens, "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 0, "seed": 0,
-                                                      "prompt_logprobs": 0}}
+    body = {
+        "token_ids": tokens,
+        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 0, "seed": 0, "prompt_logprobs": 0},
+    }
     if model_name is not None:
         body["model"] = model_name
-    req = urllib.request.Request(f"{VLLM_URL}/inference/v1/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{VLLM_URL}/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         out = json.loads(resp.read())
     per_position = out.get("prompt_logprobs")
     assert per_position and len(per_position) == len(tokens), f"no prompt_logprobs in {str(out)[:500]}"
-    return torch.tensor([entry[str(t)]["logprob"] for entry, t in zip(per_position[1:], tokens[1:], strict=True)],
-                        device="cuda")
+    return torch.tensor(
+        [entry[str(t)]["logprob"] for entry, t in zip(per_position[1:], tokens[1:], strict=True)],
+        device="cuda",
+    )
 
 
 def _sampled(model_name: str | None, prompts: list[list[int]]) -> list:
@@ -147,7 +161,9 @@ def _gaps(model_name: str | None, references: dict, fixed: list[int], prompts: l
 def _served_adapters(prefix: str) -> list[str]:
     """The adapters vLLM lists whose names start with `prefix` (other runs may have left others)."""
     with urllib.request.urlopen(f"{VLLM_URL}/v1/models", timeout=60) as resp:
-        return [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent") and c["id"].startswith(prefix)]
+        return [
+            c["id"] for c in json.loads(resp.read())["data"] if c.get("parent") and c["id"].startswith(prefix)
+        ]
 
 
 @needs_vllm
@@ -179,7 +195,8 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
             for served in window:  # every registered version serves its own weights, the newest and the older
                 gaps = _gaps(sync.adapter_name(served), {"own": merged[served], "base": base}, fixed, prompts)
                 report.append(f"v{version} sync ({stats['bytes'] / 1e6:.1f} MB, {stats['total_s']:.2f} s): "
-                              f"adapter v{served} fixed/sampled gap vs own merged {gaps['own']}, vs base {gaps['base']}")
+                              f"adapter v{served} fixed/sampled gap vs own merged {gaps['own']}, vs base "
+                              f"{gaps['base']}")
                 print(report[-1])
                 for own, to_base in zip(gaps["own"], gaps["base"], strict=True):
                     assert own < MEAN_TOL, report[-1]
@@ -225,7 +242,7 @@ def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tm
         assert not sync.folder(1).exists() and _served_adapters(sync.name) == [sync.adapter_name(0)]
         g = torch.Generator().manual_seed(2)
         fixed = torch.randint(2, reference.config.vocab_size, (64,), generator=g).tolist()
-        gap = (_fixed_token_logprobs(sync.adapter_name(0), fixed) - _reference(reference, fixed[:1], fixed[1:]))
+        gap = _fixed_token_logprobs(sync.adapter_name(0), fixed) - _reference(reference, fixed[:1], fixed[1:])
         assert float(gap.abs().mean()) < MEAN_TOL
 
         async def not_found():

@@ -38,8 +38,17 @@ MAX_STALENESS = 1  # two versions kept, three slots
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(MAX_STALENESS + 2), "--dtype", "float32",
-            "--max-model-len", "256"]
+    args = [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        str(MAX_STALENESS + 2),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+    ]
     with EmbeddedServer(TINY, log_path=log, extra_args=args) as s:
         yield s
 
@@ -79,8 +88,12 @@ def _generate(url: str, model: str | None, seed: int = 0) -> tuple[list[int], to
                                                       "logprobs": 0, "ignore_eos": True}}
     if model is not None:
         body["model"] = model
-    req = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         choice = json.loads(resp.read())["choices"][0]
     return choice["token_ids"], torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]])
@@ -99,7 +112,9 @@ def _served_adapters(url: str) -> list[str]:
 
 
 def _sync(server, tmp_path) -> AdapterSync:
-    sync = AdapterSync(server.url, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=60, dtype=torch.float32)
+    sync = AdapterSync(
+        server.url, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=60, dtype=torch.float32
+    )
     sync.init()
     return sync
 
@@ -192,7 +207,9 @@ def _tiny_qwen3():
 def test_the_folder_holds_the_active_adapter_in_the_serving_dtype_and_replaces_an_older_one(tmp_path):
     from safetensors.torch import load_file
 
-    model = peft.get_peft_model(_tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    model = peft.get_peft_model(
+        _tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    )
     model.add_adapter("other", peft.LoraConfig(r=8, lora_alpha=3, target_modules=["down_proj"],
                                                init_lora_weights=False))
     folder = tmp_path / "v0"
@@ -201,7 +218,10 @@ def test_the_folder_holds_the_active_adapter_in_the_serving_dtype_and_replaces_a
     for name, rank, module in (("default", 4, "q_proj"), ("other", 8, "down_proj")):
         model.set_adapter(name)
         size = write_adapter(model, folder, torch.bfloat16)
-        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         assert size == sum(p.stat().st_size for p in folder.iterdir())
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["r"] == rank and config["target_modules"] == [module]
@@ -232,8 +252,9 @@ def _config(tmp_path, server, **overrides) -> AsyncGRPOConfig:
 def _lora(**kwargs):
     # random A and B: the policy differs from the base model from the first step, so rollouts served by
     # the base model instead of the adapter would show in the log-prob difference
-    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
-                              **kwargs})
+    return peft.LoraConfig(
+        **{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False, **kwargs}
+    )
 
 
 def _dataset(n: int) -> Dataset:
@@ -262,8 +283,14 @@ class _Watch:
 def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(server, tmp_path, caplog):
     config = _config(tmp_path, server, max_steps=4)
     watch = _Watch(server.url, tmp_path / "out" / ".vllm_lora")
-    trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(64), args=config,
-                               peft_config=_lora(), callbacks=[watch.callback])
+    trainer = AsyncGRPOTrainer(
+        model=TINY,
+        reward_funcs=accuracy_reward,
+        train_dataset=_dataset(64),
+        args=config,
+        peft_config=_lora(),
+        callbacks=[watch.callback],
+    )
     with caplog.at_level(logging.INFO, logger="asyncgrpo.train.weights"):
         trainer.train()
     assert "PEFT weight sync: adapter only" in caplog.text
@@ -285,8 +312,13 @@ def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(se
 
 
 def test_a_server_with_too_little_lora_room_stops_training_at_start_with_the_restart_flags(server, tmp_path):
-    trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(8),
-                               args=_config(tmp_path, server, max_steps=1, max_staleness=2), peft_config=_lora(r=16))
+    trainer = AsyncGRPOTrainer(
+        model=TINY,
+        reward_funcs=accuracy_reward,
+        train_dataset=_dataset(8),
+        args=_config(tmp_path, server, max_steps=1, max_staleness=2),
+        peft_config=_lora(r=16),
+    )
     with pytest.raises(ValueError) as err:
         trainer.train()
     message = str(err.value)

@@ -134,7 +134,9 @@ def _shard(model: torch.nn.Module, layout: str = "layers+root", root: torch.nn.M
     for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
     if layout == "layers+tail+root":
-        fully_shard([base.model.norm, base.model.embed_tokens, base.lm_head], mesh=mesh, reshard_after_forward=False)
+        fully_shard(
+            [base.model.norm, base.model.embed_tokens, base.lm_head], mesh=mesh, reshard_after_forward=False
+        )
     fully_shard(root or model, mesh=mesh)
 
 
@@ -169,8 +171,13 @@ def _row_loss(model: torch.nn.Module, samples: list, num_trained_tokens_global: 
         hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     return policy_loss(
-        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.completion_index,
-        num_trained_tokens_global=num_trained_tokens_global, gradient_accumulation_steps=1, score_centering=False,
+        logps.target_logprobs,
+        row.sampler_logprobs,
+        row.advantages,
+        row.completion_index,
+        num_trained_tokens_global=num_trained_tokens_global,
+        gradient_accumulation_steps=1,
+        score_centering=False,
     ).loss
 
 
@@ -233,7 +240,9 @@ def _peft_model() -> torch.nn.Module:
 
     torch.manual_seed(1)
     # random B as well as A: the merge changes the weights
-    return get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return get_peft_model(
+        _model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
 
 
 def _peft_check(rank: int) -> dict:
@@ -270,7 +279,11 @@ def _fake_transport(fail_after: int | None = None):
             for i, (name, tensor) in enumerate(named_tensors):
                 if i == fail_after:
                     raise RuntimeError("the server went away")
-                assert (name, tensor.dtype, tuple(tensor.shape)) == (metas[i].name, metas[i].dtype, metas[i].shape)
+                assert (name, tensor.dtype, tuple(tensor.shape)) == (
+                    metas[i].name,
+                    metas[i].dtype,
+                    metas[i].shape,
+                )
                 self.received[name] = tensor_digest(tensor)
             return {"total_s": 1.0}
 
@@ -289,7 +302,9 @@ def _push_check(rank: int) -> dict:
     _shard(model)
 
     def transport(fail_after: int | None = None):
-        return _fake_transport(fail_after) if rank == 0 else OtherRank(torch.float32, bucket_bytes=BUCKET_BYTES)
+        return (
+            _fake_transport(fail_after) if rank == 0 else OtherRank(torch.float32, bucket_bytes=BUCKET_BYTES)
+        )
 
     first = transport()
     found: dict = {"push/timings": first.push(model, WeightVersion(1))}

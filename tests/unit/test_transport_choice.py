@@ -12,7 +12,9 @@ GPU_A = "5c1e0f3a-0000-4000-8000-00000000000a"
 GPU_B = "5c1e0f3a-0000-4000-8000-00000000000b"
 
 
-def embedded_body(device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True, pid: int = 4242) -> dict:
+def embedded_body(
+    device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True, pid: int = 4242
+) -> dict:
     device = {"device": device_type, "device_type": device_type}
     if uuid is not None:
         device["device_uuid"] = uuid
@@ -36,9 +38,19 @@ def vllm_body(backend: str = "nccl", insecure: bool = False) -> dict:
 
 def test_server_info_carries_the_device_to_the_client():
     device = parse_server_info(embedded_body()).device
-    assert device.embedded and device.device_uuid == GPU_A and device.accepts_ipc and device.device_type == "cuda"
+    assert (
+        device.embedded
+        and device.device_uuid == GPU_A
+        and device.accepts_ipc
+        and device.device_type == "cuda"
+    )
     device = parse_server_info(vllm_body("ipc", insecure=True)).device
-    assert not device.embedded and device.device_uuid is None and device.accepts_ipc and device.insecure_serialization
+    assert (
+        not device.embedded
+        and device.device_uuid is None
+        and device.accepts_ipc
+        and device.insecure_serialization
+    )
     assert not parse_server_device(vllm_body("nccl")).accepts_ipc
 
 

@@ -173,9 +173,9 @@ class Admission:
         if self.tokens_per_rollout is None:
             self.tokens_per_rollout = float(per_rollout)
         else:
-            self.tokens_per_rollout = (
-                TOKEN_ESTIMATE_DECAY * self.tokens_per_rollout + (1 - TOKEN_ESTIMATE_DECAY) * float(per_rollout)
-            )
+            self.tokens_per_rollout = TOKEN_ESTIMATE_DECAY * self.tokens_per_rollout + (
+                1 - TOKEN_ESTIMATE_DECAY
+            ) * float(per_rollout)
 
     def on_samples_queued(self, num_tokens: int) -> None:
         self.produced_tokens += num_tokens

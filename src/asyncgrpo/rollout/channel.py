@@ -150,9 +150,15 @@ class RolloutChannel:
 
     @classmethod
     def create(
-        cls, ctx: mp.context.BaseContext, *, initial_allowance: int, model_version: int = 0, completions: bool = False
+        cls,
+        ctx: mp.context.BaseContext,
+        *,
+        initial_allowance: int,
+        model_version: int = 0,
+        completions: bool = False,
     ) -> RolloutChannel:
-        """The primitives of one pair; `completions` adds the `log_completions` queue (`extra["completions"]`)."""
+        """The primitives of one pair; `completions` adds the `log_completions` queue
+        (`extra["completions"]`)."""
         samples, metrics, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # The creating process (the trainer) only reads; an in-process writer (tests, a loop run in
         # a thread) must not block its exit on items nobody reads. Spawned children reset this flag.

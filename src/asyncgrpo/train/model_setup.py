@@ -29,16 +29,22 @@ logger = logging.getLogger(__name__)
 
 def prepare_policy(model: str | PreTrainedModel, args: Any) -> tuple[PreTrainedModel, str]:
     """(the model to train, its id): loaded when `model` is an id or path, checked for tree packing, its
-    attention switched to the tree-attention backend; of a vision-language model only the text model trains."""
+    attention switched to the tree-attention backend; of a vision-language model only the text model
+    trains."""
     if isinstance(model, str):
         model_id = model
         model = load_policy(
-            model, dtype=args.dtype, init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code
+            model,
+            dtype=args.dtype,
+            init_kwargs=args.model_init_kwargs,
+            trust_remote_code=args.trust_remote_code,
         )
     elif isinstance(model, PreTrainedModel):
         model_id = model.config._name_or_path
     else:
-        raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(
+            f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}"
+        )
     check_supported(model.config)
     enable_tree_attention(model)
     train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
@@ -58,7 +64,8 @@ def train_text_model_only(model: PreTrainedModel) -> None:
             param.requires_grad_(False)
             frozen += param.numel()
     total = sum(p.numel() for p in model.parameters())
-    logger.info("%s is a vision-language model: training its text model only (%.1f%% of %d parameters frozen: vision "
+    logger.info("%s is a vision-language model: training its text model only (%.1f%% of %d parameters "
+                "frozen: vision "
                 "tower and projector, which the weight sync leaves out)", type(model).__name__,
                 100 * frozen / max(total, 1), total)
 
@@ -77,11 +84,15 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any) -> Any:
     if isinstance(targets, str):
         targets = [targets]
     if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
-        raise ValueError("PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save")
+        raise ValueError(
+            "PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save"
+        )
     return get_peft_model(model, peft_config)
 
 
-def load_tokenizer(model_id: str, *, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model_id: str, *, trust_remote_code: bool, revision: str | None = None
+) -> PreTrainedTokenizerBase:
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -113,7 +124,11 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
             m = m.get_base_model()
         elif hasattr(m, "_orig_mod"):  # torch.compile
             m = m._orig_mod
-        elif hasattr(m, "module") and isinstance(m.module, torch.nn.Module) and not isinstance(m, PreTrainedModel):
+        elif (
+            hasattr(m, "module")
+            and isinstance(m.module, torch.nn.Module)
+            and not isinstance(m, PreTrainedModel)
+        ):
             m = m.module  # DDP
         else:
             return m
@@ -125,12 +140,18 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     head = base.get_output_embeddings()
     body = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, base.base_model_prefix)
     if head is None or body is None:
-        raise ValueError(f"{type(base).__name__} has no separable decoder and LM head; it cannot be trained here")
+        raise ValueError(
+            f"{type(base).__name__} has no separable decoder and LM head; it cannot be trained here"
+        )
     return body, head
 
 
 def hidden_states_and_head(
-    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, *, router_aux_loss: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    router_aux_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor | None]:
     """The body's last hidden states [T, H] for one packed row (`input_ids`, `position_ids`: [T]), the
     LM head, whose weight the caller multiplies in at the trained positions only, and, with
@@ -153,8 +174,13 @@ def hidden_states_and_head(
     kwargs = {"output_router_logits": True} if router_aux_loss else {}
     handle = body.register_forward_hook(keep)
     try:
-        out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, logits_to_keep=1,
-                    **kwargs)
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            use_cache=False,
+            logits_to_keep=1,
+            **kwargs,
+        )
     finally:
         handle.remove()
     assert len(captured) == 1, f"the decoder body ran {len(captured)} times in one forward"
@@ -170,8 +196,8 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
     if not has_router:
         if requested:
             raise ValueError(
-                f"router_aux_loss_coef={requested}, but model type {text.model_type!r} has no router (it is not a "
-                "Mixture-of-Experts model): leave router_aux_loss_coef=None"
+                f"router_aux_loss_coef={requested}, but model type {text.model_type!r} has no router (it is "
+                "not a Mixture-of-Experts model): leave router_aux_loss_coef=None"
             )
         return 0.0
     return float(text.router_aux_loss_coef if requested is None else requested)
@@ -181,7 +207,11 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
 # tests/unit/test_tree_attention.py): Cohere multiplies by `logit_scale`, Granite divides by
 # `logits_scaling`. Gemma 2/3 softcap with `final_logit_softcapping`.
 _LOGIT_MULTIPLIER = {"cohere": "logit_scale", "cohere2": "logit_scale"}
-_LOGIT_DIVISOR = {"granite": "logits_scaling", "granitemoe": "logits_scaling", "granitemoeshared": "logits_scaling"}
+_LOGIT_DIVISOR = {
+    "granite": "logits_scaling",
+    "granitemoe": "logits_scaling",
+    "granitemoeshared": "logits_scaling",
+}
 
 
 def logit_processing(config: Any) -> dict[str, float | None]:

@@ -45,7 +45,9 @@ class ServerLink:
         self.timeout_s = timeout_s
         self.keep_kv = keep_kv
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True
+        )
         self._thread.start()
         self.trainer_id = uuid.uuid4().hex[:12]
         self.client = GenerationClient(
@@ -67,8 +69,9 @@ class ServerLink:
                 raise
             future.cancel()
             raise TimeoutError(
-                f"the inference server at {self.base_url} did not answer within {timeout_s or self.timeout_s:.0f}s; "
-                "check that it is running and healthy, or raise `vllm_server_timeout`"
+                f"the inference server at {self.base_url} did not answer within "
+                f"{timeout_s or self.timeout_s:.0f}s; check that it is running and healthy, or raise "
+                "`vllm_server_timeout`"
             ) from None
 
     def connect(self) -> Any:
@@ -76,8 +79,8 @@ class ServerLink:
         minute) and detect its features."""
         with notice_while_waiting(lambda waited: (
             f"waiting for the inference server at {self.base_url} ({waited:.0f} s so far; giving up after "
-            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
-            "or fix vllm_server_base_url"
+            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve "
+            "MODEL`) or fix vllm_server_base_url"
         )):
             self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
         self._run(self._take_over())  # before detect(): its probe request would wait on a paused server
@@ -98,7 +101,8 @@ class ServerLink:
             paused = False  # vLLM without VLLM_SERVER_DEV_MODE: detect() says what that means
         if paused:
             logger.warning(
-                "the inference server at %s was paused, most likely left so by a trainer that stopped during a "
+                "the inference server at %s was paused, most likely left so by a trainer that stopped "
+                "during a "
                 "weight sync; resuming it", self.base_url,
             )
             await self.client.resume()
@@ -125,8 +129,9 @@ class ServerLink:
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
         """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()`
-        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises; a server that
-        restarted since the last push (its weight-transfer group gone with it) is `ServerRestartedError`."""
+        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure
+        leaves the server resumed and raises; a server that restarted since the last push (its
+        weight-transfer group gone with it) is `ServerRestartedError`."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
         t_paused = time.perf_counter()
@@ -135,7 +140,8 @@ class ServerLink:
         except BaseException as exc:
             self._resume_after_failure()
             if isinstance(exc, Exception) and self.restarted():
-                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no trainer "
+                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no "
+                                                          "trainer "
                                            "pushed") from exc
             raise
         self._pushes += 1
@@ -157,14 +163,17 @@ class ServerLink:
         if not self._pushes:
             return False
         try:
-            return self._run(self.client.weight_info(), timeout_s=30 + self.client.outage_s) == INITIAL_WEIGHT_VERSION
+            return (
+                self._run(self.client.weight_info(), timeout_s=30 + self.client.outage_s)
+                == INITIAL_WEIGHT_VERSION
+            )
         except Exception:  # noqa: BLE001 -- unknown: whatever failed is reported by its own call
             return False
 
     def _resume_after_failure(self) -> None:
         try:
             self._run(self.client.resume(), timeout_s=30)
-        except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
+        except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; log this one
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
 
     async def _release(self) -> None:
@@ -173,7 +182,8 @@ class ServerLink:
         try:
             await self.client.release_hold()
         except (ServerConnectionError, ServerRequestError, ProtocolError, TimeoutError) as exc:
-            logger.warning("could not give the inference server at %s back (%s); the next trainer may wait up to "
+            logger.warning("could not give the inference server at %s back (%s); the next trainer may wait "
+                           "up to "
                            "its --trainer-lease", self.base_url, exc)
 
     def close(self) -> None:

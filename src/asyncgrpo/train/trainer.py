@@ -151,7 +151,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         with sigterm_stops_training():  # clean-up below runs on SIGTERM too (a scheduler's preemption)
-            return self._train(resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return self._train(
+                resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
 
     def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
@@ -160,24 +162,33 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
             resumed = read_rollout_state(resume_from_checkpoint)
-            assert resumed is not None, f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
+            assert resumed is not None, (
+                f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
+            )
         start_position, self.model_version = resumed.trained_position, WeightVersion(resumed.model_version)
         user_max_steps = args.max_steps
         try:
-            matmul_dtype = training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype)
+            matmul_dtype = training_dtype(
+                bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype
+            )
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
-            info = broadcast_from_rank0(lambda: self._connect(matmul_dtype), "connecting to the inference server")
-            if self._server is None:  # another rank: rank 0 sends; this one takes part in a sharded model's gathers
+            info = broadcast_from_rank0(
+                lambda: self._connect(matmul_dtype), "connecting to the inference server"
+            )
+            if self._server is None:  # another rank: rank 0 sends; it takes part in a sharded model's gathers
                 self.weights = make_transport(None, info, self.model, WeightSettings.from_config(args))
             self._token_budget = token_budget(args.token_budget, info)
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
-            self.weights.push(self.model, self.model_version)  # the server serves exactly the weights being trained
+            # the server serves exactly the weights being trained
+            self.weights.push(self.model, self.model_version)
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
                 if total_positions is None:
-                    raise ValueError("a streaming train_dataset has no length to count epochs: set `max_steps`")
+                    raise ValueError(
+                        "a streaming train_dataset has no length to count epochs: set `max_steps`"
+                    )
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
             self._batches = self._make_batches(total_positions, start_position)
@@ -201,7 +212,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         return info
 
     def _check_picklable(self) -> None:
-        """Before anything starts: everything the spawned rollout process receives pickles and can be imported."""
+        """Before anything starts: everything the spawned rollout process receives pickles and can be
+        imported."""
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
@@ -223,7 +235,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "dataset_skip_positions": resumed.trained_above,
             # adapter-only LoRA: rollouts ask for the adapter version they started under
             "lora_name": self.weights.lora_name,
-            "expects_pushed_weights": True,  # (train() pushed them): tokens of a restarted server's own are asked again
+            # (train() pushed them): tokens of a restarted server's own are asked again
+            "expects_pushed_weights": True,
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
@@ -263,7 +276,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     # -- the Trainer hooks ---------------------------------------------------------------------
 
     def get_train_dataloader(self) -> RolloutBatches:
-        assert self._batches is not None, "train() builds the rollout pipeline before the Trainer asks for data"
+        assert self._batches is not None, (
+            "train() builds the rollout pipeline before the Trainer asks for data"
+        )
         return self._batches
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
@@ -279,29 +294,42 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         return batch, None
 
     def floating_point_ops(self, inputs: Any) -> int:
-        return 0  # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
+        # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
+        return 0
 
-    def training_step(self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         model.train()
         device = self.args.device
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         # FlashAttention-4 takes masks of one static size: the row's tensors padded to the token budget
-        mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None,
-                                 kernel_options=self._flex_options)
-        # device_work: no graph capture of a server in this process meanwhile (compilation may sync the device)
+        mask = TreeMask.from_row(
+            row,
+            device,
+            mask_capacity=self._token_budget if self._flex_options else None,
+            kernel_options=self._flex_options,
+        )
+        # device_work: no graph capture of a server in this process meanwhile (compilation may sync the
+        # device)
         with device_work():
             with self.compute_loss_context_manager(), tree_attention_context(mask):
                 result = row_loss(
-                    model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
+                    model,
+                    row,
+                    num_trained_tokens_global=inputs.num_trained_tokens_global,
+                    settings=self._loss_settings,
                 )
                 loss = result.loss
-            _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
+            # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
+            _wait_for_device(device)
             t_fwd = time.perf_counter()
             # The loss is already normalised by the trained tokens of all processes; data-parallel
             # gradient averaging divides by the world size once more, which this undoes.
             self.accelerator.backward(loss * self.accelerator.num_processes)
-            _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
+            # costs nothing: add_micro_batch's torch.unique waits for the device anyway
+            _wait_for_device(device)
         t_bwd = time.perf_counter()
         self._metrics.add_micro_batch(row, inputs, result.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._nonfinite.add_loss(loss)
@@ -322,7 +350,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 self._metrics.window.add(record)
             entries = self._rollout.completions()
             if entries:  # `log_completions`: the latest sampled completions, as a table
-                print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
+                print_completions(
+                    entries, step=self.state.global_step, limit=self.args.num_completions_to_print
+                )
         logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
@@ -339,7 +369,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         args = self.args
         step_totals = self._metrics.end_step(skipped=self._step_skipped)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
-            self._rollout.publish(token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness))
+            self._rollout.publish(
+                token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness)
+            )
         sync_s: dict[str, float] = {}
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
             # every rank; the server serves the next version before the rollout process hears of it
@@ -379,6 +411,7 @@ def _identity(features: Any) -> Any:
 
 
 def _wait_for_device(device: torch.device) -> None:
-    """The training stream's work done (not the whole device's: a server inside this process runs beside it)."""
+    """The training stream's work done (not the whole device's: a server inside this process runs beside
+    it)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()

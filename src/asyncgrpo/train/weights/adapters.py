@@ -76,7 +76,9 @@ class LoraSyncChoice:
 
 def adapter_rank(peft_config: Any) -> int:
     """The largest rank among the adapter's modules (`r` and any `rank_pattern` value)."""
-    return max([int(peft_config.r), *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values())])
+    return max(
+        [int(peft_config.r), *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values())]
+    )
 
 
 def _unservable(peft_config: Any) -> str | None:
@@ -89,17 +91,34 @@ def _unservable(peft_config: Any) -> str | None:
     init = getattr(c, "init_lora_weights", True)
     features = [
         (getattr(c, "use_dora", False), "DoRA adapters cannot be served as adapters"),
-        (getattr(c, "modules_to_save", None), f"modules_to_save={c.modules_to_save} are full modules, not adapters"),
-        (getattr(c, "trainable_token_indices", None), "trainable_token_indices (embedding rows) cannot be served"),
-        (getattr(c, "bias", "none") != "none", f"bias={getattr(c, 'bias', None)!r} adapters cannot be served"),
+        (
+            getattr(c, "modules_to_save", None),
+            f"modules_to_save={c.modules_to_save} are full modules, not adapters",
+        ),
+        (
+            getattr(c, "trainable_token_indices", None),
+            "trainable_token_indices (embedding rows) cannot be served",
+        ),
+        (
+            getattr(c, "bias", "none") != "none",
+            f"bias={getattr(c, 'bias', None)!r} adapters cannot be served",
+        ),
         (getattr(c, "lora_bias", False), "lora_bias adapters cannot be served as adapters"),
-        (isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS,
-         f"init_lora_weights={init!r} also changes the base weights, which the server does not have"),
+        (
+            isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS,
+            f"init_lora_weights={init!r} also changes the base weights, which the server does not have",
+        ),
         (getattr(c, "layer_replication", None), "layer_replication adapters cannot be served as adapters"),
-        (getattr(c, "alora_invocation_tokens", None), "activated LoRA (alora_invocation_tokens) cannot be served"),
+        (
+            getattr(c, "alora_invocation_tokens", None),
+            "activated LoRA (alora_invocation_tokens) cannot be served",
+        ),
         (getattr(c, "use_qalora", False), "QALoRA adapters cannot be served as adapters"),
         (getattr(c, "use_bdlora", None), "block-diagonal LoRA (use_bdlora) cannot be served as adapters"),
-        (getattr(c, "target_parameters", None), "LoRA on raw parameters (target_parameters) is not served as adapters"),
+        (
+            getattr(c, "target_parameters", None),
+            "LoRA on raw parameters (target_parameters) is not served as adapters",
+        ),
         (getattr(c, "fan_in_fan_out", False), "fan_in_fan_out adapters (Conv1D layers) cannot be served"),
     ]
     return next((why for present, why in features if present), None)
@@ -110,8 +129,8 @@ def restart_flags(rank: int, max_staleness: int, lora: LoraServing | None) -> st
     allowed = max_lora_ranks_for(rank)
     if not allowed:
         raise ValueError(
-            f"LoRA rank {rank} is above the largest --max-lora-rank a server accepts ({ALLOWED_MAX_RANKS[-1]}): "
-            f"train with r <= {ALLOWED_MAX_RANKS[-1]}"
+            f"LoRA rank {rank} is above the largest --max-lora-rank a server accepts "
+            f"({ALLOWED_MAX_RANKS[-1]}): train with r <= {ALLOWED_MAX_RANKS[-1]}"
         )
     max_rank = lora.max_lora_rank if lora is not None and lora.max_lora_rank in allowed else allowed[0]
     max_loras = max(max_staleness + 2, lora.max_loras if lora is not None else 0)
@@ -127,13 +146,14 @@ def choose_lora_sync(
     rank = adapter_rank(peft_config)
     if lora is None:
         return LoraSyncChoice(False, (
-            f"the server at {server_url} runs without LoRA; restart it with {restart_flags(rank, max_staleness, None)} "
-            "to sync only the adapter"
+            f"the server at {server_url} runs without LoRA; restart it with "
+            f"{restart_flags(rank, max_staleness, None)} to sync only the adapter"
         ))
     if not lora.runtime_updating:
         return LoraSyncChoice(False, (
-            f"the server at {server_url} runs with --enable-lora but without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so "
-            "it cannot load adapters at run time; restart it with that variable set to sync only the adapter"
+            f"the server at {server_url} runs with --enable-lora but without "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, so it cannot load adapters at run time; restart it with "
+            "that variable set to sync only the adapter"
         ))
     unservable = _unservable(peft_config)
     if unservable is not None:
@@ -142,14 +162,16 @@ def choose_lora_sync(
         return LoraSyncChoice(False, "adapter-only sync of an FSDP-sharded model is not implemented")
     problems = []
     if lora.max_lora_rank not in ALLOWED_MAX_RANKS:
-        problems.append(f"--max-lora-rank {lora.max_lora_rank} is not one of {', '.join(map(str, ALLOWED_MAX_RANKS))}")
+        problems.append(
+            f"--max-lora-rank {lora.max_lora_rank} is not one of {', '.join(map(str, ALLOWED_MAX_RANKS))}"
+        )
     elif lora.max_lora_rank < rank:
         problems.append(f"--max-lora-rank {lora.max_lora_rank} is below the adapter's rank {rank}")
     if lora.max_loras < max_staleness + 2:
         problems.append(
-            f"--max-loras {lora.max_loras} is below max_staleness + 2 = {max_staleness + 2} (the trainer keeps "
-            f"max_staleness + 1 = {max_staleness + 1} adapter versions registered and loads the next one before "
-            "unloading the oldest)"
+            f"--max-loras {lora.max_loras} is below max_staleness + 2 = {max_staleness + 2} (the trainer "
+            f"keeps max_staleness + 1 = {max_staleness + 1} adapter versions registered and loads the next "
+            "one before unloading the oldest)"
         )
     if problems:
         raise ValueError(
@@ -231,7 +253,9 @@ class AdapterSync:
 
     def _call(self, work: Callable[[GenerationClient], Coroutine]) -> Any:
         async def run() -> Any:
-            async with GenerationClient(self.base_url, timeout_s=self.timeout_s, api_key=self.api_key) as client:
+            async with GenerationClient(
+                self.base_url, timeout_s=self.timeout_s, api_key=self.api_key
+            ) as client:
                 return await work(client)
 
         return asyncio.run(run())
@@ -249,7 +273,11 @@ class AdapterSync:
 
         left = self._call(unload_leftovers)
         if left:
-            logger.info("unloaded %d LoRA adapters left on the server by an earlier run: %s", len(left), ", ".join(left))
+            logger.info(
+                "unloaded %d LoRA adapters left on the server by an earlier run: %s",
+                len(left),
+                ", ".join(left),
+            )
         if self.root.is_dir():
             for path in self.root.iterdir():
                 if path.name.startswith((prefix, f".tmp-{prefix}")):
@@ -268,14 +296,18 @@ class AdapterSync:
             self._call(lambda client: client.load_lora_adapter(name, str(folder.resolve())))
         except (ServerRequestError, ServerConnectionError, TimeoutError) as exc:
             shutil.rmtree(folder, ignore_errors=True)
-            serving = f"version {self.loaded[-1]} ({self.adapter_name(self.loaded[-1])})" if self.loaded else "no adapter"
+            serving = (
+                f"version {self.loaded[-1]} ({self.adapter_name(self.loaded[-1])})"
+                if self.loaded
+                else "no adapter"
+            )
             hint = (
                 f" The server could not find {folder}: put output_dir on a file system the server can read."
                 if isinstance(exc, ServerRequestError) and exc.status == 404 else ""
             )
             raise AdapterSyncError(
-                f"the server at {self.base_url} did not load LoRA adapter version {version} ({name}, {folder}): "
-                f"{exc}. It keeps serving {serving}.{hint}"
+                f"the server at {self.base_url} did not load LoRA adapter version {version} ({name}, "
+                f"{folder}): {exc}. It keeps serving {serving}.{hint}"
             ) from exc
         self.loaded.append(version)
         self.on_disk.append(version)
@@ -284,8 +316,16 @@ class AdapterSync:
         t_done = time.perf_counter()
         logger.debug("LoRA adapter version %d: %d bytes, written in %.3fs, loaded in %.3fs",
                      version, num_bytes, t_written - t0, t_loaded - t_written)
-        return {"pause_s": 0.0, "transfer_s": t_loaded - t0, "resume_s": 0.0, "total_s": t_done - t0,
-                "write_s": t_written - t0, "load_s": t_loaded - t_written, "bytes": num_bytes, "num_chunks": 1}
+        return {
+            "pause_s": 0.0,
+            "transfer_s": t_loaded - t0,
+            "resume_s": 0.0,
+            "total_s": t_done - t0,
+            "write_s": t_written - t0,
+            "load_s": t_loaded - t_written,
+            "bytes": num_bytes,
+            "num_chunks": 1,
+        }
 
     def _retire(self) -> None:
         """Unload the versions beyond the newest max_staleness + 1; remove the folders beyond the newest
@@ -297,7 +337,9 @@ class AdapterSync:
         async def unload(client: GenerationClient) -> None:
             for version in old:
                 if not await client.unload_lora_adapter(self.adapter_name(version)):
-                    logger.warning("LoRA adapter %s was already gone from the server", self.adapter_name(version))
+                    logger.warning(
+                        "LoRA adapter %s was already gone from the server", self.adapter_name(version)
+                    )
 
         try:
             if old:
@@ -313,7 +355,8 @@ class AdapterSync:
         try:
             self._retire()
         except (ServerRequestError, ServerConnectionError, TimeoutError) as exc:
-            logger.warning("unloading the LoRA adapters at the end of training failed (%s); the next run unloads "
+            logger.warning("unloading the LoRA adapters at the end of training failed (%s); the next run "
+                           "unloads "
                            "them at its start", exc)
 
     def idle(self, model: Any, version: WeightVersion) -> None:

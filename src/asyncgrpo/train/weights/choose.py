@@ -56,12 +56,24 @@ class WeightSettings:
 
     @classmethod
     def from_config(cls, args: AsyncGRPOConfig) -> WeightSettings:
-        return cls(device=torch.device(args.device), world_size=args.world_size, max_staleness=args.max_staleness,
-                   output_dir=args.output_dir, timeout_s=args.vllm_server_timeout, api_key=args.vllm_server_api_key)
+        return cls(
+            device=torch.device(args.device),
+            world_size=args.world_size,
+            max_staleness=args.max_staleness,
+            output_dir=args.output_dir,
+            timeout_s=args.vllm_server_timeout,
+            api_key=args.vllm_server_api_key,
+        )
 
 
-def make_transport(link: ServerLink | None, info: ServerInfo, model: torch.nn.Module, settings: WeightSettings,
-                   *, peft_config: Any = None) -> WeightTransport:
+def make_transport(
+    link: ServerLink | None,
+    info: ServerInfo,
+    model: torch.nn.Module,
+    settings: WeightSettings,
+    *,
+    peft_config: Any = None,
+) -> WeightTransport:
     """The weight transport of this process (module docstring), not yet `init()`-ed: `link` is rank 0's,
     None on the other ranks; `peft_config` the PEFT config the model was wrapped with (None: not a PEFT
     run). The weights go in the server's dtype. An INFO line says which transport and why; raises
@@ -72,10 +84,18 @@ def make_transport(link: ServerLink | None, info: ServerInfo, model: torch.nn.Mo
     if peft_config is not None:
         choice = choose_lora_sync(info.lora, peft_config, max_staleness=settings.max_staleness,
                                   sharded=is_sharded(model), server_url=link.base_url)
-        logger.info("PEFT weight sync: %s (%s)", "adapter only" if choice.adapter_only else "merged", choice.reason)
+        logger.info(
+            "PEFT weight sync: %s (%s)", "adapter only" if choice.adapter_only else "merged", choice.reason
+        )
         if choice.adapter_only:
-            return AdapterSync(link.base_url, output_dir=settings.output_dir, max_staleness=settings.max_staleness,
-                               timeout_s=settings.timeout_s, dtype=dtype, api_key=settings.api_key)
+            return AdapterSync(
+                link.base_url,
+                output_dir=settings.output_dir,
+                max_staleness=settings.max_staleness,
+                timeout_s=settings.timeout_s,
+                dtype=dtype,
+                api_key=settings.api_key,
+            )
     full = full_weight_transport(link, settings.device, dtype, info.device)
     return ServerRestarts(full, link, world_size=settings.world_size)
 
@@ -108,14 +128,15 @@ def choose_transport(trainer_device_type: str, server: ServerDevice | None, same
     if server is not None and not server.embedded and server.transfer_backend == "ipc":
         if trainer_device_type != "cuda" or same_gpu is False:
             raise ValueError(
-                "vLLM runs the ipc weight-transfer backend, which takes weights only from a CUDA trainer on its own "
-                "GPU, and this trainer is not on it: train on the server's GPU, or restart vLLM with "
-                "--weight-transfer-config '{\"backend\": \"nccl\"}' for a trainer on another GPU"
+                "vLLM runs the ipc weight-transfer backend, which takes weights only from a CUDA trainer on "
+                "its own GPU, and this trainer is not on it: train on the server's GPU, or restart vLLM "
+                "with --weight-transfer-config '{\"backend\": \"nccl\"}' for a trainer on another GPU"
             )
         if not server.insecure_serialization:
             raise ValueError(
-                "vLLM runs the ipc weight-transfer backend but without VLLM_ALLOW_INSECURE_SERIALIZATION=1, so it "
-                f"will refuse the trainer's handles: restart it as `{VLLM_IPC_RESTART}`. Risk: {INSECURE_RISK}"
+                "vLLM runs the ipc weight-transfer backend but without VLLM_ALLOW_INSECURE_SERIALIZATION=1, "
+                f"so it will refuse the trainer's handles: restart it as `{VLLM_IPC_RESTART}`. Risk: "
+                f"{INSECURE_RISK}"
             )
         return "vllm_ipc"
     if trainer_device_type != "cuda":
@@ -128,9 +149,9 @@ def choose_transport(trainer_device_type: str, server: ServerDevice | None, same
         return "ipc" if server.embedded else "vllm_ipc"
     if server is not None and server.embedded:
         raise ValueError(
-            "the trainer and the embedded server share one GPU, where NCCL cannot connect them, and this server "
-            "takes no CUDA IPC weights: upgrade asyncgrpo on the server side and restart `asyncgrpo serve`, or put "
-            "the server on another GPU (--device cuda:1)"
+            "the trainer and the embedded server share one GPU, where NCCL cannot connect them, and this "
+            "server takes no CUDA IPC weights: upgrade asyncgrpo on the server side and restart `asyncgrpo "
+            "serve`, or put the server on another GPU (--device cuda:1)"
         )
     raise ValueError(
         "the trainer and the vLLM server share one GPU, where NCCL cannot connect them (its error is "
@@ -151,11 +172,11 @@ def sharing_hint(choice: str, server: ServerDevice | None, trainer_pid: int) -> 
     if server.embedded and server.pid == trainer_pid:
         return None
     if server.embedded:
-        return ("the embedded server shares this GPU from another process, so CUDA time-slices the two: run it "
-                "inside the trainer's process with asyncgrpo.server.serve.ServerThread for more throughput (measured "
-                "in docs/performance.md, 'One GPU')")
-    return ("vLLM shares this GPU from another process, so CUDA time-slices the two; the embedded server can run "
-            "inside the trainer's process instead (measured in docs/performance.md, 'One GPU')")
+        return ("the embedded server shares this GPU from another process, so CUDA time-slices the two: run "
+                "it inside the trainer's process with asyncgrpo.server.serve.ServerThread for more "
+                "throughput (measured in docs/performance.md, 'One GPU')")
+    return ("vLLM shares this GPU from another process, so CUDA time-slices the two; the embedded server "
+            "can run inside the trainer's process instead (measured in docs/performance.md, 'One GPU')")
 
 
 def same_gpu(trainer_uuid: str | None, server: ServerDevice | None, server_url: str, host_gpu_count: int,

@@ -30,8 +30,9 @@ VLLM_IPC_RESTART = (
 )
 """How to start vLLM so that a trainer on its GPU can push weights (the ipc backend)."""
 INSECURE_RISK = (
-    "vLLM's ipc backend unpickles the handles it receives, so with VLLM_ALLOW_INSECURE_SERIALIZATION=1 anyone "
-    "who can reach the server's port can run code in it: bind it to 127.0.0.1 (the default) on a trusted host"
+    "vLLM's ipc backend unpickles the handles it receives, so with VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+    "anyone who can reach the server's port can run code in it: bind it to 127.0.0.1 (the default) on a "
+    "trusted host"
 )
 
 

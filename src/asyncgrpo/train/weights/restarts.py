@@ -77,20 +77,23 @@ class ServerRestarts:
     def recover(self, model: torch.nn.Module, version: WeightVersion) -> dict[str, float]:
         if self.world_size > 1:
             raise ServerRestartedError(
-                self.link.base_url, f"serves weights no trainer pushed, and {self.world_size} training processes "
-                "cannot push them again mid-step"
+                self.link.base_url, f"serves weights no trainer pushed, and {self.world_size} training "
+                "processes cannot push them again mid-step"
             )
         label = WeightVersion(version).label()
         logger.warning(
-            "the inference server at %s restarted (it serves the weights it loaded at start): setting up the weight "
-            "transfer again and pushing the trained weights (%s); nothing it generated from its initial weights is "
+            "the inference server at %s restarted (it serves the weights it loaded at start): setting up "
+            "the weight transfer again and pushing the trained weights (%s); nothing it generated from its "
+            "initial weights is "
             "trained on", self.link.base_url, label,
         )
         self.transport.close()
         self.transport.init()
         timings = self.transport.push(model, version)
         self.recoveries += 1
-        logger.warning("the inference server at %s serves the trained weights again (%s)", self.link.base_url, label)
+        logger.warning(
+            "the inference server at %s serves the trained weights again (%s)", self.link.base_url, label
+        )
         return timings
 
     def close(self) -> None:
