@@ -2,6 +2,7 @@
 
     trainer (every rank)                             WeightTransport
     train():        make_transport(...), then init()  rank 0: set up the server's side (group, adapters)
+    rollouts:       lora_name                          None (the served model's name), or the adapter's
     each sync:      push(model, version) -> timings   the server serves `model` as `version`
     waiting:        idle(model, version)               a chance to repair the server (restarts.py)
     end:            close()                            idempotent
@@ -11,7 +12,8 @@ weights through `gather.push_weights`, or the LoRA adapter alone), so the traine
 kind it holds. Every rank calls `push` at the same point: FSDP2's gathers need every rank; rank 0
 alone talks to the server, and the other ranks hold an `OtherRank`. The timings feed the
 `perf/weight_sync_*` metrics: `total_s`, `pause_s`, `transfer_s`, `resume_s`, and the size (`bytes`,
-`num_chunks`), plus what a transport adds (`write_s`, `load_s`).
+`num_chunks`), plus what a transport adds (`write_s`, `load_s`). A push that raises leaves the server
+resumed (DESIGN section 7) and the trainer's version where it was.
 """
 
 from __future__ import annotations
