@@ -114,20 +114,19 @@ class SnapshotEvaluator:
     def __call__(self, snapshots: list[dict], label: str) -> list[dict]:
         from asyncgrpo.train.server_link import ServerLink
         from asyncgrpo.train.serving import serving_dtype
-        from asyncgrpo.train.weight_push import make_transport, push_weights
+        from asyncgrpo.train.weights.choose import full_weight_transport
+        from asyncgrpo.types import WeightVersion
 
         link = ServerLink(self.url, timeout_s=300)
         points = []
         try:
             info = link.connect()
-            transport = make_transport(link, self.device, info.device)
+            transport = full_weight_transport(link, self.device, serving_dtype(info), info.device)
             transport.init()
             try:
                 for i, snap in enumerate(snapshots):
                     self.model.load_state_dict(snap["state"])
-                    push_weights(
-                        self.model, transport, dtype=serving_dtype(info), version=f"{label}-eval-{i}"
-                    )
+                    transport.push(self.model, WeightVersion(i))
                     started = time.perf_counter()
                     held_out = self.evaluator()
                     points.append(

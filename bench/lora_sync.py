@@ -10,14 +10,14 @@ Per server (the embedded server, started here; with `--vllm-url` also a running 
     adapter sync   the trainer's `AdapterSync.push` (write the PEFT folder, POST /v1/load_lora_adapter,
                    unload the version that left the window, max_staleness 1): write / load / total
                    seconds and bytes; the first load (before the generation phase) is kept apart
-    merged sync    the trainer's `push_weights` of the PEFT model (merged into the base weights for the
-                   copy) through the transport the trainer would pick (`make_transport`): pause /
-                   transfer / resume seconds and bytes, after one unreported warm-up sync
+    merged sync    the trainer's push of the PEFT model (merged into the base weights for the copy)
+                   through the full-weight transport the trainer would pick (`full_weight_transport`):
+                   pause / transfer / resume seconds and bytes, after one unreported warm-up sync
 
 The embedded server runs twice: without LoRA (base generation and merged sync, what a run without
 adapter serving does) and with --enable-lora (base vs adapter generation, adapter sync; on CUDA its
-steps replay graphs with the adapters' deltas). vLLM runs as it was started: the adapter phases need --enable-lora
---max-lora-rank 32 --max-loras 4 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, the merged one a
+steps replay graphs with the adapters' deltas). vLLM runs as it was started: the adapter phases need
+--enable-lora --max-lora-rank 32 --max-loras 4 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, the merged one a
 --weight-transfer-config (`ipc` when vLLM shares this process's GPU, with
 VLLM_ALLOW_INSECURE_SERIALIZATION=1); a phase it cannot run is recorded with the reason. The merged
 phase ends by pushing the base weights back, so vLLM serves the model it was started with again.
@@ -58,11 +58,27 @@ from provenance import command_line
 from random_qwen3 import SHAPES, build_random_qwen3
 from serve_throughput import device_slug, make_prompts, wait_for_health
 
+from asyncgrpo.types import WeightVersion
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_STALENESS = 1  # two adapter versions stay registered, as in a run with max_staleness=1
 SIZES = {  # requests, syncs and time per shape (each can be overridden on the command line)
-    "tiny": {"concurrency": 4, "prompt_len": 16, "max_tokens": 16, "syncs": 3, "reps": 2, "phase_timeout_s": 120},
-    "1.7b": {"concurrency": 64, "prompt_len": 128, "max_tokens": 256, "syncs": 5, "reps": 3, "phase_timeout_s": 240},
+    "tiny": {
+        "concurrency": 4,
+        "prompt_len": 16,
+        "max_tokens": 16,
+        "syncs": 3,
+        "reps": 2,
+        "phase_timeout_s": 120,
+    },
+    "1.7b": {
+        "concurrency": 64,
+        "prompt_len": 128,
+        "max_tokens": 256,
+        "syncs": 5,
+        "reps": 3,
+        "phase_timeout_s": 240,
+    },
 }
 
 
@@ -169,11 +185,23 @@ async def wave(url: str, model: str | None, prompts: list[list[int]], max_tokens
     async with GenerationClient(url, timeout_s=timeout_s) as client:
         await client.detect()
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(
-            client.generate(p, SamplingParams(temperature=1.0, top_k=20, max_tokens=max_tokens, ignore_eos=True,
-                                              seed=seed0 + i, logprobs=0), model=model)
-            for i, p in enumerate(prompts)
-        ))
+        outs = await asyncio.gather(
+            *(
+                client.generate(
+                    p,
+                    SamplingParams(
+                        temperature=1.0,
+                        top_k=20,
+                        max_tokens=max_tokens,
+                        ignore_eos=True,
+                        seed=seed0 + i,
+                        logprobs=0,
+                    ),
+                    model=model,
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
         elapsed = time.perf_counter() - t0
     tokens = [o.token_ids for o in outs]
     return sum(map(len, tokens)) / elapsed, tokens
@@ -202,9 +230,12 @@ def generation_phase(url: str, adapter: str | None, prompts, args, deadline: flo
                   timed_out=timed_out)
     if "adapter" in result and "base" in result:
         result["slowdown"] = result["base"]["tokens_per_s"] / result["adapter"]["tokens_per_s"]
-        result["identical_outputs"] = sum(a == b for a, b in zip(outputs["base"], outputs["adapter"], strict=True))
+        result["identical_outputs"] = sum(
+            a == b for a, b in zip(outputs["base"], outputs["adapter"], strict=True)
+        )
         if result["identical_outputs"] > len(prompts) // 2:
-            print(f"  WARNING: {result['identical_outputs']}/{len(prompts)} requests gave the base model's tokens "
+            print(f"  WARNING: {result['identical_outputs']}/{len(prompts)} requests gave the base model's "
+                  "tokens "
                   "under the adapter: is the adapter applied?", flush=True)
         print(f"  slowdown base / adapter: {result['slowdown']:.3f}x", flush=True)
     return result
@@ -218,9 +249,10 @@ def adapter_sync_phase(sync, model, dtype: torch.dtype, args, deadline: float) -
             timed_out = True
             break
         move_adapter(model, seed=100 + i)
-        runs.append(sync.push(model, version=1 + i, dtype=dtype))
+        runs.append(sync.push(model, WeightVersion(1 + i)))
         r = runs[-1]
-        print(f"  adapter sync {i}: write {r['write_s']:.3f} s, load {r['load_s']:.3f} s, total {r['total_s']:.3f} s, "
+        print(f"  adapter sync {i}: write {r['write_s']:.3f} s, load {r['load_s']:.3f} s, total "
+              f"{r['total_s']:.3f} s, "
               f"{r['bytes'] / 1e6:.1f} MB", flush=True)
     if not runs:
         return {"timed_out": True}
@@ -231,13 +263,13 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
     """One warm-up and `--syncs` reported merged pushes; with `restore_base` a last push of the base
     weights (lora_B zeroed), so the server serves what it was started with."""
     from asyncgrpo.train.server_link import ServerLink
-    from asyncgrpo.train.weight_push import make_transport, push_weights
+    from asyncgrpo.train.weights.choose import full_weight_transport
 
     link = ServerLink(url, timeout_s=max(30.0, deadline - time.monotonic()))
     try:
         info = link.connect()
         try:
-            transport = make_transport(link, torch.device(args.device), info.device)
+            transport = full_weight_transport(link, torch.device(args.device), dtype, info.device)
         except ValueError as exc:  # this server takes no weights from this trainer: say why, not a failure
             return {"skipped": str(exc)}
         transport.init()
@@ -250,14 +282,18 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
                 move_adapter(model, seed=200 + i)
                 if model.device.type == "cuda":
                     torch.cuda.synchronize(model.device)
-                r = push_weights(model, transport, dtype=dtype, version=f"bench-merged-{i}")
-                print(f"  merged sync {i}{' (warm-up)' if i == 0 else ''}: pause {r['pause_s']:.3f} s, transfer "
-                      f"{r['transfer_s']:.3f} s, total {r['total_s']:.3f} s, {r['bytes'] / 1e6:.1f} MB", flush=True)
+                r = transport.push(model, WeightVersion(1 + i))
+                print(
+                    f"  merged sync {i}{' (warm-up)' if i == 0 else ''}: pause {r['pause_s']:.3f} s, "
+                    "transfer "
+                    f"{r['transfer_s']:.3f} s, total {r['total_s']:.3f} s, {r['bytes'] / 1e6:.1f} MB",
+                    flush=True,
+                )
                 if i:
                     runs.append(r)
             if restore_base:
                 with adapter_off(model):
-                    push_weights(model, transport, dtype=dtype, version="bench-base")
+                    transport.push(model, WeightVersion(0))  # the weights the server started with
                 print("  base weights pushed back", flush=True)
         finally:
             transport.close()
@@ -272,19 +308,29 @@ def merged_sync_phase(url: str, model, dtype: torch.dtype, args, deadline: float
 
 def lora_phases(report: Report, label: str, url: str, model, dtype, prompts, args, workdir: Path) -> None:
     """Against a server serving LoRA adapters at run time: first load, generation, adapter syncs."""
-    from asyncgrpo.train.lora_sync import AdapterSync
+    from asyncgrpo.train.weights.adapters import AdapterSync
 
-    sync = AdapterSync(url, output_dir=workdir / label, max_staleness=MAX_STALENESS, timeout_s=args.phase_timeout_s,
-                       name="bench-lora")
-    sync.start()
+    sync = AdapterSync(
+        url,
+        output_dir=workdir / label,
+        max_staleness=MAX_STALENESS,
+        timeout_s=args.phase_timeout_s,
+        dtype=dtype,
+        name="bench-lora",
+    )
+    sync.init()
     try:
-        report.phase(label, "first_load", lambda deadline: sync.push(model, version=0, dtype=dtype),
+        report.phase(label, "first_load", lambda deadline: sync.push(model, WeightVersion(0)),
                      args.phase_timeout_s)
         report.phase(label, "generation",
                      lambda deadline: generation_phase(url, sync.adapter_name(0), prompts, args, deadline),
                      args.phase_timeout_s)
-        report.phase(label, "adapter_sync", lambda deadline: adapter_sync_phase(sync, model, dtype, args, deadline),
-                     args.phase_timeout_s)
+        report.phase(
+            label,
+            "adapter_sync",
+            lambda deadline: adapter_sync_phase(sync, model, dtype, args, deadline),
+            args.phase_timeout_s,
+        )
     finally:
         sync.close()
 
@@ -312,10 +358,16 @@ def ratios(side: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SIZES), default="tiny", help="Random Qwen3 shape.")
-    p.add_argument("--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir).")
+    p.add_argument(
+        "--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir)."
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda: the trainer and the embedded server.")
-    p.add_argument("--rank", type=int, default=32, help="LoRA r (the embedded server gets it as --max-lora-rank).")
-    p.add_argument("--vllm-url", default=None, help="Also measure this running vLLM 0.33 (serving --model-dir).")
+    p.add_argument(
+        "--rank", type=int, default=32, help="LoRA r (the embedded server gets it as --max-lora-rank)."
+    )
+    p.add_argument(
+        "--vllm-url", default=None, help="Also measure this running vLLM 0.33 (serving --model-dir)."
+    )
     p.add_argument("--vllm-wait-s", type=float, default=600, help="How long to wait for vLLM's /health.")
     p.add_argument("--skip-embedded", action="store_true", help="Measure vLLM only.")
     for name in ("concurrency", "prompt_len", "max_tokens", "syncs", "reps"):
@@ -333,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (path / "config.json").exists():
         print(f"building a random Qwen3-{args.shape} in {path}", flush=True)
         build_random_qwen3(args.shape, path)
-    out = Path(args.output or Path(__file__).parent / "results" / f"lora_sync_{device_slug(args.device)}.json")
+    out = Path(
+        args.output or Path(__file__).parent / "results" / f"lora_sync_{device_slug(args.device)}.json"
+    )
     report = Report(out, {
         "command": command_line(argv),
         "meta": {"shape": args.shape, "shape_config": SHAPES[args.shape], "lora_rank": args.rank,
@@ -365,10 +419,19 @@ def main(argv: list[str] | None = None) -> int:
                 report.phase("embedded", "generation_without_lora",
                              lambda deadline: generation_phase(server.url, None, prompts, args, deadline),
                              args.phase_timeout_s)
-                report.phase("embedded", "merged_sync",
-                             lambda deadline: merged_sync_phase(server.url, model, dtype, args, deadline, False),
-                             args.phase_timeout_s)
-            lora_args = ["--enable-lora", "--max-lora-rank", str(args.rank), "--max-loras", str(MAX_STALENESS + 2)]
+                report.phase(
+                    "embedded",
+                    "merged_sync",
+                    lambda deadline: merged_sync_phase(server.url, model, dtype, args, deadline, False),
+                    args.phase_timeout_s,
+                )
+            lora_args = [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(args.rank),
+                "--max-loras",
+                str(MAX_STALENESS + 2),
+            ]
             print(f"embedded server with {' '.join(lora_args)}", flush=True)
             with EmbeddedServer(str(path), device=args.device, extra_args=[*serve, *lora_args], log_path=log,
                                 startup_timeout_s=600) as server:
@@ -390,9 +453,12 @@ def main(argv: list[str] | None = None) -> int:
                 report.phase("vllm", "generation",
                              lambda deadline: generation_phase(args.vllm_url, None, prompts, args, deadline),
                              args.phase_timeout_s)
-            report.phase("vllm", "merged_sync",
-                         lambda deadline: merged_sync_phase(args.vllm_url, model, dtype, args, deadline, True),
-                         args.phase_timeout_s)
+            report.phase(
+                "vllm",
+                "merged_sync",
+                lambda deadline: merged_sync_phase(args.vllm_url, model, dtype, args, deadline, True),
+                args.phase_timeout_s,
+            )
             report.data["vllm"].update(ratios(report.data["vllm"]))
     except BaseException as exc:
         report.finish(interrupted=exc)
@@ -418,7 +484,9 @@ def print_summary(data: dict) -> None:
             line = (f"  generation: base {gen['base']['tokens_per_s']:.1f} tok/s, adapter "
                     f"{gen['adapter']['tokens_per_s']:.1f} tok/s, slowdown {gen['slowdown']:.3f}x")
             if plain:
-                line += f" (server without LoRA {plain:.1f} tok/s, {plain / gen['adapter']['tokens_per_s']:.3f}x)"
+                line += (
+                    f" (server without LoRA {plain:.1f} tok/s, {plain / gen['adapter']['tokens_per_s']:.3f}x)"
+                )
             print(line)
         for name in ("adapter_sync", "merged_sync"):
             s = d.get(name, {})

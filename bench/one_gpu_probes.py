@@ -91,7 +91,9 @@ def embedded_graph_counts(base_url: str) -> dict[str, Any] | None:
     embedded = (_server_info(base_url) or {}).get("embedded")
     if not embedded:
         return None
-    return {k: embedded.get(k) for k in ("graph_captures", "graph_capture_seconds", "graph_captures_deferred")}
+    return {
+        k: embedded.get(k) for k in ("graph_captures", "graph_capture_seconds", "graph_captures_deferred")
+    }
 
 
 def wait_until_idle(base_url: str, timeout_s: float = 60.0) -> float:
@@ -207,7 +209,11 @@ class CounterPoller(_Sampler):
         """The counter at time t, waiting up to `wait_s` for a reading after t (the last steps' readings
         come up to one interval and one read later)."""
         deadline = time.perf_counter() + wait_s
-        while (not self.samples or self.samples[-1][0] < t) and self.running() and time.perf_counter() < deadline:
+        while (
+            (not self.samples or self.samples[-1][0] < t)
+            and self.running()
+            and time.perf_counter() < deadline
+        ):
             time.sleep(0.05)
         return interpolate(list(self.samples), t)
 
@@ -230,16 +236,22 @@ class RoundTrip(_Sampler):
 
     thread_name = "round-trip"
 
-    def __init__(self, base_url: str, model: str | None, interval_s: float = 0.5, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, base_url: str, model: str | None, interval_s: float = 0.5, timeout_s: float = 60.0
+    ) -> None:
         super().__init__(interval_s)
         self.url = f"{base_url}/v1/completions"
-        self.body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 1.0}).encode()
+        self.body = json.dumps(
+            {"model": model, "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 1.0}
+        ).encode()
         self.timeout_s = timeout_s
         self.samples: list[tuple[float, float]] = []  # (sent at, time.perf_counter; seconds to the answer)
         self.failures = 0
 
     def sample(self) -> None:
-        request = urllib.request.Request(self.url, data=self.body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url, data=self.body, headers={"Content-Type": "application/json"}
+        )
         t0 = time.perf_counter()
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -257,8 +269,14 @@ class RoundTrip(_Sampler):
         def quantile(q: float) -> float:
             return seconds[min(len(seconds) - 1, int(q * len(seconds)))]
 
-        return {"probes": len(seconds), "failures": self.failures, "median": quantile(0.5), "p90": quantile(0.9),
-                "max": seconds[-1], "samples": [[round(t - since, 3), round(s, 4)] for t, s in self.samples]}
+        return {
+            "probes": len(seconds),
+            "failures": self.failures,
+            "median": quantile(0.5),
+            "p90": quantile(0.9),
+            "max": seconds[-1],
+            "samples": [[round(t - since, 3), round(s, 4)] for t, s in self.samples],
+        }
 
 
 class GpuMemory(_Sampler):
@@ -290,8 +308,13 @@ class GpuMemory(_Sampler):
         self.peak_device_used = max(self.peak_device_used, total - free)
         if self.nvidia_smi is None:
             return
-        out = subprocess.run([self.nvidia_smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=False).stdout
+        out = subprocess.run(
+            [self.nvidia_smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout
         for line in out.splitlines():
             pid, _, used = line.partition(",")
             if pid.strip().isdigit() and used.strip().isdigit():
@@ -299,7 +322,8 @@ class GpuMemory(_Sampler):
                 self.peak_by_pid[key] = max(self.peak_by_pid.get(key, 0), int(used) * 2**20)
 
     def report(self, is_server: Callable[[int], bool]) -> dict[str, Any]:
-        """Peaks in bytes: this process (the trainer), the server's processes (`is_server(pid)`), any other."""
+        """Peaks in bytes: this process (the trainer), the server's processes (`is_server(pid)`), any
+        other."""
         me = os.getpid()
         server = [v for pid, v in self.peak_by_pid.items() if pid != me and is_server(pid)]
         others = {str(pid): v for pid, v in self.peak_by_pid.items() if pid != me and not is_server(pid)}
@@ -342,10 +366,9 @@ class RunRecorder(TrainerCallback):
         return self.elapsed_s() - self.steps[self.warmup_steps - 1]["t_s"]
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.transport is None and self.trainer is not None and self.trainer.weight_transport is not None:
-            t = self.trainer.weight_transport
-            detail = getattr(getattr(t, "sender", None), "dialect", None) or getattr(t, "backend", None)
-            self.transport = f"{type(t).__name__}({detail})"
+        if self.transport is None and self.trainer is not None and self.trainer.weights is not None:
+            # "CollectiveTransport(gloo)", "IpcTransport(embedded)", ...
+            self.transport = str(self.trainer.weights)
         if self.steady_s() > self.max_seconds:
             self.stopped_by_time = True
             control.should_training_stop = True
@@ -355,8 +378,12 @@ class RunRecorder(TrainerCallback):
         if not logs or "perf/step_s" not in logs:
             return
         # the poller's latest reading for the progress line; `fill_generated` puts in the value at t_s
-        record = {"step": state.global_step, "t_s": self.elapsed_s(), "generated_tokens": self.generated.latest(),
-                  "rollout_cpu_s": rollout_cpu_s()}
+        record = {
+            "step": state.global_step,
+            "t_s": self.elapsed_s(),
+            "generated_tokens": self.generated.latest(),
+            "rollout_cpu_s": rollout_cpu_s(),
+        }
         record.update({k: float(v) for k, v in logs.items()
                        if isinstance(v, (int, float)) and (k.startswith("perf/") or k in STEP_KEYS_KEPT)})
         self.steps.append(record)
@@ -383,11 +410,14 @@ def steady_summary(steps: list[dict[str, float]], warmup_steps: int) -> dict[str
 
     window_s                      t of the last step - t of the last warm-up step
     trained_tokens_per_s          sum of batch/trained_tokens_per_step of the steady steps / window_s
-    generated_tokens_per_s        growth of the server's generated-token counter over the window / window_s
+    generated_tokens_per_s        growth of the server's generated-token counter over the window
+                                  / window_s
     rollout_cpu_s_per_generated_token, rollout_busy_frac
-                                  the rollout process's CPU seconds over the window / generated tokens, / window_s
+                                  the rollout process's CPU seconds over the window / generated tokens,
+                                  / window_s
     mean_<key>                    mean of every other numeric key over the steady steps that logged it
-    total_<key>                   sum over the steady steps, for TOTAL_KEYS and COUNT_KEYS (no mean of these)
+    total_<key>                   sum over the steady steps, for TOTAL_KEYS and COUNT_KEYS (no mean of
+                                  these)
     """
     first = max(1, warmup_steps)
     if len(steps) <= first:

@@ -1,5 +1,5 @@
 """Weight-sync benchmark: the trainer's weights pushed into the embedded server, several times, through
-the trainer's own path (`ServerLink.sync_weights`: pause(keep) -> `WeightSender.push` of
+the trainer's own path (`CollectiveTransport.push(model, version)`: pause(keep) -> `WeightSender.push` of
 `weights_for_server` -> resume); NCCL when the trainer is on CUDA, gloo on CPU, packed layout.
 
 Before each sync every weight is perturbed (seeded), so every push carries new values. Per sync it
@@ -7,7 +7,7 @@ reports pause / transfer / resume seconds, bytes and GB/s (bytes / transfer seco
 sync it checks the server's weights against the trainer's: sha256 of every tensor (the embedded
 server's GET /weight_checksum).
 
-    python bench/weight_sync.py                     # CPU: random tiny Qwen3, server and trainer on CPU (~30 s)
+    python bench/weight_sync.py          # CPU: random tiny Qwen3, server and trainer on CPU (~30 s)
     # 2 GPUs: server on GPU 0, trainer on GPU 1, a random Qwen3-0.6B shape (bf16)
     NCCL_NVLS_ENABLE=0 python bench/weight_sync.py --random-qwen3 0.6b \
         --server-device cuda:0 --trainer-device cuda:1 --syncs 10
@@ -50,20 +50,19 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype), alpha=1e-3)
+            p.add_(
+                torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32).to(p.dtype),
+                alpha=1e-3,
+            )
 
 
-def one_sync(link, model: torch.nn.Module, dtype: torch.dtype, version: str) -> dict:
-    """What `AsyncGRPOTrainer` does at a sync of an unsharded model."""
-    from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
+def one_sync(transport, model: torch.nn.Module, version: int) -> dict:
+    """What `AsyncGRPOTrainer` does at a sync of an unsharded model (`self.weights.push`)."""
+    from asyncgrpo.types import WeightVersion
 
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    tensors = weights_for_server(model, dtype)
-    try:
-        timings = link.sync_weights(lambda: tensors, version=version, metas=server_weight_metas(model, dtype))
-    finally:
-        tensors.close()
+    timings = transport.push(model, WeightVersion(version))
     timings["gb_per_s"] = timings["bytes"] / timings["transfer_s"] / 1e9
     return timings
 
@@ -71,7 +70,7 @@ def one_sync(link, model: torch.nn.Module, dtype: torch.dtype, version: str) -> 
 def compare_checksums(url: str, model: torch.nn.Module, dtype: torch.dtype) -> dict:
     from asyncgrpo.generation.client import GenerationClient
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
-    from asyncgrpo.train.model_setup import weights_for_server
+    from asyncgrpo.train.weights.gather import weights_for_server
 
     async def served() -> tuple[dict[str, str], str]:
         async with GenerationClient(url, timeout_s=600) as client:
@@ -86,11 +85,11 @@ def compare_checksums(url: str, model: torch.nn.Module, dtype: torch.dtype) -> d
 
 
 def print_table(syncs: list[dict], checksum: dict) -> None:
-    print(f"{'sync':>4} {'pause s':>9} {'transfer s':>11} {'resume s':>9} {'total s':>9} {'MB':>9} {'chunks':>7} "
-          f"{'GB/s':>7}")
+    print(f"{'sync':>4} {'pause s':>9} {'transfer s':>11} {'resume s':>9} {'total s':>9} {'MB':>9} "
+          f"{'chunks':>7} {'GB/s':>7}")
     for i, s in enumerate(syncs):
-        print(f"{i:>4} {s['pause_s']:>9.4f} {s['transfer_s']:>11.4f} {s['resume_s']:>9.4f} {s['total_s']:>9.4f} "
-              f"{s['bytes'] / 1e6:>9.2f} {s['num_chunks']:>7.0f} {s['gb_per_s']:>7.3f}")
+        print(f"{i:>4} {s['pause_s']:>9.4f} {s['transfer_s']:>11.4f} {s['resume_s']:>9.4f} "
+              f"{s['total_s']:>9.4f} {s['bytes'] / 1e6:>9.2f} {s['num_chunks']:>7.0f} {s['gb_per_s']:>7.3f}")
     state = "equal" if checksum["ok"] else f"DIFFER on {len(checksum['mismatches'])} tensors"
     print(f"checksum after the last sync ({checksum['server_version']}): server and trainer weights {state} "
           f"({checksum['num_tensors']} tensors)")
@@ -99,8 +98,12 @@ def print_table(syncs: list[dict], checksum: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--random-qwen3", choices=sorted(SHAPES), default="tiny", help="Random Qwen3 shape.")
-    p.add_argument("--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir).")
-    p.add_argument("--server-device", default="cpu", help="cpu or cuda:N (the server gets CUDA_VISIBLE_DEVICES=N).")
+    p.add_argument(
+        "--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir)."
+    )
+    p.add_argument(
+        "--server-device", default="cpu", help="cpu or cuda:N (the server gets CUDA_VISIBLE_DEVICES=N)."
+    )
     p.add_argument("--trainer-device", default="cpu", help="cpu or cuda:M (this process).")
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="Syncs run first and not reported.")
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncgrpo.launch import EmbeddedServer
     from asyncgrpo.train.server_link import ServerLink
+    from asyncgrpo.train.weights.collective import CollectiveTransport
 
     tmp = tempfile.TemporaryDirectory() if args.model_dir is None else None
     path = Path(args.model_dir or tmp.name)
@@ -125,21 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     with EmbeddedServer(str(path), device=kind, extra_args=serve_args, log_path=log, env=server_env,
                         startup_timeout_s=600) as server:
         link = ServerLink(server.url, timeout_s=600)
+        transport = None
         try:
             info = link.connect()
             dtype = getattr(torch, str(info.dtype).removeprefix("torch."))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(trainer_device)
+            transport = CollectiveTransport(link, trainer_device, dtype)
             t0 = time.perf_counter()
-            link.init_weight_transfer(trainer_device)
+            transport.init()
             init_s = time.perf_counter() - t0
             syncs = []
             for i in range(args.warmup + args.syncs):
                 perturb(model, seed=i)
-                timings = one_sync(link, model, dtype, version=f"bench-{i}")
+                timings = one_sync(transport, model, version=i + 1)
                 if i >= args.warmup:
                     syncs.append(timings)
             checksum = compare_checksums(server.url, model, dtype)
         finally:
+            if transport is not None:
+                transport.close()
             link.close()
     if tmp is not None:
         tmp.cleanup()
@@ -152,10 +160,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['gb_per_s']:.3f} GB/s; group init {init_s:.2f} s")
     names = {d: torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else platform.machine()
              for d in {args.trainer_device}}
-    meta = {"trainer_device": args.trainer_device, "server_device": args.server_device, "device_names": names,
-            "backend": "nccl" if trainer_device.type == "cuda" else "gloo", "dtype": str(dtype).removeprefix("torch."),
-            "params": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
-            "platform": platform.platform(), "args": vars(args)}
+    meta = {
+        "trainer_device": args.trainer_device,
+        "server_device": args.server_device,
+        "device_names": names,
+        "backend": "nccl" if trainer_device.type == "cuda" else "gloo",
+        "dtype": str(dtype).removeprefix("torch."),
+        "params": sum(p.numel() for p in model.parameters()),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "args": vars(args),
+    }
     out = Path(args.output or Path(__file__).parent / "results" / f"weight_sync_{trainer_device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "init_s": init_s, "syncs": syncs, "summary": summary, "checksum": checksum}

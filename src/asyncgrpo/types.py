@@ -8,11 +8,17 @@
 
 One vocabulary from `TrainingSequence` on (the `TurnRecord` names are the reference API's):
 
-    | what                                   | TurnRecord              | TrainingSequence, Sample, PackedRow |
-    |----------------------------------------|-------------------------|-------------------------------------|
-    | the sampled token's log-prob           | output_log_probs        | sampler_logprobs                    |
-    | the sampler's top-K log-probs          | output_sampler_logprobs | sampler_topk (dicts) -> sampler_topk_ids / sampler_topk_logprobs (arrays) |
-    | the ids the sampler could draw from    | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / candidate_offsets (CSR) |
+    | what                           | TurnRecord              | TrainingSequence, Sample, PackedRow       |
+    |--------------------------------|-------------------------|-------------------------------------------|
+    | the sampled token's log-prob   | output_log_probs        | sampler_logprobs                          |
+    | the sampler's top-K log-probs  | output_sampler_logprobs | sampler_topk (dicts) ->                   |
+    |                                |                         | sampler_topk_ids / sampler_topk_logprobs  |
+    |                                |                         | (arrays)                                  |
+    | the ids the sampler could draw | output_sampling_mask    | candidate_sets (lists) -> candidate_ids / |
+    | from                           |                         | candidate_offsets (CSR)                   |
+
+The model version every record carries (`RolloutGroup.model_version`, `Sample.model_version`) is a
+`WeightVersion`'s value, stored as a plain int: the one spelling of "which weights" (see its docstring).
 
 `TurnRecord`, `Rollout` and `RolloutGroup` are mutable on purpose: user hooks build them and set
 `Rollout.reward` / `RolloutGroup.rewards`. `TrainingSequence` and `Sample` are frozen; `Sample` leaves
@@ -34,6 +40,46 @@ Messages = list[dict[str, Any]]
 
 def _new_rollout_id() -> str:
     return uuid.uuid4().hex
+
+
+# -- the weights version ---------------------------------------------------------------------------
+
+ADAPTER_NAME = "asyncgrpo-lora"
+"""The name adapter-only LoRA sync registers its adapter versions under, before the version suffix."""
+
+
+def adapter_name_template(name: str = ADAPTER_NAME) -> str:
+    """The served adapter name of every version, "{version}" to fill (`AsyncRolloutLoop(lora_name=...)`)."""
+    return f"{name}-v{{version}}"
+
+
+class WeightVersion(int):
+    """THE version of the policy's weights: 0 for the weights training starts from (pushed by `train()`;
+    on resume, the version of the checkpoint's `rollout_state.json`), one more at each weight sync.
+
+        trainer          pushes version v, then publishes v to the rollout process (`RolloutChannel`)
+        rollout process  a group started under v stamps v on its samples (`Sample.model_version`)
+        staleness        the trainer's version minus a sample's (`rollout.admission.staleness`)
+        server           the label `label()` ("v3") of the pushed weights (`/finish_weight_update`,
+                         `/weight_info`, the `weight_versions` spans); the server's own "default" names
+                         the weights it loaded, which no trainer pushed
+        LoRA adapters    adapter-only sync serves v as the adapter `adapter_name()` ("asyncgrpo-lora-v3")
+
+    The label follows the version, not the optimizer step: with `weight_sync_steps` > 1 or a resumed run
+    the step says nothing about which weights are served. An int, so it is stored and sent as a plain
+    number (the shared value, `Sample`, `rollout_state.json`); arithmetic on it gives a plain int."""
+
+    __slots__ = ()
+
+    def label(self) -> str:
+        return f"v{int(self)}"
+
+    def adapter_name(self, name: str = ADAPTER_NAME) -> str:
+        return adapter_name_template(name).format(version=int(self))
+
+    def next(self) -> WeightVersion:
+        """The version the next weight sync makes."""
+        return WeightVersion(int(self) + 1)
 
 
 @dataclass
@@ -146,7 +192,9 @@ class TrainingSequence:
         n = len(self.token_ids)
         for name in ("trained_mask", "sampler_logprobs", "sampler_topk", "candidate_sets"):
             value = getattr(self, name)
-            assert value is None or len(value) == n, f"TrainingSequence.{name}: {len(value)} entries, {n} tokens"
+            assert value is None or len(value) == n, (
+                f"TrainingSequence.{name}: {len(value)} entries, {n} tokens"
+            )
         assert not (n and self.trained_mask[0]), "the first token of a sequence has no position predicting it"
 
     def __len__(self) -> int:
@@ -171,7 +219,7 @@ class RolloutGroup:
             re-tokenized history changed between turns yields more than one.
         tool_call_counts: Number of tool calls in each rollout.
         tool_failure_counts: Number of failed tool calls in each rollout.
-        model_version: Model version when the group's first rollout started.
+        model_version: Model version (a `WeightVersion`'s value) when the group's first rollout started.
         group_id: Group identifier, counted from 0 in the rollout process.
         row_index: Index of the prompt's row in the training dataset.
         env_rewards: For a rollout whose environment defines `get_reward`, the environment class
@@ -219,7 +267,9 @@ class RolloutGroup:
         if len(sequences) != n:
             raise ValueError(f"{len(sequences)} sequence lists for {n} rollouts; give one per rollout")
         if env_rewards is not None and len(env_rewards) != n:
-            raise ValueError(f"{len(env_rewards)} env_rewards for {n} rollouts; give one (or None) per rollout")
+            raise ValueError(
+                f"{len(env_rewards)} env_rewards for {n} rollouts; give one (or None) per rollout"
+            )
         return cls(
             prompts=[prompt] * n,
             reward_kwargs=reward_kwargs,
@@ -258,6 +308,7 @@ class Sample:
         sampler_logprobs: float32 [L], the sampler's log-prob of each token (0.0 where not trained).
         advantage: the rollout's advantage, shared by all its trained tokens.
         group_id: the prompt group (the batcher keeps a group in one row to share its prompt).
+        model_version: the `WeightVersion` (as a plain int) its group started under.
         sampler_topk: init-only, per token None or the sampler's top-K as ((id, logprob), ...) or
             {id: logprob} (`TrainingSequence.sampler_topk`). Converted to `sampler_topk_ids` /
             `sampler_topk_logprobs`.
@@ -307,19 +358,22 @@ class Sample:
         if sampler_topk is not None:
             if self.sampler_topk_ids is not None:
                 raise ValueError(
-                    "give the sampler top-K either as sampler_topk or as sampler_topk_ids/sampler_topk_logprobs"
+                    "give the sampler top-K either as sampler_topk or as "
+                    "sampler_topk_ids/sampler_topk_logprobs"
                 )
             ids, logprobs = _topk_to_arrays(sampler_topk, length)
             put("sampler_topk_ids", ids)
             put("sampler_topk_logprobs", logprobs)
         if (self.sampler_topk_ids is None) != (self.sampler_topk_logprobs is None):
-            raise ValueError("Sample.sampler_topk_ids and Sample.sampler_topk_logprobs must be given together")
+            raise ValueError(
+                "Sample.sampler_topk_ids and Sample.sampler_topk_logprobs must be given together"
+            )
         if self.sampler_topk_ids is not None:
             ids = np.asarray(self.sampler_topk_ids, dtype=np.int32)
             logprobs = np.asarray(self.sampler_topk_logprobs, dtype=np.float32)
             if ids.ndim != 2 or ids.shape[0] != length or ids.shape != logprobs.shape:
-                raise ValueError(f"Sample.sampler_topk_ids/sampler_topk_logprobs must both be [L={length}, K], "
-                                 f"got {ids.shape} and {logprobs.shape}")
+                raise ValueError(f"Sample.sampler_topk_ids/sampler_topk_logprobs must both be [L={length}, "
+                                 f"K], got {ids.shape} and {logprobs.shape}")
             put("sampler_topk_ids", ids)
             put("sampler_topk_logprobs", logprobs)
 
@@ -359,7 +413,9 @@ def _per_token(values, dtype, length: int, name: str) -> np.ndarray:
 
 def _topk_to_arrays(sampler_topk: TopKPerToken, length: int) -> tuple[np.ndarray, np.ndarray]:
     if len(sampler_topk) != length:
-        raise ValueError(f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}")
+        raise ValueError(
+            f"Sample.sampler_topk must have one entry per token ({length}), got {len(sampler_topk)}"
+        )
     k = max((len(entry) for entry in sampler_topk if entry is not None), default=0)
     ids = np.full((length, k), -1, dtype=np.int32)
     logprobs = np.full((length, k), -np.inf, dtype=np.float32)
@@ -400,8 +456,8 @@ def _check_trained_tokens_in_their_sets(tokens: np.ndarray, trained: np.ndarray,
         t = int(bad[0])
         raise ValueError(
             f"trained token {int(tokens[t])} at position {t} is not in its candidate set "
-            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such tokens "
-            "in this sample): the sampler could not have drawn it. A custom generate_one_turn must return, for "
-            "each output token, the candidate set it was drawn from in output_sampling_mask (or None for the "
-            "full vocabulary)"
+            f"{ids[offsets[t]:offsets[t + 1]].tolist()[:8]}{'...' if sizes[t] > 8 else ''} ({bad.size} such "
+            "tokens in this sample): the sampler could not have drawn it. A custom generate_one_turn must "
+            "return, for each output token, the candidate set it was drawn from in output_sampling_mask (or "
+            "None for the full vocabulary)"
         )

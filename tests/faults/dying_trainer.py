@@ -13,10 +13,13 @@ import sys
 import torch
 
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.weights.collective import CollectiveTransport
 
 link = ServerLink(sys.argv[1], timeout_s=60)
 link.connect()
-link.init_weight_transfer(torch.device("cpu"))
+# held in a variable: its group lives until the kill
+transport = CollectiveTransport(link, torch.device("cpu"), torch.float32)
+transport.init()
 link._run(link.client.pause(mode="keep", clear_cache=True, lease_s=60))  # outlives this process
 link._run(link.client.start_weight_update())
 print("MID-UPDATE", flush=True)

@@ -14,7 +14,7 @@ from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import weights_for_server
+from asyncgrpo.train.weights.gather import weights_for_server
 
 
 class InfOnThirdGroup:
@@ -43,7 +43,9 @@ def _assert_finite_and_served(trainer, url):
     for name, param in trainer.model.named_parameters():
         assert torch.isfinite(param).all(), f"{name} holds inf/NaN"
     ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
-    assert checksum_mismatches(ours, _served_checksum(url)) == [], "the server does not serve the trainer's weights"
+    assert checksum_mismatches(ours, _served_checksum(url)) == [], (
+        "the server does not serve the trainer's weights"
+    )
 
 
 @pytest.mark.timeout(180)
@@ -52,7 +54,9 @@ def test_an_inf_reward_stops_the_run_naming_the_function_and_nothing_nan_reaches
         model=MODEL, reward_funcs=InfOnThirdGroup(), train_dataset=arithmetic.make_dataset(32, seed=0),
         args=short_run_config(tmp_path / "out", server.url, max_steps=20, max_concurrent_rollouts=4),
     )
-    with pytest.raises(RuntimeError, match=r"reward function 'InfOnThirdGroup' returned inf for completion 0"):
+    with pytest.raises(
+        RuntimeError, match=r"reward function 'InfOnThirdGroup' returned inf for completion 0"
+    ):
         trainer.train()
     _assert_finite_and_served(trainer, server.url)
 
@@ -94,6 +98,10 @@ def test_a_nan_gradient_skips_the_step_and_the_push_and_training_goes_on(tmp_pat
         assert torch.equal(before, snapshots.end[2][name]), f"step 2 moved {name}"
     assert any(not torch.equal(snapshots.begin[3][n], snapshots.end[3][n]) for n in snapshots.end[3]), \
         "the step after the skipped one did not train"
-    counts = [e["optimizer/nonfinite_step_count"] for e in trainer.state.log_history if "optimizer/nonfinite_step_count" in e]
+    counts = [
+        e["optimizer/nonfinite_step_count"]
+        for e in trainer.state.log_history
+        if "optimizer/nonfinite_step_count" in e
+    ]
     assert counts == [0, 1, 0]
     _assert_finite_and_served(trainer, server.url)

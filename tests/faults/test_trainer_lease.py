@@ -15,6 +15,7 @@ import torch
 from conftest import TINY, call
 
 from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.weights.collective import CollectiveTransport
 
 LEASE_S = 2.0
 
@@ -24,7 +25,9 @@ def leased_server(tmp_path_factory):
     from asyncgrpo.launch import EmbeddedServer
 
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(TINY, log_path=log, extra_args=["--max-model-len", "256", "--trainer-lease", str(LEASE_S)]) as s:
+    with EmbeddedServer(
+        TINY, log_path=log, extra_args=["--max-model-len", "256", "--trainer-lease", str(LEASE_S)]
+    ) as s:
         yield s
 
 
@@ -53,7 +56,9 @@ def test_a_pause_nobody_renews_runs_out_and_generation_resumes(leased_server):
     waited = _wait_unpaused(leased_server, within_s=LEASE_S + 5)
     assert waited >= LEASE_S - 0.5
     assert "the pause lease ran out" in Path(leased_server.log_path).read_text()
-    status, _ = call(leased_server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=10)
+    status, _ = call(
+        leased_server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=10
+    )
     assert status == 200
 
 
@@ -81,8 +86,13 @@ def test_renewals_keep_a_pause_held_past_its_lease(leased_server):
 
 
 def test_a_trainer_killed_mid_update_is_taken_over_by_the_next(leased_server, tiny_weights, caplog):
-    dying = subprocess.run([sys.executable, str(Path(__file__).with_name("dying_trainer.py")), leased_server.url],
-                           capture_output=True, text=True, timeout=90, check=False)
+    dying = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("dying_trainer.py")), leased_server.url],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
     assert "MID-UPDATE" in dying.stdout and dying.returncode == -9, dying.stderr[-2000:]
     assert _paused(leased_server)
     link = ServerLink(leased_server.url, timeout_s=30)
@@ -92,9 +102,11 @@ def test_a_trainer_killed_mid_update_is_taken_over_by_the_next(leased_server, ti
         assert "was paused" in caplog.text and not _paused(leased_server)
         assert call(leased_server.url, "GET", "/weight_info")[1]["weight_version"].endswith("+partial")
         assert "abandoned a weight update left unfinished" in Path(leased_server.log_path).read_text()
-        link.init_weight_transfer(torch.device("cpu"))
-        link.sync_weights(lambda: iter(tiny_weights), version="after-takeover")
+        transport = CollectiveTransport(link, torch.device("cpu"), torch.float32)
+        transport.init()
+        transport.send(iter(tiny_weights), label="after-takeover")
         assert call(leased_server.url, "GET", "/weight_info")[1] == {"weight_version": "after-takeover"}
+        transport.close()
     finally:
         link.close()
 
@@ -103,14 +115,20 @@ def test_a_second_trainer_is_refused_at_start_while_the_first_lives(leased_serve
     first, second = ServerLink(leased_server.url, timeout_s=30), ServerLink(leased_server.url, timeout_s=30)
     try:
         first.connect()
-        first.init_weight_transfer(torch.device("cpu"))
+        transport = CollectiveTransport(first, torch.device("cpu"), torch.float32)
+        transport.init()
         time.sleep(2 * LEASE_S)  # renewals keep the first one's hold alive past its lease
-        with pytest.raises(RuntimeError, match="already initialised by another trainer.*stop the other trainer"):
+        with pytest.raises(
+            RuntimeError, match="already initialised by another trainer.*stop the other trainer"
+        ):
             second.connect()
         # its weight routes are refused too, and the first trainer's sync is untouched
-        status, body = call(leased_server.url, "POST", "/start_weight_update", headers={"X-Asyncgrpo-Trainer": "x"})
+        status, body = call(
+            leased_server.url, "POST", "/start_weight_update", headers={"X-Asyncgrpo-Trainer": "x"}
+        )
         assert status == 409 and first.trainer_id in body["error"]["message"]
-        first.sync_weights(lambda: iter(tiny_weights), version="first")
+        transport.send(iter(tiny_weights), label="first")
+        transport.close()
         first.close()
         # a trainer that closes gives the server back at once (on a GPU there is no gloo store whose end
         # would tell the server: the next run of a script would wait out the lease)

@@ -52,7 +52,9 @@ def test_fsdp2_trainer_syncs_over_nccl_into_the_server_on_another_gpu(tmp_path):
         proc = run_torchrun([script, server.url, str(tmp_path), json.dumps(overrides)], nproc=nproc, env=env,
                             timeout_s=800)
     log = (tmp_path / "server.log").read_text()[-3000:]
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nserver:\n{log}"
+    assert proc.returncode == 0, (
+        f"torchrun failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\nserver:\n{log}"
+    )
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     zero = ranks[0]
 
@@ -69,9 +71,11 @@ def test_fsdp2_trainer_syncs_over_nccl_into_the_server_on_another_gpu(tmp_path):
     assert len({len(r["micro_batches"]) for r in ranks}) == 1
     assert zero["rollout_process_seen"] and not any(r["rollout_process_seen"] for r in ranks[1:])
     for step in zip(*(r["micro_batches"] for r in ranks)):
-        assert len({mb["global"] for mb in step}) == 1 and step[0]["global"] == sum(mb["local"] for mb in step)
+        assert len({mb["global"] for mb in step}) == 1 and step[0]["global"] == sum(
+            mb["local"] for mb in step
+        )
     assert len(zero["syncs"]) == NUM_STEPS
-    assert zero["server_version"] == f"step-{NUM_STEPS}"
+    assert zero["server_version"] == f"v{NUM_STEPS}"
     assert zero["num_weights"] > 0 and zero["checksum_mismatches"] == []
     assert zero["changed"], "no parameter moved"
     assert all(r["weights"] == zero["weights"] for r in ranks)  # every rank gathered the same full weights

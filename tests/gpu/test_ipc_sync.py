@@ -1,8 +1,8 @@
 """CUDA IPC weight sync into the embedded server on the trainer's own GPU (one GPU is enough).
 
 The server runs as `asyncgrpo serve --device cuda:0` in a subprocess, or inside this process
-(`ServerThread`); this process is the trainer on cuda:0. The transport is chosen as the trainer chooses it (equal GPU UUIDs -> "ipc"), the weights
-are pushed with JSON handles, and after each push:
+(`ServerThread`); this process is the trainer on cuda:0. The transport is chosen as the trainer
+chooses it (equal GPU UUIDs -> "ipc"), the weights are pushed with JSON handles, and after each push:
   - the server's /weight_checksum equals the trainer's weights (every byte of every parameter),
   - the server reports the pushed version,
   - the server samples from the pushed weights (its log-probs equal the pushed model's, computed
@@ -45,7 +45,9 @@ def gpu_server(request, tmp_path_factory):
     args = ["--dtype", "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3"]
     # a cold start compiles the Triton kernels and captures the CUDA graphs: allow minutes
     if request.param == "in-process":
-        server = ServerThread(ServeConfig.of(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args))
+        server = ServerThread(
+            ServeConfig.of(str(model_dir), "--device", "cuda:0", "--port", str(free_port()), *args)
+        )
         with server:
             yield model, server.url, server
         return
@@ -69,7 +71,9 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
     from asyncgrpo.sync.packed import TensorMeta
     from asyncgrpo.train.server_link import ServerLink
-    from asyncgrpo.train.weight_push import IpcTransport, make_transport
+    from asyncgrpo.train.serving import serving_dtype
+    from asyncgrpo.train.weights.choose import full_weight_transport
+    from asyncgrpo.train.weights.ipc import IpcTransport
 
     model, url, _ = gpu_server
     device = torch.device("cuda:0")
@@ -77,7 +81,7 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
     link = ServerLink(url, timeout_s=120)
     try:
         info = link.connect()
-        transport = make_transport(link, device, info.device)
+        transport = full_weight_transport(link, device, serving_dtype(info), info.device)
         assert isinstance(transport, IpcTransport) and transport.sender.dialect == "embedded"
         transport.init()
         original = link.run(link.client.generate(PROMPT, params))
@@ -86,7 +90,9 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
                 transport.sender.buffer_size_bytes = buffer_bytes  # several chunks through one buffer
             named = _perturb_(model, seed)
             on_gpu = [(n, t.to(device)) for n, t in named]
-            timings = transport.push(iter(on_gpu), version=version, metas=[TensorMeta.of(n, t) for n, t in on_gpu])
+            timings = transport.send(
+                iter(on_gpu), label=version, metas=[TensorMeta.of(n, t) for n, t in on_gpu]
+            )
 
             served = link.run(link.client.weight_checksum())
             assert checksum_mismatches(weights_checksum(named), served) == []
@@ -95,9 +101,12 @@ def test_ipc_sync_makes_the_server_serve_exactly_the_trainers_weights(gpu_server
             assert (timings["num_chunks"] > 1) == (buffer_bytes is not None)
 
             after = link.run(link.client.generate(PROMPT, params))
-            assert after.logprobs == pytest.approx(_processed_logprobs(model, PROMPT, after.token_ids, top_k=8),
-                                                   abs=2e-3)
-            assert after.token_ids != original.token_ids or after.logprobs != pytest.approx(original.logprobs, abs=1e-2)
+            assert after.logprobs == pytest.approx(
+                _processed_logprobs(model, PROMPT, after.token_ids, top_k=8), abs=2e-3
+            )
+            assert after.token_ids != original.token_ids or after.logprobs != pytest.approx(
+                original.logprobs, abs=1e-2
+            )
         transport.close()
     finally:
         link.close()

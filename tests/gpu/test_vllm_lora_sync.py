@@ -10,7 +10,7 @@ Start vLLM on a GPU (this test may share it: it holds up to five bf16 copies of 
 
 (no --return-sampling-mask: it refuses the top_k=0 requests that give the full distribution.)
 
-The trainer side is `AdapterSync` (train/lora_sync.py): PEFT folders written here, loaded by vLLM from
+The trainer side is `AdapterSync` (train/weights/adapters.py): PEFT folders written here, loaded by vLLM from
 disk. After each sync, for every version still registered, vLLM's log-probs of a fixed token sequence
 (`prompt_logprobs`) and of the tokens it samples must equal the trainer's PEFT model of that version
 merged into the weights (bf16 tolerance) and differ from the base model's; base requests must still get
@@ -61,10 +61,12 @@ def _server_info():
 
 def _checked_lora_config(info, rank: int):
     """A LoRA config vLLM can serve with max_staleness 1, or a failure naming the vLLM flags."""
-    from asyncgrpo.train.lora_mode import choose_lora_sync
+    from asyncgrpo.train.weights.adapters import choose_lora_sync
 
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
-    choice = choose_lora_sync(info.lora, config, max_staleness=MAX_STALENESS, sharded=False, server_url=VLLM_URL)
+    choice = choose_lora_sync(
+        info.lora, config, max_staleness=MAX_STALENESS, sharded=False, server_url=VLLM_URL
+    )
     if not choice.adapter_only:
         pytest.fail(f"vLLM cannot take adapter-only syncs: {choice.reason}")
     return config
@@ -86,7 +88,11 @@ def _set_adapter(model, seed: int, fraction: float = 2.0) -> None:
                 continue
             a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
             scaling = module.scaling["default"]
-            spread = fraction * module.base_layer.weight.float().std() / (scaling * a.float().std() * a.shape[0] ** 0.5)
+            spread = (
+                fraction
+                * module.base_layer.weight.float().std()
+                / (scaling * a.float().std() * a.shape[0] ** 0.5)
+            )
             b.copy_((torch.randn(b.shape, generator=g, device="cuda") * spread).to(b.dtype))
 
 
@@ -100,18 +106,26 @@ def _reference(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 def _fixed_token_logprobs(model_name: str | None, tokens: list[int]) -> torch.Tensor:
     """vLLM's log-probs of tokens[1:] given what precedes each (`prompt_logprobs`, generate route)."""
-    body = {"token_ids": tokens, "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 0, "seed": 0,
-                                                      "prompt_logprobs": 0}}
+    body = {
+        "token_ids": tokens,
+        "sampling_params": {"max_tokens": 1, "temperature": 1.0, "top_k": 0, "seed": 0, "prompt_logprobs": 0},
+    }
     if model_name is not None:
         body["model"] = model_name
-    req = urllib.request.Request(f"{VLLM_URL}/inference/v1/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{VLLM_URL}/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         out = json.loads(resp.read())
     per_position = out.get("prompt_logprobs")
     assert per_position and len(per_position) == len(tokens), f"no prompt_logprobs in {str(out)[:500]}"
-    return torch.tensor([entry[str(t)]["logprob"] for entry, t in zip(per_position[1:], tokens[1:], strict=True)],
-                        device="cuda")
+    return torch.tensor(
+        [entry[str(t)]["logprob"] for entry, t in zip(per_position[1:], tokens[1:], strict=True)],
+        device="cuda",
+    )
 
 
 def _sampled(model_name: str | None, prompts: list[list[int]]) -> list:
@@ -147,12 +161,14 @@ def _gaps(model_name: str | None, references: dict, fixed: list[int], prompts: l
 def _served_adapters(prefix: str) -> list[str]:
     """The adapters vLLM lists whose names start with `prefix` (other runs may have left others)."""
     with urllib.request.urlopen(f"{VLLM_URL}/v1/models", timeout=60) as resp:
-        return [c["id"] for c in json.loads(resp.read())["data"] if c.get("parent") and c["id"].startswith(prefix)]
+        return [
+            c["id"] for c in json.loads(resp.read())["data"] if c.get("parent") and c["id"].startswith(prefix)
+        ]
 
 
 @needs_vllm
 def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_path):
-    from asyncgrpo.train.lora_sync import AdapterSync
+    from asyncgrpo.train.weights.adapters import AdapterSync
 
     info = _server_info()
     config = _checked_lora_config(info, rank=min(16, info.lora.max_lora_rank if info.lora else 16))
@@ -164,14 +180,14 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
     fixed = torch.randint(2, vocab, (64,), generator=g).tolist()
     prompts = [torch.randint(2, vocab, (32,), generator=g).tolist() for _ in range(4)]
     sync = AdapterSync(VLLM_URL, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=120,
-                       name="asyncgrpo-gpu-test")
-    sync.start()
+                       dtype=torch.bfloat16, name="asyncgrpo-gpu-test")
+    sync.init()
     merged = {}
     report = []
     try:
         for version in range(3):
             _set_adapter(model, seed=version)
-            stats = sync.push(model, version=version, dtype=torch.bfloat16)
+            stats = sync.push(model, version)
             merged[version] = copy.deepcopy(model).merge_and_unload().eval()
             merged.pop(version - MAX_STALENESS - 1, None)  # left the window: unloaded, and its memory freed
             window = sorted(merged)
@@ -179,7 +195,8 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
             for served in window:  # every registered version serves its own weights, the newest and the older
                 gaps = _gaps(sync.adapter_name(served), {"own": merged[served], "base": base}, fixed, prompts)
                 report.append(f"v{version} sync ({stats['bytes'] / 1e6:.1f} MB, {stats['total_s']:.2f} s): "
-                              f"adapter v{served} fixed/sampled gap vs own merged {gaps['own']}, vs base {gaps['base']}")
+                              f"adapter v{served} fixed/sampled gap vs own merged {gaps['own']}, vs base "
+                              f"{gaps['base']}")
                 print(report[-1])
                 for own, to_base in zip(gaps["own"], gaps["base"], strict=True):
                     assert own < MEAN_TOL, report[-1]
@@ -197,7 +214,7 @@ def test_each_adapter_version_vllm_serves_is_the_trainers_merged_peft_model(tmp_
 def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tmp_path):
     from asyncgrpo.generation.client import GenerationClient
     from asyncgrpo.generation.transport import ServerRequestError
-    from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError
+    from asyncgrpo.train.weights.adapters import AdapterSync, AdapterSyncError
 
     info = _server_info()
     max_rank = info.lora.max_lora_rank if info.lora else 16
@@ -206,17 +223,17 @@ def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tm
     model = peft.get_peft_model(_base(), config)
     _set_adapter(model, seed=0)
     sync = AdapterSync(VLLM_URL, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=120,
-                       name="asyncgrpo-gpu-refused")
-    sync.start()
+                       dtype=torch.bfloat16, name="asyncgrpo-gpu-refused")
+    sync.init()
     try:
-        sync.push(model, version=0, dtype=torch.bfloat16)
+        sync.push(model, 0)
         reference = copy.deepcopy(model).merge_and_unload().eval()
         # a rank above --max-lora-rank: vLLM's engine refuses it (500 InternalServerError)
         model.add_adapter("too_big", peft.LoraConfig(r=2 * max_rank, target_modules=["q_proj"],
                                                      init_lora_weights=False))
         model.set_adapter("too_big")
         with pytest.raises(AdapterSyncError) as err:
-            sync.push(model, version=1, dtype=torch.bfloat16)
+            sync.push(model, 1)
         model.set_adapter("default")
         message = str(err.value)
         print(message)
@@ -225,7 +242,7 @@ def test_a_load_vllm_refuses_leaves_the_previous_version_serving_and_says_why(tm
         assert not sync.folder(1).exists() and _served_adapters(sync.name) == [sync.adapter_name(0)]
         g = torch.Generator().manual_seed(2)
         fixed = torch.randint(2, reference.config.vocab_size, (64,), generator=g).tolist()
-        gap = (_fixed_token_logprobs(sync.adapter_name(0), fixed) - _reference(reference, fixed[:1], fixed[1:]))
+        gap = _fixed_token_logprobs(sync.adapter_name(0), fixed) - _reference(reference, fixed[:1], fixed[1:])
         assert float(gap.abs().mean()) < MEAN_TOL
 
         async def not_found():

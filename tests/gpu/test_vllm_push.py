@@ -48,13 +48,15 @@ def _sampled_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[in
 
 @needs_vllm
 def test_push_into_vllm_changes_generation_to_the_pushed_weights():
-    """The trainer's path: ServerLink pauses vLLM (keep), pushes over NCCL, resumes."""
+    """The trainer's path: its `CollectiveTransport` pauses vLLM (keep, `ServerLink`), pushes over NCCL,
+    resumes."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.generation.protocol import SamplingParams
     from asyncgrpo.train.server_link import ServerLink
+    from asyncgrpo.train.weights.collective import CollectiveTransport
 
     original = AutoModelForCausalLM.from_pretrained(VLLM_MODEL, dtype=torch.bfloat16).cuda().eval()
     pushed = AutoModelForCausalLM.from_pretrained(VLLM_MODEL, dtype=torch.bfloat16).cuda().eval()
@@ -75,13 +77,15 @@ def test_push_into_vllm_changes_generation_to_the_pushed_weights():
 
         return link._run(all_prompts())
 
+    transport = CollectiveTransport(link, torch.device("cuda"), torch.bfloat16)
     try:
         link.connect()
         before = generate()
-        link.init_weight_transfer(torch.device("cuda"))
-        stats = link.sync_weights(lambda: iter(pushed.state_dict().items()), version="pushed-1")
+        transport.init()
+        stats = transport.send(iter(pushed.state_dict().items()), label="pushed-1")
         after = generate()
     finally:
+        transport.close()
         link.close()
 
     def gap(outputs, model) -> float:

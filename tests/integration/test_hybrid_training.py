@@ -18,7 +18,7 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
-from asyncgrpo.train.model_setup import weights_for_server
+from asyncgrpo.train.weights.gather import weights_for_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -36,8 +36,12 @@ async def served_checksum(url: str) -> dict[str, str]:
 def served_logprobs(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": 0,
                                                      "logprobs": 0, "ignore_eos": True}}
-    request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         choice = json.loads(response.read())["choices"][0]
     return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
@@ -48,9 +52,20 @@ def test_a_hybrid_vision_language_checkpoint_trains_against_the_embedded_server(
     rows = [{"prompt": [{"role": "user", "content": f"say {i}"}]} for i in range(16)]
     with EmbeddedServer(path, log_path=tmp_path / "server.log", extra_args=["--dtype", "float32"]) as server:
         args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"), vllm_server_base_url=server.url, num_generations=4,
-            max_completion_length=24, learning_rate=1e-3, bf16=False, use_cpu=True, gradient_checkpointing=False,
-            save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1, max_steps=3, seed=0,
+            output_dir=str(tmp_path / "out"),
+            vllm_server_base_url=server.url,
+            num_generations=4,
+            max_completion_length=24,
+            learning_rate=1e-3,
+            bf16=False,
+            use_cpu=True,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=1,
+            max_steps=3,
+            seed=0,
             token_budget=512,
         )
         trainer = AsyncGRPOTrainer(model=path, reward_funcs=text_length_reward, train_dataset=rows, args=args)
@@ -69,7 +84,9 @@ def test_a_hybrid_vision_language_checkpoint_trains_against_the_embedded_server(
     trained = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     trained.load_state_dict(trainer.model.state_dict())
     with torch.no_grad():
-        logits = trained(input_ids=torch.tensor([prompt + output]), use_cache=False).logits[0, len(prompt) - 1 : -1]
+        logits = trained(input_ids=torch.tensor([prompt + output]), use_cache=False).logits[
+            0, len(prompt) - 1 : -1
+        ]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
 

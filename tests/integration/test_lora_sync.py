@@ -1,4 +1,4 @@
-"""Adapter-only weight sync (`asyncgrpo.train.lora_sync`) against a real embedded server with
+"""Adapter-only weight sync (`asyncgrpo.train.weights.adapters`) against a real embedded server with
 --enable-lora (CPU, bundled tiny model, float32 on both sides).
 
 The reference of a synced version is the trainer's PEFT model merged (`merge_and_unload` on a copy):
@@ -24,7 +24,7 @@ from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import resolve_model_path
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.lora_sync import AdapterSync, AdapterSyncError, write_adapter
+from asyncgrpo.train.weights.adapters import AdapterSync, AdapterSyncError, write_adapter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")
@@ -38,8 +38,17 @@ MAX_STALENESS = 1  # two versions kept, three slots
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(MAX_STALENESS + 2), "--dtype", "float32",
-            "--max-model-len", "256"]
+    args = [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        str(MAX_STALENESS + 2),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+    ]
     with EmbeddedServer(TINY, log_path=log, extra_args=args) as s:
         yield s
 
@@ -79,8 +88,12 @@ def _generate(url: str, model: str | None, seed: int = 0) -> tuple[list[int], to
                                                       "logprobs": 0, "ignore_eos": True}}
     if model is not None:
         body["model"] = model
-    req = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/inference/v1/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         choice = json.loads(resp.read())["choices"][0]
     return choice["token_ids"], torch.tensor([t["logprob"] for t in choice["logprobs"]["content"]])
@@ -99,8 +112,10 @@ def _served_adapters(url: str) -> list[str]:
 
 
 def _sync(server, tmp_path) -> AdapterSync:
-    sync = AdapterSync(server.url, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=60)
-    sync.start()
+    sync = AdapterSync(
+        server.url, output_dir=tmp_path, max_staleness=MAX_STALENESS, timeout_s=60, dtype=torch.float32
+    )
+    sync.init()
     return sync
 
 
@@ -113,7 +128,7 @@ def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotat
         for version in range(2 * keep + 2):
             if version:
                 _perturb(model, version)
-            stats = sync.push(model, version=version, dtype=torch.float32)
+            stats = sync.push(model, version)
             references[version] = _merged(model)
             files = sorted(p.name for p in sync.folder(version).iterdir())
             assert files == ["adapter_config.json", "adapter_model.safetensors"]
@@ -141,11 +156,11 @@ def test_a_refused_load_keeps_the_previous_version_serving_and_says_why(server, 
     model = _peft_model(1)
     sync = _sync(server, tmp_path)
     try:
-        sync.push(model, version=0, dtype=torch.float32)
+        sync.push(model, 0)
         reference = _merged(model)
         too_big = _peft_model(2, r=16)  # the server runs with --max-lora-rank 8: it refuses the load
         with pytest.raises(AdapterSyncError) as err:
-            sync.push(too_big, version=1, dtype=torch.float32)
+            sync.push(too_big, 1)
         message = str(err.value)
         assert "did not load LoRA adapter version 1 (asyncgrpo-lora-v1" in message
         assert "LoRA rank 16 is greater than max_lora_rank 8" in message
@@ -155,7 +170,7 @@ def test_a_refused_load_keeps_the_previous_version_serving_and_says_why(server, 
         assert _gap(_generate(server.url, sync.adapter_name(0)), reference) < TOL
         # the next sync goes through once the adapter fits again
         _perturb(model, 3)
-        sync.push(model, version=1, dtype=torch.float32)
+        sync.push(model, 1)
         assert _gap(_generate(server.url, sync.adapter_name(1)), _merged(model)) < TOL
     finally:
         sync.close()
@@ -164,12 +179,12 @@ def test_a_refused_load_keeps_the_previous_version_serving_and_says_why(server, 
 def test_a_restarted_run_unloads_the_versions_an_earlier_run_left_registered(server, tmp_path):
     model = _peft_model(4)
     earlier = _sync(server, tmp_path)
-    earlier.push(model, version=0, dtype=torch.float32)
-    earlier.push(model, version=1, dtype=torch.float32)  # the earlier run dies without close()
+    earlier.push(model, 0)
+    earlier.push(model, 1)  # the earlier run dies without close()
     later = _sync(server, tmp_path)
     try:
         assert _served_adapters(server.url) == [] and list(later.root.iterdir()) == []
-        later.push(model, version=1, dtype=torch.float32)  # a resumed run reuses the version numbers
+        later.push(model, 1)  # a resumed run reuses the version numbers
         assert _served_adapters(server.url) == [later.adapter_name(1)]
         # ... but not the paths: vLLM keys an adapter's prefix-cache blocks by its name and path
         assert later.adapter_name(1) == earlier.adapter_name(1) and later.folder(1) != earlier.folder(1)
@@ -192,7 +207,9 @@ def _tiny_qwen3():
 def test_the_folder_holds_the_active_adapter_in_the_serving_dtype_and_replaces_an_older_one(tmp_path):
     from safetensors.torch import load_file
 
-    model = peft.get_peft_model(_tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    model = peft.get_peft_model(
+        _tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    )
     model.add_adapter("other", peft.LoraConfig(r=8, lora_alpha=3, target_modules=["down_proj"],
                                                init_lora_weights=False))
     folder = tmp_path / "v0"
@@ -201,7 +218,10 @@ def test_the_folder_holds_the_active_adapter_in_the_serving_dtype_and_replaces_a
     for name, rank, module in (("default", 4, "q_proj"), ("other", 8, "down_proj")):
         model.set_adapter(name)
         size = write_adapter(model, folder, torch.bfloat16)
-        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         assert size == sum(p.stat().st_size for p in folder.iterdir())
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["r"] == rank and config["target_modules"] == [module]
@@ -232,8 +252,9 @@ def _config(tmp_path, server, **overrides) -> AsyncGRPOConfig:
 def _lora(**kwargs):
     # random A and B: the policy differs from the base model from the first step, so rollouts served by
     # the base model instead of the adapter would show in the log-prob difference
-    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False,
-                              **kwargs})
+    return peft.LoraConfig(
+        **{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False, **kwargs}
+    )
 
 
 def _dataset(n: int) -> Dataset:
@@ -262,9 +283,15 @@ class _Watch:
 def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(server, tmp_path, caplog):
     config = _config(tmp_path, server, max_steps=4)
     watch = _Watch(server.url, tmp_path / "out" / ".vllm_lora")
-    trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(64), args=config,
-                               peft_config=_lora(), callbacks=[watch.callback])
-    with caplog.at_level(logging.INFO, logger="asyncgrpo.train.lora_sync"):
+    trainer = AsyncGRPOTrainer(
+        model=TINY,
+        reward_funcs=accuracy_reward,
+        train_dataset=_dataset(64),
+        args=config,
+        peft_config=_lora(),
+        callbacks=[watch.callback],
+    )
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.train.weights"):
         trainer.train()
     assert "PEFT weight sync: adapter only" in caplog.text
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -285,8 +312,13 @@ def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(se
 
 
 def test_a_server_with_too_little_lora_room_stops_training_at_start_with_the_restart_flags(server, tmp_path):
-    trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(8),
-                               args=_config(tmp_path, server, max_steps=1, max_staleness=2), peft_config=_lora(r=16))
+    trainer = AsyncGRPOTrainer(
+        model=TINY,
+        reward_funcs=accuracy_reward,
+        train_dataset=_dataset(8),
+        args=_config(tmp_path, server, max_steps=1, max_staleness=2),
+        peft_config=_lora(r=16),
+    )
     with pytest.raises(ValueError) as err:
         trainer.train()
     message = str(err.value)
@@ -305,7 +337,7 @@ def plain_server(tmp_path_factory):
 def test_without_lora_on_the_server_training_falls_back_to_merged_sync(plain_server, tmp_path, caplog):
     trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(32),
                                args=_config(tmp_path, plain_server, max_steps=2), peft_config=_lora())
-    with caplog.at_level(logging.INFO, logger="asyncgrpo.train.lora_sync"):
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.train.weights"):
         trainer.train()
     assert "PEFT weight sync: merged (the server at" in caplog.text
     assert "--enable-lora --max-lora-rank 8 --max-loras 3" in caplog.text

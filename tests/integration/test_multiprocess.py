@@ -25,7 +25,9 @@ NUM_STEPS = 2
 def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, server):  # noqa: F811
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     config = {"max_steps": NUM_STEPS}
-    proc = run_torchrun([str(JOB), server.url, str(tmp_path), json.dumps(config)], nproc=2, env=env, timeout_s=240)
+    proc = run_torchrun(
+        [str(JOB), server.url, str(tmp_path), json.dumps(config)], nproc=2, env=env, timeout_s=240
+    )
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -36,7 +38,7 @@ def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, serve
     for mine, theirs in zip(ranks[0]["micro_batches"], ranks[1]["micro_batches"]):
         assert mine["global"] == theirs["global"] == mine["local"] + theirs["local"]
     # after the last sync the server holds exactly the trainer's weights
-    assert ranks[0]["server_version"] == f"step-{NUM_STEPS}" and len(ranks[0]["syncs"]) == NUM_STEPS
+    assert ranks[0]["server_version"] == f"v{NUM_STEPS}" and len(ranks[0]["syncs"]) == NUM_STEPS
     assert ranks[0]["num_weights"] > 0 and ranks[0]["checksum_mismatches"] == []
     assert ranks[0]["changed"], "no parameter moved"
     # the replicas' gradients were averaged: both ranks hold the same weights
@@ -57,7 +59,9 @@ def test_step_metrics_and_token_allowance_count_every_process(tmp_path, server):
     """batch/*_per_step, num_tokens and the allowance are sums over both ranks' rows (not rank 0's x 2)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     config = {"max_steps": NUM_STEPS, "max_staleness": 2}
-    proc = run_torchrun([str(JOB), server.url, str(tmp_path), json.dumps(config)], nproc=2, env=env, timeout_s=240)
+    proc = run_torchrun(
+        [str(JOB), server.url, str(tmp_path), json.dumps(config)], nproc=2, env=env, timeout_s=240
+    )
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     logs = ranks[0]["logs"]

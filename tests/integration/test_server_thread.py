@@ -26,7 +26,7 @@ from test_hybrid_server import post  # one HTTP POST helper for the integration 
 from asyncgrpo.launch import free_port
 from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServeConfig, ServerThread
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.weight_push import make_transport
+from asyncgrpo.train.weights.choose import full_weight_transport
 
 
 def test_a_server_thread_serves_refuses_collectives_and_stops():
@@ -49,10 +49,14 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
         assert status == 500 and "inside the trainer's process" in json.dumps(body)
         # a trainer in this process picks gloo for a CPU server: it fails at start with the server's reason
         link = ServerLink(running.url, timeout_s=5)
+        transport = None
         try:
+            transport = full_weight_transport(link, torch.device("cpu"), torch.float32, link.connect().device)
             with pytest.raises(RuntimeError, match="inside the trainer's process.*CUDA IPC only"):
-                make_transport(link, torch.device("cpu"), link.connect().device).init()
+                transport.init()
         finally:
+            if transport is not None:
+                transport.close()
             link.close()
     assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
     assert sys.getswitchinterval() == before  # the interpreter's own again
@@ -72,15 +76,17 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
         from asyncgrpo.launch import free_port
         from asyncgrpo.server.serve import ServerThread
         from asyncgrpo.train.server_link import ServerLink
-        from asyncgrpo.train.weight_push import make_transport
+        from asyncgrpo.train.weights.choose import full_weight_transport
         # (the parsed command line, as the README shows it; ServeConfig.of elsewhere)
         with ServerThread(serve_arguments("asyncgrpo/tiny-chat", "--port", str(free_port()))) as running:
             link = ServerLink(running.url, timeout_s=60)
+            transport = full_weight_transport(link, torch.device("cpu"), torch.float32, link.connect().device)
             try:
-                make_transport(link, torch.device("cpu"), link.connect().device).init()
+                transport.init()
             except RuntimeError as exc:
                 print("refused:", exc, flush=True)
             finally:
+                transport.close()
                 link.close()
     """)
     start = time.monotonic()

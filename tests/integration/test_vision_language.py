@@ -22,8 +22,8 @@ from asyncgrpo.modeling.load import BUNDLED_MODELS
 from asyncgrpo.packing import Sample
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
 from asyncgrpo.train.rollout_batches import MicroBatchInput
+from asyncgrpo.train.weights.gather import server_weight_metas, weights_for_server
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 _TEXT = {"vocab_size": 491, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -58,9 +58,18 @@ def saved_names(folder: str) -> list[str]:
 
 
 def make_trainer(path: str, tmp_path) -> AsyncGRPOTrainer:
-    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none",
-                           save_strategy="no", disable_tqdm=True, learning_rate=1e-3, gradient_checkpointing=False,
-                           num_generations=2, score_centering=False)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        gradient_checkpointing=False,
+        num_generations=2,
+        score_centering=False,
+    )
     return AsyncGRPOTrainer(model=path, reward_funcs=accuracy_reward, args=args,
                             train_dataset=Dataset.from_list(arithmetic.make_dataset(4, seed=0)))
 
@@ -72,7 +81,9 @@ def grpo_samples(rng: np.random.Generator) -> list[Sample]:
         completion = [int(t) for t in rng.integers(0, 480, 70 if i == 0 else 5 + i)]
         mask = [False] * len(prompt) + [True] * len(completion)
         # a random model is near uniform: sampler log-probs of log(1/491) keep the importance ratios in bounds
-        samples.append(Sample(prompt + completion, mask, [-6.2 if m else 0.0 for m in mask], float(i) - 1.5, 0))
+        samples.append(
+            Sample(prompt + completion, mask, [-6.2 if m else 0.0 for m in mask], float(i) - 1.5, 0)
+        )
     return samples
 
 
@@ -117,8 +128,13 @@ def test_a_vision_language_checkpoint_trains_and_syncs_its_text_model_only(model
 
 def test_image_prompts_are_refused_at_construction(tmp_path):
     path = save_checkpoint(tmp_path / "qwen3_5", "qwen3_5")
-    prompt = [{"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "Cat?"}]}]
+    prompt = [
+        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "Cat?"}]}
+    ]
     with pytest.raises(ValueError, match="images are not supported yet"):
-        AsyncGRPOTrainer(model=path, reward_funcs=accuracy_reward,
-                         args=AsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none"),
-                         train_dataset=Dataset.from_list([{"prompt": prompt, "answer": "yes"}]))
+        AsyncGRPOTrainer(
+            model=path,
+            reward_funcs=accuracy_reward,
+            args=AsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none"),
+            train_dataset=Dataset.from_list([{"prompt": prompt, "answer": "yes"}]),
+        )

@@ -28,7 +28,7 @@ from asyncgrpo.rewards.format import last_assistant_text
 from asyncgrpo.rollout.channel import ROLLOUT_PROCESS_NAME
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import is_sharded, server_weight_metas, weights_for_server
+from asyncgrpo.train.weights.gather import is_sharded, server_weight_metas, weights_for_server
 
 MODEL = "asyncgrpo/tiny-chat"
 
@@ -111,7 +111,9 @@ def main(url: str, out: Path, overrides: dict) -> None:
     trainer.train()
     rank = dist.get_rank()
     after = weights_checksum(weights_for_server(trainer.model, dtype))  # sharded: every rank gathers
-    syncs = [{k: v for k, v in e.items() if k.startswith("perf/weight_sync")} for e in trainer.state.log_history]
+    syncs = [
+        {k: v for k, v in e.items() if k.startswith("perf/weight_sync")} for e in trainer.state.log_history
+    ]
     record = {
         "global_step": trainer.state.global_step, "micro_batches": trainer.micro_batches,
         "rollout_process_seen": watch.seen, "sharded": is_sharded(trainer.model), "weights": after,
@@ -121,8 +123,11 @@ def main(url: str, out: Path, overrides: dict) -> None:
     if rank == 0:
         served, version = asyncio.run(_served(url, "checksum"))
         record.update(
-            num_weights=len(after), checksum_mismatches=checksum_mismatches(after, served), server_version=version,
-            changed=[n for n in after if after[n] != before[n]], dtype=str(dtype),
+            num_weights=len(after),
+            checksum_mismatches=checksum_mismatches(after, served),
+            server_version=version,
+            changed=[n for n in after if after[n] != before[n]],
+            dtype=str(dtype),
             sync_bytes=sum(m.nbytes for m in server_weight_metas(trainer.model, dtype)),
         )
     (out / f"rank{rank}.json").write_text(json.dumps(record))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.generation.server_info import LoraServing, parse_server_info
-from asyncgrpo.train.lora_mode import choose_lora_sync
+from asyncgrpo.train.weights.adapters import choose_lora_sync
 
 peft = pytest.importorskip("peft")
 URL = "http://127.0.0.1:8000"

@@ -134,7 +134,9 @@ def _shard(model: torch.nn.Module, layout: str = "layers+root", root: torch.nn.M
     for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
     if layout == "layers+tail+root":
-        fully_shard([base.model.norm, base.model.embed_tokens, base.lm_head], mesh=mesh, reshard_after_forward=False)
+        fully_shard(
+            [base.model.norm, base.model.embed_tokens, base.lm_head], mesh=mesh, reshard_after_forward=False
+        )
     fully_shard(root or model, mesh=mesh)
 
 
@@ -169,8 +171,13 @@ def _row_loss(model: torch.nn.Module, samples: list, num_trained_tokens_global: 
         hidden, head, _ = hidden_states_and_head(model, row.input_ids, row.position_ids)
         logps = token_logprobs(hidden, head.weight, row.pred_index, row.target_ids)
     return policy_loss(
-        logps.target_logprobs, row.sampler_logprobs, row.advantages, row.completion_index,
-        num_trained_tokens_global=num_trained_tokens_global, gradient_accumulation_steps=1, score_centering=False,
+        logps.target_logprobs,
+        row.sampler_logprobs,
+        row.advantages,
+        row.completion_index,
+        num_trained_tokens_global=num_trained_tokens_global,
+        gradient_accumulation_steps=1,
+        score_centering=False,
     ).loss
 
 
@@ -199,8 +206,7 @@ def _gradient_check(layout: str) -> dict:
 
 def _bucket_check(rank: int) -> dict:
     from asyncgrpo.sync.packed import plan_chunks
-    from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
-    from asyncgrpo.train.weight_push import iter_weight_buckets
+    from asyncgrpo.train.weights.gather import iter_weight_buckets, server_weight_metas, weights_for_server
 
     reference = list(weights_for_server(_model(), torch.float32))
     model = _model()
@@ -234,11 +240,13 @@ def _peft_model() -> torch.nn.Module:
 
     torch.manual_seed(1)
     # random B as well as A: the merge changes the weights
-    return get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return get_peft_model(
+        _model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
 
 
 def _peft_check(rank: int) -> dict:
-    from asyncgrpo.train.model_setup import weights_for_server
+    from asyncgrpo.train.weights.gather import weights_for_server
 
     reference = list(weights_for_server(_peft_model(), torch.float32))
     model = _peft_model()
@@ -257,46 +265,58 @@ def _peft_check(rank: int) -> dict:
     }
 
 
-class _FakeTransport:
+def _fake_transport(fail_after: int | None = None):
     """Rank 0's weight transport: takes the tensors as the sender would; can fail after `fail_after`."""
+    from asyncgrpo.sync.checksum import tensor_digest
+    from asyncgrpo.train.weights.base import FullWeights
 
-    def __init__(self, fail_after: int | None = None) -> None:
-        self.fail_after = fail_after
-        self.received: dict[str, str] = {}
+    class FakeTransport(FullWeights):
+        def __init__(self) -> None:
+            super().__init__(torch.float32, bucket_bytes=BUCKET_BYTES)
+            self.received: dict[str, str] = {}
 
-    def push(self, named_tensors, *, version, metas):
-        from asyncgrpo.sync.checksum import tensor_digest
+        def send(self, named_tensors, *, label, metas=None):
+            for i, (name, tensor) in enumerate(named_tensors):
+                if i == fail_after:
+                    raise RuntimeError("the server went away")
+                assert (name, tensor.dtype, tuple(tensor.shape)) == (
+                    metas[i].name,
+                    metas[i].dtype,
+                    metas[i].shape,
+                )
+                self.received[name] = tensor_digest(tensor)
+            return {"total_s": 1.0}
 
-        for i, (name, tensor) in enumerate(named_tensors):
-            if i == self.fail_after:
-                raise RuntimeError("the server went away")
-            assert (name, tensor.dtype, tuple(tensor.shape)) == (metas[i].name, metas[i].dtype, metas[i].shape)
-            self.received[name] = tensor_digest(tensor)
-        return {"total_s": 1.0}
+    return FakeTransport()
 
 
 def _push_check(rank: int) -> dict:
+    """Through the transports the trainer holds: a full-weight one on rank 0, `OtherRank` elsewhere."""
     from asyncgrpo.sync.checksum import weights_checksum
-    from asyncgrpo.train.model_setup import weights_for_server
-    from asyncgrpo.train.weight_push import push_sharded_weights
+    from asyncgrpo.train.weights.base import OtherRank
+    from asyncgrpo.train.weights.gather import weights_for_server
+    from asyncgrpo.types import WeightVersion
 
     expected = weights_checksum(weights_for_server(_model(), torch.float32))
     model = _model()
     _shard(model)
 
-    def push(link: _FakeTransport | None, version: str) -> dict:
-        return push_sharded_weights(model, torch.float32, transport=link, version=version, bucket_bytes=BUCKET_BYTES)
+    def transport(fail_after: int | None = None):
+        return (
+            _fake_transport(fail_after) if rank == 0 else OtherRank(torch.float32, bucket_bytes=BUCKET_BYTES)
+        )
 
-    link = _FakeTransport() if rank == 0 else None
-    found: dict = {"push/timings": push(link, "v1")}
+    first = transport()
+    found: dict = {"push/timings": first.push(model, WeightVersion(1))}
     if rank == 0:
-        found["push/received_equal"] = link.received == expected
+        found["push/received_equal"] = first.received == expected
     try:
-        push(_FakeTransport(fail_after=3) if rank == 0 else None, "v2")
+        transport(fail_after=3).push(model, WeightVersion(2))
         found["push/failure"] = None
     except RuntimeError as exc:
         found["push/failure"] = str(exc) if rank else f"{type(exc).__name__}: {exc}"
     # the group is still in step: the next push goes through
-    retry = _FakeTransport() if rank == 0 else None
-    found["push/after_failure_ok"] = push(retry, "v3") == {"total_s": 1.0} and (rank != 0 or retry.received == expected)
+    retry = transport()
+    found["push/after_failure_ok"] = (retry.push(model, WeightVersion(3)) == {"total_s": 1.0}
+                                      and (rank != 0 or retry.received == expected))
     return found

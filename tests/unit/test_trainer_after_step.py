@@ -1,9 +1,12 @@
-"""AsyncGRPOTrainer's after-step protocol without a server: a fake weight transport takes the pushes.
+"""AsyncGRPOTrainer's after-step protocol without a server: a fake weight transport takes the pushes
+(a `FullWeights`, so the trainer's push gathers the served weights as it does for the real ones).
 
 The Trainer's own callback handler drives the steps (`on_step_end`), as the training loop does.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -13,32 +16,28 @@ from asyncgrpo import metrics as M
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.sync.checksum import tensor_digest
 from asyncgrpo.tasks import arithmetic
-from asyncgrpo.train.model_setup import server_weight_metas, weights_for_server
+from asyncgrpo.train.weights.base import FullWeights, OtherRank
+from asyncgrpo.train.weights.gather import server_weight_metas, weights_for_server
+from asyncgrpo.types import WeightVersion, adapter_name_template
 
 
-class RecordingTransport:
-    """A `WeightTransport` that keeps what it was pushed (checksums per version); fails when told to."""
+class RecordingTransport(FullWeights):
+    """A full-weight transport that keeps what it was sent (checksums per label); fails when told to."""
 
     def __init__(self, fail: bool = False) -> None:
+        super().__init__(torch.float32)
         self.fail = fail
         self.pushes: dict[str, dict[str, str]] = {}
-        self.initialised = self.closed = False
 
-    def init(self) -> None:
-        self.initialised = True
-
-    def push(self, named_tensors, *, version, metas):
+    def send(self, named_tensors, *, label, metas=None):
         received = {}
         for meta, (name, tensor) in zip(metas, named_tensors, strict=True):
             assert (name, tensor.dtype, tuple(tensor.shape)) == (meta.name, meta.dtype, meta.shape)
             if self.fail:
                 raise ConnectionError("the server went away")
             received[name] = tensor_digest(tensor)
-        self.pushes[version] = received
+        self.pushes[label] = received
         return {"total_s": 0.5, "pause_s": 0.1, "transfer_s": 0.3, "resume_s": 0.1}
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def _trainer(tmp_path, **overrides) -> AsyncGRPOTrainer:
@@ -62,36 +61,36 @@ def _served_digests(trainer: AsyncGRPOTrainer) -> dict[str, str]:
     return {name: tensor_digest(t) for name, t in weights_for_server(trainer.model, torch.float32)}
 
 
-def test_each_step_pushes_every_served_weight_labelled_with_the_step_and_bumps_the_version(tmp_path):
+def test_each_step_pushes_every_served_weight_labelled_with_its_version_and_bumps_the_version(tmp_path):
     trainer = _trainer(tmp_path)
-    transport = trainer.weight_transport = RecordingTransport()
+    transport = trainer.weights = RecordingTransport()
     assert trainer.model_version == 0
     _step(trainer)
-    assert list(transport.pushes) == ["step-1"]
-    assert list(transport.pushes["step-1"]) == [m.name for m in server_weight_metas(trainer.model, torch.float32)]
-    assert transport.pushes["step-1"] == _served_digests(trainer)
-    assert trainer.model_version == 1
+    assert list(transport.pushes) == ["v1"]
+    assert list(transport.pushes["v1"]) == [m.name for m in server_weight_metas(trainer.model, torch.float32)]
+    assert transport.pushes["v1"] == _served_digests(trainer)
+    assert trainer.model_version == 1 and isinstance(trainer.model_version, WeightVersion)
     with torch.no_grad():  # what the next push sends is the model as it is then
         next(trainer.model.parameters()).add_(1.0)
     _step(trainer)
     assert trainer.model_version == 2
-    assert transport.pushes["step-2"] == _served_digests(trainer) != transport.pushes["step-1"]
+    assert transport.pushes["v2"] == _served_digests(trainer) != transport.pushes["v1"]
 
 
-def test_weight_sync_steps_pushes_every_nth_step_only(tmp_path):
+def test_weight_sync_steps_pushes_every_nth_step_only_labelled_with_the_version_not_the_step(tmp_path):
     trainer = _trainer(tmp_path, weight_sync_steps=2)
-    transport = trainer.weight_transport = RecordingTransport()
+    transport = trainer.weights = RecordingTransport()
     versions = []
     for _ in range(4):
         _step(trainer)
         versions.append(trainer.model_version)
-    assert list(transport.pushes) == ["step-2", "step-4"]
+    assert list(transport.pushes) == ["v1", "v2"]
     assert versions == [0, 1, 1, 2]
 
 
 def test_the_push_timings_are_logged_as_weight_sync_metrics(tmp_path):
     trainer = _trainer(tmp_path)
-    trainer.weight_transport = RecordingTransport()
+    trainer.weights = RecordingTransport()
     _step(trainer)
     trainer.log({})
     logged = trainer.state.log_history[-1]
@@ -102,15 +101,25 @@ def test_the_push_timings_are_logged_as_weight_sync_metrics(tmp_path):
 
 def test_a_failed_push_raises_and_the_version_stays(tmp_path):
     trainer = _trainer(tmp_path)
-    trainer.weight_transport = RecordingTransport(fail=True)
+    trainer.weights = RecordingTransport(fail=True)
     with pytest.raises(ConnectionError, match="went away"):
         _step(trainer)
     assert trainer.model_version == 0
 
 
-def test_without_a_transport_a_replica_pushes_nothing_but_counts_the_version(tmp_path):
-    """A data-parallel replica (rank > 0) has no transport: rank 0 sends the same weights alone."""
+def test_a_replica_pushes_nothing_but_counts_the_version(tmp_path):
+    """A data-parallel replica (rank > 0) sends nothing: rank 0 sends the same weights alone."""
     trainer = _trainer(tmp_path)
-    assert trainer.weight_transport is None
+    trainer.weights = OtherRank(torch.float32)
     _step(trainer)
     assert trainer.model_version == 1
+    assert trainer.weights.push(trainer.model, trainer.model_version.next()) == {}  # nothing timed
+
+
+def test_the_version_labels_and_names_what_the_server_serves():
+    version = WeightVersion(3)
+    assert (version.label(), version.adapter_name(), version.adapter_name("mine")) == (
+        "v3", "asyncgrpo-lora-v3", "mine-v3")
+    assert version.next() == 4 and isinstance(version.next(), WeightVersion)
+    assert adapter_name_template().format(version=version) == version.adapter_name()
+    assert json.loads(json.dumps({"v": version})) == {"v": 3}  # stored as a plain number

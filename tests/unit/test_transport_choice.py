@@ -1,17 +1,20 @@
-"""Weight transport selection (train/transport_choice.py) from /server_info bodies as the servers send them."""
+"""Weight transport selection (train/weights/choose.py) from /server_info bodies as the servers send them."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncgrpo.generation.server_info import parse_server_device, parse_server_info
-from asyncgrpo.train.transport_choice import choose_transport, nccl_failure_hint, same_gpu, sharing_hint
+from asyncgrpo.train.weights.choose import choose_transport, same_gpu, sharing_hint
+from asyncgrpo.train.weights.collective import nccl_failure_hint
 
 GPU_A = "5c1e0f3a-0000-4000-8000-00000000000a"
 GPU_B = "5c1e0f3a-0000-4000-8000-00000000000b"
 
 
-def embedded_body(device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True, pid: int = 4242) -> dict:
+def embedded_body(
+    device_type: str = "cuda", uuid: str | None = GPU_A, ipc: bool = True, pid: int = 4242
+) -> dict:
     device = {"device": device_type, "device_type": device_type}
     if uuid is not None:
         device["device_uuid"] = uuid
@@ -35,9 +38,19 @@ def vllm_body(backend: str = "nccl", insecure: bool = False) -> dict:
 
 def test_server_info_carries_the_device_to_the_client():
     device = parse_server_info(embedded_body()).device
-    assert device.embedded and device.device_uuid == GPU_A and device.accepts_ipc and device.device_type == "cuda"
+    assert (
+        device.embedded
+        and device.device_uuid == GPU_A
+        and device.accepts_ipc
+        and device.device_type == "cuda"
+    )
     device = parse_server_info(vllm_body("ipc", insecure=True)).device
-    assert not device.embedded and device.device_uuid is None and device.accepts_ipc and device.insecure_serialization
+    assert (
+        not device.embedded
+        and device.device_uuid is None
+        and device.accepts_ipc
+        and device.insecure_serialization
+    )
     assert not parse_server_device(vllm_body("nccl")).accepts_ipc
 
 

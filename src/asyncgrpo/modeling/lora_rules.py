@@ -3,8 +3,8 @@
 The values follow vLLM 0.33, so an adapter the trainer writes for adapter-only sync loads on vLLM and
 on the embedded server alike: the server checks an adapter directory against them
 (`server/lora_files.py`), and the trainer checks its PEFT config before choosing adapter-only sync
-and names the server flags to restart with (`train/lora_mode.py`). Plain data and pure functions, no
-torch: the CLI reads `ALLOWED_MAX_RANKS` while building `--help`.
+and names the server flags to restart with (`train/weights/adapters.py`). Plain data and pure
+functions, no torch: the CLI reads `ALLOWED_MAX_RANKS` while building `--help`.
 """
 
 from __future__ import annotations

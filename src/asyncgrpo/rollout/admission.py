@@ -55,7 +55,8 @@ def on_policy_extension(token_budget: int, num_processes: int) -> int:
 
 
 def staleness(model_version: int, current_version: int) -> int:
-    """Weight updates between the policy that generated a sample and the one training it."""
+    """Weight updates between the policy that generated a sample and the one training it: the difference
+    of two `WeightVersion`s (a sample carries its version as a plain int)."""
     return current_version - model_version
 
 
@@ -172,9 +173,9 @@ class Admission:
         if self.tokens_per_rollout is None:
             self.tokens_per_rollout = float(per_rollout)
         else:
-            self.tokens_per_rollout = (
-                TOKEN_ESTIMATE_DECAY * self.tokens_per_rollout + (1 - TOKEN_ESTIMATE_DECAY) * float(per_rollout)
-            )
+            self.tokens_per_rollout = TOKEN_ESTIMATE_DECAY * self.tokens_per_rollout + (
+                1 - TOKEN_ESTIMATE_DECAY
+            ) * float(per_rollout)
 
     def on_samples_queued(self, num_tokens: int) -> None:
         self.produced_tokens += num_tokens

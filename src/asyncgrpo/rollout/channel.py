@@ -2,7 +2,8 @@
 
     trainer (rank 0)                                   rollout process
     ----------------                                   ---------------
-    model_version  (Value, int)   -- written by ---->  read when a group starts (stamps samples)
+    model_version  (Value, int)   -- written by ---->  read when a group starts (stamps samples); a
+                                                       `WeightVersion`'s value, published after its push
     token_allowance (Value, int)  -- written by ---->  read before starting a group (staleness limit)
     consumed_tokens (Value, int)  -- written by ---->  queued tokens = produced - consumed
     stop_event                    -- set by -------->  loops wind down, close() hooks run
@@ -25,7 +26,7 @@ import multiprocessing.sharedctypes
 import multiprocessing.synchronize
 from dataclasses import dataclass, field
 
-from asyncgrpo.types import Sample
+from asyncgrpo.types import Sample, WeightVersion
 
 ROLLOUT_PROCESS_NAME = "asyncgrpo-rollout"  # multiprocessing name of the spawned rollout process
 
@@ -73,7 +74,7 @@ class TrainerView:
     nothing in between that could let a group start.
     """
 
-    model_version: int
+    model_version: WeightVersion
     token_allowance: int
     consumed_tokens: int
 
@@ -124,7 +125,7 @@ class RolloutChannel:
     samples: mp.queues.Queue  # of SampleQueueItem
     metrics: mp.queues.Queue  # of asyncgrpo.metrics.MetricRecord
     errors: mp.queues.Queue  # of WorkerError
-    model_version: mp.sharedctypes.Synchronized  # int
+    model_version: mp.sharedctypes.Synchronized  # int, a WeightVersion's value
     token_allowance: mp.sharedctypes.Synchronized  # int
     consumed_tokens: mp.sharedctypes.Synchronized  # int
     heartbeat: mp.sharedctypes.Synchronized  # float, time.time()
@@ -134,7 +135,7 @@ class RolloutChannel:
 
     def trainer_view(self) -> TrainerView:
         return TrainerView(
-            model_version=int(self.model_version.value),
+            model_version=WeightVersion(self.model_version.value),
             token_allowance=int(self.token_allowance.value),
             consumed_tokens=int(self.consumed_tokens.value),
         )
@@ -149,9 +150,15 @@ class RolloutChannel:
 
     @classmethod
     def create(
-        cls, ctx: mp.context.BaseContext, *, initial_allowance: int, model_version: int = 0, completions: bool = False
+        cls,
+        ctx: mp.context.BaseContext,
+        *,
+        initial_allowance: int,
+        model_version: int = 0,
+        completions: bool = False,
     ) -> RolloutChannel:
-        """The primitives of one pair; `completions` adds the `log_completions` queue (`extra["completions"]`)."""
+        """The primitives of one pair; `completions` adds the `log_completions` queue
+        (`extra["completions"]`)."""
         samples, metrics, errors = ctx.Queue(), ctx.Queue(), ctx.Queue()
         # The creating process (the trainer) only reads; an in-process writer (tests, a loop run in
         # a thread) must not block its exit on items nobody reads. Spawned children reset this flag.

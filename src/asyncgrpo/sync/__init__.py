@@ -6,9 +6,12 @@
     gloo.py          standalone gloo communicator (the embedded server on CPU)
     sender.py        trainer side: `WeightSender` (HTTP handshake + broadcast), rank 0
     receiver.py      server side: `WeightReceiver` (joins the group, yields received tensors)
+    ipc_sender.py    trainer side of the CUDA IPC transfer: `IpcSender` (one shared buffer, chunk by chunk)
+    ipc.py           the IPC wire forms (JSON handles, vLLM's pickled ones) and the server side
 
 Sender and receiver run the same layout code over either communicator. Both sides join their group
-from `in_daemon_thread`.
+from `in_daemon_thread`. On the trainer, the transports of `asyncgrpo.train.weights` own the senders
+(`collective.py`, `ipc.py`) and pause the server around them.
 """
 
 from __future__ import annotations

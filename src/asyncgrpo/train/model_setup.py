@@ -1,9 +1,9 @@
-"""The policy model: prepared for training, its parts the loss needs, and the weights the server receives.
+"""The policy model: prepared for training, and its parts the loss needs.
 
 The loss never asks the model for logits: `hidden_states_and_head` returns the transformer body's
 hidden states for the packed row and the LM head, and `asyncgrpo.train.logprobs` computes log-probs
-only at trained positions, chunk by chunk. `weights_for_server` yields what a weight sync sends (full
-tensors, merged adapters), gathering sharded parameters one by one.
+only at trained positions, chunk by chunk. What a weight sync sends (full tensors, merged adapters,
+sharded parameters gathered) is `asyncgrpo.train.weights.gather.weights_for_server`.
 
 A vision-language checkpoint (Qwen3.5, Qwen3-VL, ...) is loaded whole (`modeling/load.py`), with the
 architecture its config declares (`AutoModelForImageTextToText`), so parameter names stay the checkpoint's
@@ -15,7 +15,6 @@ and left out of the weight sync, so the server keeps what it loaded from the che
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,23 +23,28 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from asyncgrpo.modeling.load import is_vision_language, load_policy, resolve_model_path
 from asyncgrpo.modeling.support import check_supported
 from asyncgrpo.packing.attention import enable_tree_attention
-from asyncgrpo.sync.packed import TensorMeta
 
 logger = logging.getLogger(__name__)
 
 
 def prepare_policy(model: str | PreTrainedModel, args: Any) -> tuple[PreTrainedModel, str]:
     """(the model to train, its id): loaded when `model` is an id or path, checked for tree packing, its
-    attention switched to the tree-attention backend; of a vision-language model only the text model trains."""
+    attention switched to the tree-attention backend; of a vision-language model only the text model
+    trains."""
     if isinstance(model, str):
         model_id = model
         model = load_policy(
-            model, dtype=args.dtype, init_kwargs=args.model_init_kwargs, trust_remote_code=args.trust_remote_code
+            model,
+            dtype=args.dtype,
+            init_kwargs=args.model_init_kwargs,
+            trust_remote_code=args.trust_remote_code,
         )
     elif isinstance(model, PreTrainedModel):
         model_id = model.config._name_or_path
     else:
-        raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+        raise TypeError(
+            f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}"
+        )
     check_supported(model.config)
     enable_tree_attention(model)
     train_text_model_only(model)  # a vision-language checkpoint trains its text model, on text-only prompts
@@ -53,19 +57,21 @@ def train_text_model_only(model: PreTrainedModel) -> None:
     A causal LM is left as it is."""
     if not is_vision_language(model.config):
         return
-    text = _text_parameter_ids(model)
+    text = text_parameter_ids(model)
     frozen = 0
     for param in model.parameters():
         if id(param) not in text:
             param.requires_grad_(False)
             frozen += param.numel()
     total = sum(p.numel() for p in model.parameters())
-    logger.info("%s is a vision-language model: training its text model only (%.1f%% of %d parameters frozen: vision "
+    logger.info("%s is a vision-language model: training its text model only (%.1f%% of %d parameters "
+                "frozen: vision "
                 "tower and projector, which the weight sync leaves out)", type(model).__name__,
                 100 * frozen / max(total, 1), total)
 
 
-def _text_parameter_ids(model: torch.nn.Module) -> set[int]:
+def text_parameter_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the parameters that train: the text model's (decoder body and LM head)."""
     body, head = decoder_and_head(model)
     return {id(p) for module in (body, head) for p in module.parameters()}
 
@@ -78,11 +84,15 @@ def wrap_peft(model: PreTrainedModel, peft_config: Any) -> Any:
     if isinstance(targets, str):
         targets = [targets]
     if "lm_head" in targets or "lm_head" in (getattr(peft_config, "modules_to_save", None) or []):
-        raise ValueError("PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save")
+        raise ValueError(
+            "PEFT adapters on lm_head are not supported: remove lm_head from target_modules/modules_to_save"
+        )
     return get_peft_model(model, peft_config)
 
 
-def load_tokenizer(model_id: str, *, trust_remote_code: bool, revision: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model_id: str, *, trust_remote_code: bool, revision: str | None = None
+) -> PreTrainedTokenizerBase:
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         kwargs["revision"] = revision
@@ -114,7 +124,11 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
             m = m.get_base_model()
         elif hasattr(m, "_orig_mod"):  # torch.compile
             m = m._orig_mod
-        elif hasattr(m, "module") and isinstance(m.module, torch.nn.Module) and not isinstance(m, PreTrainedModel):
+        elif (
+            hasattr(m, "module")
+            and isinstance(m.module, torch.nn.Module)
+            and not isinstance(m, PreTrainedModel)
+        ):
             m = m.module  # DDP
         else:
             return m
@@ -126,12 +140,18 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     head = base.get_output_embeddings()
     body = base.get_decoder() if hasattr(base, "get_decoder") else getattr(base, base.base_model_prefix)
     if head is None or body is None:
-        raise ValueError(f"{type(base).__name__} has no separable decoder and LM head; it cannot be trained here")
+        raise ValueError(
+            f"{type(base).__name__} has no separable decoder and LM head; it cannot be trained here"
+        )
     return body, head
 
 
 def hidden_states_and_head(
-    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, *, router_aux_loss: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    router_aux_loss: bool = False,
 ) -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor | None]:
     """The body's last hidden states [T, H] for one packed row (`input_ids`, `position_ids`: [T]), the
     LM head, whose weight the caller multiplies in at the trained positions only, and, with
@@ -154,8 +174,13 @@ def hidden_states_and_head(
     kwargs = {"output_router_logits": True} if router_aux_loss else {}
     handle = body.register_forward_hook(keep)
     try:
-        out = model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, logits_to_keep=1,
-                    **kwargs)
+        out = model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            use_cache=False,
+            logits_to_keep=1,
+            **kwargs,
+        )
     finally:
         handle.remove()
     assert len(captured) == 1, f"the decoder body ran {len(captured)} times in one forward"
@@ -171,81 +196,22 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
     if not has_router:
         if requested:
             raise ValueError(
-                f"router_aux_loss_coef={requested}, but model type {text.model_type!r} has no router (it is not a "
-                "Mixture-of-Experts model): leave router_aux_loss_coef=None"
+                f"router_aux_loss_coef={requested}, but model type {text.model_type!r} has no router (it is "
+                "not a Mixture-of-Experts model): leave router_aux_loss_coef=None"
             )
         return 0.0
     return float(text.router_aux_loss_coef if requested is None else requested)
-
-
-def _server_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(checkpoint name, parameter) of every weight the server holds, in `named_parameters` order (tied
-    weights once); of a vision-language model, its text model's only. PEFT: adapter factors are
-    skipped (they are merged into the base weights) and wrapper names are mapped back to the
-    checkpoint's."""
-    base = unwrap(model)
-    is_peft = base is not model and hasattr(model, "merge_adapter")
-    text = _text_parameter_ids(base) if is_vision_language(base.config) else None
-    for name, param in base.named_parameters():
-        if text is not None and id(param) not in text:
-            continue  # a vision-language model's vision tower and projector: frozen, the server keeps its own
-        if is_peft:
-            if "lora_" in name or ".original_module." in name:
-                continue  # adapter factors are merged; the trained copy replaces the original
-            name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        yield name, param
-
-
-def server_weight_metas(model: torch.nn.Module, dtype: torch.dtype) -> list[TensorMeta]:
-    """Name, serving dtype and full (unsharded) shape of every tensor `weights_for_server` yields, in
-    its order, without gathering anything (a sharded parameter reports its global shape)."""
-    return [TensorMeta(name, dtype, tuple(param.shape)) for name, param in _server_parameters(model)]
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model's parameters are DTensors (FSDP2): gathering them takes every rank."""
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
-def weights_for_server(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, full tensor in the serving dtype) for every weight the server must hold.
-
-    Names are Hugging Face checkpoint names (`model.layers.0.self_attn.q_proj.weight`). A PEFT model
-    is sent merged: LoRA deltas are folded into the base weights for the copy only, the trained
-    model keeps its adapter. A sharded (FSDP2) parameter is cast to `dtype` on its shard, then
-    gathered (`full_tensor()`, one all-gather): with a sharded model, every rank must iterate this
-    to the end, in step (`asyncgrpo.train.weight_push`).
-    """
-    base = unwrap(model)
-    is_peft = base is not model and hasattr(model, "merge_adapter")
-    if is_peft:
-        model.merge_adapter()
-    try:
-        for name, param in _server_parameters(model):
-            tensor = param.detach().to(dtype)
-            if _is_dtensor(tensor):
-                tensor = tensor.full_tensor()
-            elif is_peft and tensor.data_ptr() == param.data_ptr():
-                tensor = tensor.clone()  # a view of a merged weight would read unmerged values once unmerged
-            yield name, tensor.contiguous()
-    finally:
-        if is_peft:
-            model.unmerge_adapter()
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 # Families whose forward scales `hidden @ W` (checked against each model's own forward in
 # tests/unit/test_tree_attention.py): Cohere multiplies by `logit_scale`, Granite divides by
 # `logits_scaling`. Gemma 2/3 softcap with `final_logit_softcapping`.
 _LOGIT_MULTIPLIER = {"cohere": "logit_scale", "cohere2": "logit_scale"}
-_LOGIT_DIVISOR = {"granite": "logits_scaling", "granitemoe": "logits_scaling", "granitemoeshared": "logits_scaling"}
+_LOGIT_DIVISOR = {
+    "granite": "logits_scaling",
+    "granitemoe": "logits_scaling",
+    "granitemoeshared": "logits_scaling",
+}
 
 
 def logit_processing(config: Any) -> dict[str, float | None]:

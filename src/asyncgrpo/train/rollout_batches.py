@@ -44,6 +44,7 @@ from asyncgrpo.rollout.admission import is_stale, on_policy_extension, staleness
 from asyncgrpo.rollout.channel import IDLE_ON_POLICY, GroupFinished, QueuedSample, RolloutIdle
 from asyncgrpo.train.distributed import rank_and_world_size
 from asyncgrpo.train.progress import TrainedPrompts
+from asyncgrpo.types import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class RolloutBatches:
         batcher: Any,
         progress: TrainedPrompts,
         check_health: Callable[[], None],
-        current_version: Callable[[], int],
+        current_version: Callable[[], WeightVersion],
         record: Callable[[str, float], None],
         add_record: Callable[[Any], None],
         max_staleness: int,
@@ -164,14 +165,15 @@ class RolloutBatches:
         self._oversize.append(num_tokens)
         if len(self._oversize) >= OVERSIZE_LIMIT:
             raise ValueError(
-                f"the first {len(self._oversize)} samples were all longer than token_budget={self.token_budget} "
-                f"tokens ({min(self._oversize)} to {max(self._oversize)}) and were dropped, so no step can be taken: "
-                f"raise `token_budget` to at least {max(self._oversize)}, or lower `max_completion_length` (or the "
-                "prompts' length)"
+                f"the first {len(self._oversize)} samples were all longer than "
+                f"token_budget={self.token_budget} tokens ({min(self._oversize)} to {max(self._oversize)}) "
+                "and were dropped, so no step can be taken: raise `token_budget` to at least "
+                f"{max(self._oversize)}, or lower `max_completion_length` (or the prompts' length)"
             )
 
     def _on_idle(self, item: RolloutIdle) -> None:
-        """Close the partial micro-batch when the rollout process waits on the trainer (see the module docstring)."""
+        """Close the partial micro-batch when the rollout process waits on the trainer (see the module
+        docstring)."""
         if item.final:
             self._out_of_prompts = True
         elif item.blocked_at != self.channel.trainer_view():
@@ -243,9 +245,10 @@ class RolloutBatches:
         if self._markers_seen and self._empty_markers == self._markers_seen:
             # nothing to learn from so far: say it loudly, a run like this never takes a step
             logger.warning(
-                "waited %.0fs for rollout samples: all %d prompts finished so far were dropped (equal rewards "
-                "within every group, or rejected by filter_prompt), so there is nothing to train on; check that "
-                "the model can do the task at all and what the reward functions return (see frac_reward_zero_std)",
+                "waited %.0fs for rollout samples: all %d prompts finished so far were dropped (equal "
+                "rewards within every group, or rejected by filter_prompt), so there is nothing to train "
+                "on; check that the model can do the task at all and what the reward functions return (see "
+                "frac_reward_zero_std)",
                 waited_s, self._markers_seen,
             )
             return

@@ -20,13 +20,21 @@ from asyncgrpo.rollout.channel import RolloutChannel
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.train.completions_table import drain
+from asyncgrpo.types import WeightVersion
 
 
 class RolloutProcess:
     """The spawned `AsyncRolloutLoop` and the channel the trainer shares with it."""
 
-    def __init__(self, loop_cls: type[AsyncRolloutLoop], loop_kwargs: dict[str, Any], *, initial_allowance: int,
-                 model_version: int, log_completions: bool) -> None:
+    def __init__(
+        self,
+        loop_cls: type[AsyncRolloutLoop],
+        loop_kwargs: dict[str, Any],
+        *,
+        initial_allowance: int,
+        model_version: WeightVersion,
+        log_completions: bool,
+    ) -> None:
         self.channel = RolloutChannel.create(
             mp.get_context("spawn"), initial_allowance=initial_allowance, model_version=model_version,
             completions=log_completions,
@@ -45,7 +53,9 @@ class RolloutProcess:
         queue = self.channel.extra.get("completions")
         return drain(queue) if queue is not None else []
 
-    def publish(self, *, token_allowance: int | None = None, model_version: int | None = None) -> None:
+    def publish(
+        self, *, token_allowance: int | None = None, model_version: WeightVersion | None = None
+    ) -> None:
         if token_allowance is not None:
             self.channel.token_allowance.value = token_allowance
         if model_version is not None:

@@ -1,12 +1,13 @@
-"""The trainer's connection to the inference server: detection, pause/resume and weight pushes.
+"""The trainer's connection to the inference server: detection, the trainer lease, and the pause
+around a weight push.
 
-The HTTP client and the weight sender are asyncio objects; the trainer is synchronous. `ServerLink`
-owns one event loop on a daemon thread and runs every call there with a timeout, so the training loop
-never blocks on a dead server for longer than `timeout_s`.
+The HTTP client (and the weight transports' senders, which use it) are asyncio objects; the trainer is
+synchronous. `ServerLink` owns one event loop on a daemon thread and runs every call there with a
+timeout, so the training loop never blocks on a dead server for longer than `timeout_s`.
 
-One weight sync (DESIGN section 7):
+One weight sync (DESIGN section 7), whatever the transport (`asyncgrpo.train.weights`):
 
-    pause(mode=keep) -> push(named tensors, version) -> resume
+    while_paused:  pause(mode=keep) -> the transport's push coroutine -> resume
     a failure anywhere leaves the server resumed and raises with what happened
 
 At start (`connect`): a server held by another live trainer is refused (embedded server); a server
@@ -23,15 +24,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
-
-import torch
 
 from asyncgrpo.generation.client import GenerationClient, ServerRestartedError
 from asyncgrpo.generation.protocol import INITIAL_WEIGHT_VERSION, TRAINER_HEADER, ProtocolError
 from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
-from asyncgrpo.sync.packed import TensorMeta
 from asyncgrpo.train.waiting import notice_while_waiting
 
 logger = logging.getLogger(__name__)
@@ -47,14 +45,15 @@ class ServerLink:
         self.timeout_s = timeout_s
         self.keep_kv = keep_kv
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="asyncgrpo-server-link", daemon=True
+        )
         self._thread.start()
         self.trainer_id = uuid.uuid4().hex[:12]
         self.client = GenerationClient(
             base_url, timeout_s=timeout_s, api_key=api_key, headers={TRAINER_HEADER: self.trainer_id},
             outage_s=restart_timeout_s,
         )
-        self._sender = None
         self.info = None
         self._renewal: asyncio.Task | None = None
         self._leased = False  # the server has a trainer lease (the embedded server): release it at close
@@ -70,8 +69,9 @@ class ServerLink:
                 raise
             future.cancel()
             raise TimeoutError(
-                f"the inference server at {self.base_url} did not answer within {timeout_s or self.timeout_s:.0f}s; "
-                "check that it is running and healthy, or raise `vllm_server_timeout`"
+                f"the inference server at {self.base_url} did not answer within "
+                f"{timeout_s or self.timeout_s:.0f}s; check that it is running and healthy, or raise "
+                "`vllm_server_timeout`"
             ) from None
 
     def connect(self) -> Any:
@@ -79,8 +79,8 @@ class ServerLink:
         minute) and detect its features."""
         with notice_while_waiting(lambda waited: (
             f"waiting for the inference server at {self.base_url} ({waited:.0f} s so far; giving up after "
-            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve MODEL`) "
-            "or fix vllm_server_base_url"
+            f"vllm_server_timeout={self.timeout_s:g} s): start it (`asyncgrpo serve MODEL` or `vllm serve "
+            "MODEL`) or fix vllm_server_base_url"
         )):
             self._run(self.client.wait_until_ready(self.timeout_s), timeout_s=self.timeout_s + 5)
         self._run(self._take_over())  # before detect(): its probe request would wait on a paused server
@@ -101,7 +101,8 @@ class ServerLink:
             paused = False  # vLLM without VLLM_SERVER_DEV_MODE: detect() says what that means
         if paused:
             logger.warning(
-                "the inference server at %s was paused, most likely left so by a trainer that stopped during a "
+                "the inference server at %s was paused, most likely left so by a trainer that stopped "
+                "during a "
                 "weight sync; resuming it", self.base_url,
             )
             await self.client.resume()
@@ -122,32 +123,15 @@ class ServerLink:
         """Run a coroutine of this link's client on its loop (bounded by `timeout_s`)."""
         return self._run(coro, timeout_s)
 
-    def init_weight_transfer(self, device: torch.device, backend: str | None = None) -> None:
-        """Form the collective weight-transfer group; `backend` defaults to NCCL from a CUDA trainer."""
-        from asyncgrpo.sync.sender import WeightSender
-
-        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-        self._sender = WeightSender(self.client, backend=backend, device=device, timeout_s=self.timeout_s)
-        self._run(self._sender.init())
-
-    def sync_weights(
-        self,
-        named_tensors: Callable[[], Any],
-        *,
-        version: str,
-        metas: Sequence[TensorMeta] | None = None,
-    ) -> dict[str, float]:
-        """Pause (keep), push, resume. With `metas` (every tensor's name, dtype and full shape, in
-        order) the tensors are pulled lazily, one chunk at a time (see `WeightSender.push`). Returns
-        the time split for `perf/weight_sync_*` and the transfer's size (`bytes`, `num_chunks`)."""
-        assert self._sender is not None, "init_weight_transfer() must run before sync_weights()"
-        sender = self._sender
-        return self.while_paused(lambda: sender.push(named_tensors(), version=version, metas=metas))
+    def is_open(self) -> bool:
+        """Whether calls can still run (`close()` not yet called)."""
+        return self._thread.is_alive()
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
-        """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()` returns on the link's loop, resume; the push returns
-        at least `bytes` and `num_chunks`. A failure leaves the server resumed and raises; a server that
-        restarted since the last push (its weight-transfer group gone with it) is `ServerRestartedError`."""
+        """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()`
+        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure
+        leaves the server resumed and raises; a server that restarted since the last push (its
+        weight-transfer group gone with it) is `ServerRestartedError`."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
         t_paused = time.perf_counter()
@@ -156,7 +140,8 @@ class ServerLink:
         except BaseException as exc:
             self._resume_after_failure()
             if isinstance(exc, Exception) and self.restarted():
-                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no trainer "
+                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no "
+                                                          "trainer "
                                            "pushed") from exc
             raise
         self._pushes += 1
@@ -178,21 +163,18 @@ class ServerLink:
         if not self._pushes:
             return False
         try:
-            return self._run(self.client.weight_info(), timeout_s=30 + self.client.outage_s) == INITIAL_WEIGHT_VERSION
+            return (
+                self._run(self.client.weight_info(), timeout_s=30 + self.client.outage_s)
+                == INITIAL_WEIGHT_VERSION
+            )
         except Exception:  # noqa: BLE001 -- unknown: whatever failed is reported by its own call
             return False
 
     def _resume_after_failure(self) -> None:
         try:
             self._run(self.client.resume(), timeout_s=30)
-        except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; say the resume failed too
+        except Exception as exc:  # noqa: BLE001 -- the push error is the one to report; log this one
             logger.error("resuming the server after a failed weight sync also failed: %s", exc)
-
-    def close_weight_transfer(self) -> None:
-        """Leave the weight-transfer group (`init_weight_transfer` forms a new one)."""
-        sender, self._sender = self._sender, None
-        if sender is not None and self._thread.is_alive():
-            self._run(sender.close(), timeout_s=30)
 
     async def _release(self) -> None:
         """Drop this trainer's hold on the embedded server (and the server's end of its weight-transfer
@@ -200,18 +182,19 @@ class ServerLink:
         try:
             await self.client.release_hold()
         except (ServerConnectionError, ServerRequestError, ProtocolError, TimeoutError) as exc:
-            logger.warning("could not give the inference server at %s back (%s); the next trainer may wait up to "
+            logger.warning("could not give the inference server at %s back (%s); the next trainer may wait "
+                           "up to "
                            "its --trainer-lease", self.base_url, exc)
 
     def close(self) -> None:
+        """Stop renewing, give the server back, close the client (idempotent). The weight transport, which
+        runs on this link's loop, is closed first."""
         if not self._thread.is_alive():  # closed already
             return
 
         async def _close() -> None:
             if self._renewal is not None:
                 self._renewal.cancel()
-            if self._sender is not None:
-                await self._sender.close()
             if self._leased:
                 await self._release()
             await self.client.close()

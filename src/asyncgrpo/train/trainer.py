@@ -20,7 +20,7 @@ Several processes (torchrun / accelerate launch): rank 0 owns the server link an
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
 micro-batch; the loss is normalised by the trained tokens of all rows. A DDP replica syncs from rank 0
 alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every rank taking part
-(`asyncgrpo.train.weight_push`).
+(`asyncgrpo.train.weights`: one transport, `self.weights`, whatever moves the weights).
 """
 
 from __future__ import annotations
@@ -52,20 +52,19 @@ from asyncgrpo.train.inputs import (
     check_prompt_source,
     reward_func_list,
 )
-from asyncgrpo.train.lora_sync import AdapterSync, start_adapter_sync
-from asyncgrpo.train.model_setup import eos_token_ids, is_sharded
+from asyncgrpo.train.model_setup import eos_token_ids
 from asyncgrpo.train.nonfinite import NonFiniteGuard, drop_gradients
 from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
 from asyncgrpo.train.server_link import ServerLink
-from asyncgrpo.train.server_restarts import ServerRestarts
-from asyncgrpo.train.serving import serving_dtype, token_budget, training_dtype, warn_server_mismatches
+from asyncgrpo.train.serving import token_budget, training_dtype, warn_server_mismatches
 from asyncgrpo.train.sigterm import sigterm_stops_training
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import TrainerMetrics
-from asyncgrpo.train.weight_push import WeightTransport, make_transport, push_weights
+from asyncgrpo.train.weights import WeightSettings, WeightTransport, make_transport
+from asyncgrpo.types import WeightVersion
 
 
 class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
@@ -83,7 +82,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         processing_class: the tokenizer; loaded from the model when None.
         callbacks, optimizers: as in `transformers.Trainer`.
         peft_config: wrap the model with PEFT. Synced as an adapter when the server serves LoRA
-            adapters at run time (`asyncgrpo.train.lora_sync`), merged otherwise.
+            adapters at run time (`asyncgrpo.train.weights.adapters`), merged otherwise.
         tools, environment_factory: agent training (see the rollout loop).
 
     Subclass and set `loop_cls` to an `AsyncRolloutLoop` subclass to customise generation,
@@ -114,7 +113,6 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self.model_id = policy.model_id
         self._flex_options = policy.flex_options  # FlexAttention's kernels (flex_attention_backend)
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
-        self._adapter_sync: AdapterSync | None = None  # set for adapter-only sync
 
         self.reward_funcs = reward_func_list(reward_funcs)
         self.tools = list(tools or [])
@@ -135,14 +133,12 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
         self._metrics = TrainerMetrics(policy.flop_model)
         self._server: ServerLink | None = None
-        self._restarts: ServerRestarts | None = None  # rank 0, full-weight sync: a restarted server recovered
-        self.weight_transport: WeightTransport | None = None  # rank 0's, set by train()
+        self.weights: WeightTransport | None = None  # set by train(): how the weights reach the server
         self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
         self._batches: RolloutBatches | None = None
         self._progress: TrainedPrompts | None = None
-        self.model_version = 0
+        self.model_version = WeightVersion(0)
         self.last_trained_position = 0
-        self._serving_dtype = torch.float32
         self._nonfinite = NonFiniteGuard()
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._loss_settings = LossSettings.from_config(
@@ -155,7 +151,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
         with sigterm_stops_training():  # clean-up below runs on SIGTERM too (a scheduler's preemption)
-            return self._train(resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            return self._train(
+                resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
 
     def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
@@ -164,28 +162,33 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
             resumed = read_rollout_state(resume_from_checkpoint)
-            assert resumed is not None, f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
-        start_position, self.model_version = resumed.trained_position, resumed.model_version
+            assert resumed is not None, (
+                f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
+            )
+        start_position, self.model_version = resumed.trained_position, WeightVersion(resumed.model_version)
         user_max_steps = args.max_steps
         try:
-            matmul_dtype = training_dtype(bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype)
+            matmul_dtype = training_dtype(
+                bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype
+            )
             # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
-            info = broadcast_from_rank0(lambda: self._connect(matmul_dtype), "connecting to the inference server")
+            info = broadcast_from_rank0(
+                lambda: self._connect(matmul_dtype), "connecting to the inference server"
+            )
+            if self._server is None:  # another rank: rank 0 sends; it takes part in a sharded model's gathers
+                self.weights = make_transport(None, info, self.model, WeightSettings.from_config(args))
             self._token_budget = token_budget(args.token_budget, info)
-            self._serving_dtype = serving_dtype(info)
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
-            if self._server is not None and self._adapter_sync is None:  # adapters need no transfer group
-                self.weight_transport = make_transport(self._server, args.device, info.device)
-                self.weight_transport.init()
-                self._restarts = ServerRestarts(self._server, self.weight_transport, self._push_full_weights,
-                                                world_size=args.world_size)
-            self._sync_weights(self.model_version)  # the server serves exactly the weights being trained
+            # the server serves exactly the weights being trained
+            self.weights.push(self.model, self.model_version)
             if self._server is not None:
                 self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
             if args.max_steps <= 0:
                 if total_positions is None:
-                    raise ValueError("a streaming train_dataset has no length to count epochs: set `max_steps`")
+                    raise ValueError(
+                        "a streaming train_dataset has no length to count epochs: set `max_steps`"
+                    )
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
             self._batches = self._make_batches(total_positions, start_position)
@@ -195,23 +198,22 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             self._shutdown()
 
     def _connect(self, matmul_dtype: torch.dtype) -> Any:
-        """Rank 0: open the server link, wait for the server and read what it serves."""
+        """Rank 0: open the server link, wait for the server, read what it serves, set up the weight
+        transport (adapter-only when the server serves LoRA adapters at run time, else the full weights)."""
         args = self.args
         self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
                                   api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs,
                                   restart_timeout_s=args.vllm_server_restart_timeout)
         info = self._server.connect()
         warn_server_mismatches(matmul_dtype, args.max_completion_length, info)
-        # adapter-only sync when the server serves LoRA adapters at run time (else None: merged)
-        self._adapter_sync = start_adapter_sync(
-            self._peft_config, info.lora, base_url=args.vllm_server_base_url, output_dir=args.output_dir,
-            max_staleness=args.max_staleness, timeout_s=args.vllm_server_timeout, api_key=args.vllm_server_api_key,
-            sharded=is_sharded(self.model),
-        )
+        self.weights = make_transport(self._server, info, self.model, WeightSettings.from_config(args),
+                                      peft_config=self._peft_config)
+        self.weights.init()
         return info
 
     def _check_picklable(self) -> None:
-        """Before anything starts: everything the spawned rollout process receives pickles and can be imported."""
+        """Before anything starts: everything the spawned rollout process receives pickles and can be
+        imported."""
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
@@ -231,9 +233,10 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "environment_factory": self.environment_factory,
             "dataset_start_index": resumed.trained_position,
             "dataset_skip_positions": resumed.trained_above,
-            # LoRA: rollouts ask for the adapter version they started under
-            "lora_name": self._adapter_sync.name_template if self._adapter_sync is not None else None,
-            "expects_pushed_weights": True,  # (train() pushed them): tokens of a restarted server's own are asked again
+            # adapter-only LoRA: rollouts ask for the adapter version they started under
+            "lora_name": self.weights.lora_name,
+            # (train() pushed them): tokens of a restarted server's own are asked again
+            "expects_pushed_weights": True,
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
@@ -264,12 +267,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         if self._rollout is not None:
             self._rollout.stop()
             self._rollout = None
-        if self._adapter_sync is not None:  # LoRA: unload the adapter versions, remove their folders
-            self._adapter_sync.close()
-            self._adapter_sync = None
-        if self.weight_transport is not None:
-            self.weight_transport.close()
-            self.weight_transport = None
+        if self.weights is not None:  # leaves the transfer group; LoRA: unloads the adapter versions
+            self.weights.close()  # (closed, it stays readable: ServerRestarts.recoveries)
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -277,7 +276,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     # -- the Trainer hooks ---------------------------------------------------------------------
 
     def get_train_dataloader(self) -> RolloutBatches:
-        assert self._batches is not None, "train() builds the rollout pipeline before the Trainer asks for data"
+        assert self._batches is not None, (
+            "train() builds the rollout pipeline before the Trainer asks for data"
+        )
         return self._batches
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
@@ -293,29 +294,42 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         return batch, None
 
     def floating_point_ops(self, inputs: Any) -> int:
-        return 0  # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
+        # MFU is reported as perf/*_mfu from the packed rows (asyncgrpo.train.flops), not Trainer's flos
+        return 0
 
-    def training_step(self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: MicroBatchInput, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         model.train()
         device = self.args.device
         t0 = time.perf_counter()
         row = pack_row(inputs.samples).to(device, non_blocking=True)
         # FlashAttention-4 takes masks of one static size: the row's tensors padded to the token budget
-        mask = TreeMask.from_row(row, device, mask_capacity=self._token_budget if self._flex_options else None,
-                                 kernel_options=self._flex_options)
-        # device_work: no graph capture of a server in this process meanwhile (compilation may sync the device)
+        mask = TreeMask.from_row(
+            row,
+            device,
+            mask_capacity=self._token_budget if self._flex_options else None,
+            kernel_options=self._flex_options,
+        )
+        # device_work: no graph capture of a server in this process meanwhile (compilation may sync the
+        # device)
         with device_work():
             with self.compute_loss_context_manager(), tree_attention_context(mask):
                 result = row_loss(
-                    model, row, num_trained_tokens_global=inputs.num_trained_tokens_global, settings=self._loss_settings
+                    model,
+                    row,
+                    num_trained_tokens_global=inputs.num_trained_tokens_global,
+                    settings=self._loss_settings,
                 )
                 loss = result.loss
-            _wait_for_device(device)  # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
+            # the timers measure finished GPU work, not its launch (perf/*_s, perf/*_mfu)
+            _wait_for_device(device)
             t_fwd = time.perf_counter()
             # The loss is already normalised by the trained tokens of all processes; data-parallel
             # gradient averaging divides by the world size once more, which this undoes.
             self.accelerator.backward(loss * self.accelerator.num_processes)
-            _wait_for_device(device)  # costs nothing: add_micro_batch's torch.unique waits for the device anyway
+            # costs nothing: add_micro_batch's torch.unique waits for the device anyway
+            _wait_for_device(device)
         t_bwd = time.perf_counter()
         self._metrics.add_micro_batch(row, inputs, result.stats, fwd_s=t_fwd - t0, fwd_bwd_s=t_bwd - t0)
         self._nonfinite.add_loss(loss)
@@ -336,7 +350,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 self._metrics.window.add(record)
             entries = self._rollout.completions()
             if entries:  # `log_completions`: the latest sampled completions, as a table
-                print_completions(entries, step=self.state.global_step, limit=self.args.num_completions_to_print)
+                print_completions(
+                    entries, step=self.state.global_step, limit=self.args.num_completions_to_print
+                )
         logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
@@ -345,7 +361,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         progress = self._progress
         if progress is None:
             return None
-        return RolloutState(progress.trained_position, self.model_version, progress.trained_above)
+        return RolloutState(progress.trained_position, int(self.model_version), progress.trained_above)
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
@@ -353,33 +369,24 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         args = self.args
         step_totals = self._metrics.end_step(skipped=self._step_skipped)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
-            self._rollout.publish(token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness))
+            self._rollout.publish(
+                token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness)
+            )
         sync_s: dict[str, float] = {}
         if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
-            sync_s = self._sync_weights(self.model_version + 1)
-            self.model_version += 1
+            # every rank; the server serves the next version before the rollout process hears of it
+            version = self.model_version.next()
+            sync_s = self.weights.push(self.model, version)
+            self.model_version = version
             if self._rollout is not None:
                 self._rollout.publish(model_version=self.model_version)
         self._metrics.record_step(step_totals, sync_s, num_processes=args.world_size)
 
-    def _sync_weights(self, model_version: int) -> dict[str, float]:
-        """The server serves the weights that become `model_version` (published to the rollout process
-        after this), labelled with the step; every rank calls this. LoRA adapters synced alone take
-        their own path (`train/lora_sync.py`): they are files the server loads, not a tensor stream."""
-        if self._adapter_sync is not None:
-            return self._adapter_sync.push(self.model, version=model_version, dtype=self._serving_dtype)
-        version = f"step-{self.state.global_step}"
-        return self._restarts.push(version) if self._restarts is not None else self._push_full_weights(version)
-
-    def _push_full_weights(self, version: str) -> dict[str, float]:
-        return push_weights(self.model, self.weight_transport, dtype=self._serving_dtype, version=version)
-
     def _check_pipeline(self) -> None:
-        """While the trainer waits for samples: the rollout process lives, and a server that restarted gets
-        the trained weights back (its rollouts wait for them)."""
+        """While the trainer waits for samples: the rollout process lives, and the weight transport may act
+        (a server that restarted gets the trained weights back: its rollouts wait for them)."""
         self._rollout.check_health()
-        if self._restarts is not None:
-            self._restarts.check(f"step-{self.state.global_step}")
+        self.weights.idle(self.model, self.model_version)
 
 
 class _PipelineCallback(TrainerCallback):
@@ -404,6 +411,7 @@ def _identity(features: Any) -> Any:
 
 
 def _wait_for_device(device: torch.device) -> None:
-    """The training stream's work done (not the whole device's: a server inside this process runs beside it)."""
+    """The training stream's work done (not the whole device's: a server inside this process runs beside
+    it)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
