@@ -22,7 +22,7 @@ from asyncgrpo.data.chat_templates import (
     training_template,
 )
 from asyncgrpo.modeling import load as bundled_models
-from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message, parse_tool_calls
+from asyncgrpo.data.tool_calls import ToolCallParseError, parse_assistant_message, parse_tool_calls
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 

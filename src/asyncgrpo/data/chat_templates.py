@@ -10,7 +10,7 @@ dict tool arguments and re-opens an assistant header after tool outputs. For tho
 that renders tools, tool calls, tool results and the generation prompt like the official one, but
 renders every earlier turn as it was written.
 
-Parsing the tool calls of a generated turn is `asyncgrpo.rollout.tool_calls`.
+Parsing the tool calls of a generated turn is `asyncgrpo.data.tool_calls`.
 
 Callers: the trainer runs `prepare_chat_template(processing_class, tools_enabled=..., chat_template_kwargs=...)`
 once, before the rollout process is spawned (the switched template travels with the pickled tokenizer);
@@ -20,6 +20,7 @@ the tool loop builds each turn's assistant message with `parse_assistant_message
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "is_prefix_preserving",
     "prepare_chat_template",
     "reference_conversation",
+    "supports_tools",
     "training_template",
 ]
 
@@ -119,6 +121,16 @@ def _template_text(tokenizer: Any) -> str | None:
     if isinstance(template, dict):  # named templates: "tool_use" is the one rendered with tools
         template = template.get("tool_use") or template.get("default")
     return template if isinstance(template, str) else None
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders tools (it reads the `tools` variable, or is a named
+    "tool_use" template); False without a chat template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict) and "tool_use" in template:
+        return True
+    text = _template_text(tokenizer)
+    return text is not None and re.search(r"\btools\b", text) is not None
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -6,7 +6,7 @@ One turn of `AsyncRolloutLoop.generate_one`:
     output_ids --decode_output--> text --parse_assistant_message--> assistant message (+ tool_calls)
     tool_calls --execute_tool_call (in order; sync tools in the thread pool)--> tool messages
 
-Tool calls are parsed in the model family's format by `asyncgrpo.rollout.tool_calls` (Qwen's
+Tool calls are parsed in the model family's format by `asyncgrpo.data.tool_calls` (Qwen's
 `<tool_call>` blocks, Llama 3.1 JSON, DeepSeek-V3 tokens, or the tokenizer's response parser). A
 malformed call, an unknown name or a raising tool becomes a tool message that carries the error; it is
 counted as a failed call, never raised.
@@ -31,9 +31,9 @@ from typing import Any
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN
+from asyncgrpo.data.tool_calls import ToolCallParseError, parse_assistant_message
 from asyncgrpo.rollout.reconcile import ReconciledRollout
 from asyncgrpo.rollout.rewards import callable_name
-from asyncgrpo.rollout.tool_calls import ToolCallParseError, parse_assistant_message
 from asyncgrpo.types import Rollout, TurnRecord
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,12 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
     build.py              EngineConfig and `build_engine`: the one place that assembles the engine's parts
     app.py                the HTTP app: the route classes composed, error and auth middlewares
     routes/               the route classes, each given the collaborators it needs: models (health, version,
-                          models, metrics), generate, text, control, weights, lease, lora, profile
+                          models, metrics), generate, completions, chat, text, control, weights, lease, lora,
+                          profile; engine_requests (what the generation routes share), choices
     protocol.py           request validation (vLLM shapes)
-    responses.py          response bodies and their log-probs (vLLM shapes)
+    responses.py          response bodies, stream chunks and their log-probs (vLLM shapes)
+    chat.py               chat requests: messages and tools -> the chat template's prompt; tool calls parsed back
+    text_output.py        a sequence's text as its tokens arrive: incremental detokenization, stop strings
     engine.py             engine thread: commands, pause modes, delivery to the event loop; each step
                           launched before the previous one is recorded (--async-scheduling)
     scheduler.py          admission, chunked prefill, prefix reuse, preemption; blocks behind the

@@ -3,10 +3,13 @@
 Thin shell: it composes the route classes of `routes/`, each given the collaborators it names (the
 engine, the weight transfer, the trainer hold, the server's description), with the error and auth
 middlewares. Request parsing and response shapes live in `protocol.py` / `responses.py`, generation
-in the engine thread (`engine.py`), weight transfer in `weights.py`.
+in the engine thread (`engine.py`), which the generation routes share one `EngineRequests` of (sequence ids,
+seeds, aborts), weight transfer in `weights.py`.
 
     routes/models.py    always        GET /health /version /v1/models /metrics
-    routes/generate.py  always        POST /v1/completions /inference/v1/generate (stream or not)
+    routes/generate.py  always        POST /inference/v1/generate (stream or not)
+    routes/completions.py always      POST /v1/completions (stream or not)
+    routes/chat.py      always        POST /v1/chat/completions (the chat template, tool calls; stream or not)
     routes/text.py      always        POST /tokenize /detokenize
     routes/control.py   RL / dev      GET /server_info /get_world_size /is_paused, POST /pause /resume
                                       /abort_requests /inference/v1/abort_requests /reset_prefix_cache
@@ -36,8 +39,11 @@ from asyncgrpo.server.lease import Leases
 from asyncgrpo.server.loading import ServedModel
 from asyncgrpo.server.lora import AdapterRegistry
 from asyncgrpo.server.metrics import ServerMetrics
+from asyncgrpo.server.routes.chat import ChatRoutes
 from asyncgrpo.server.routes.common import RouteTable, ServerInfo, json_response
+from asyncgrpo.server.routes.completions import CompletionRoutes
 from asyncgrpo.server.routes.control import ControlRoutes
+from asyncgrpo.server.routes.engine_requests import EngineRequests
 from asyncgrpo.server.routes.generate import GenerateRoutes
 from asyncgrpo.server.routes.lease import LeaseRoutes, TrainerHold
 from asyncgrpo.server.routes.lora import LoraRoutes
@@ -50,7 +56,8 @@ from asyncgrpo.server.weights import WeightTransfer, WeightTransferError
 logger = logging.getLogger(__name__)
 
 UNGUARDED_PATHS = frozenset({"/health"})  # what a load balancer or a launcher polls without the key
-ALWAYS = (ServiceRoutes, GenerateRoutes, TextRoutes, ControlRoutes, WeightRoutes, LeaseRoutes)
+ALWAYS = (ServiceRoutes, GenerateRoutes, CompletionRoutes, ChatRoutes, TextRoutes, ControlRoutes,
+          WeightRoutes, LeaseRoutes)
 # (method, path, handler name) of the routes every embedded server has
 ROUTES = tuple(route for routes in ALWAYS for route in routes.ROUTES)
 MAX_BODY_BYTES = 256 * 2**20
@@ -82,9 +89,12 @@ class Server:
         self.stopping = asyncio.Event()  # set at shutdown: handlers stop waiting on blocked threads
         names = ModelNames(info, adapters)
         text = TextCodec(served.tokenizer, info.spec)
+        requests = EngineRequests(engine, info.spec, info.seed)
         self.routes: list[RouteTable] = [
             ServiceRoutes(engine, names, metrics),
-            GenerateRoutes(engine, info, names, text),
+            GenerateRoutes(requests, info, names),
+            CompletionRoutes(requests, info, names, text),
+            ChatRoutes(requests, info, names, text),
             TextRoutes(text, names),
             ControlRoutes(engine, info, served, self.hold),
             WeightRoutes(engine, served.model, transfer, self.hold, metrics, self.stopping),

@@ -23,6 +23,10 @@ _UNSUPPORTED_EMPTY = ("stop", "logit_bias", "allowed_token_ids", "bad_words", "l
 _UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
 
 
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+                503: "ServiceUnavailableError"}
+
+
 class ApiError(Exception):
     """An error answered as vLLM's ErrorResponse."""
 
@@ -30,9 +34,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.err_type = err_type or {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 503: "ServiceUnavailableError"}.get(
-            status, "InternalServerError"
-        )
+        self.err_type = err_type or _ERROR_TYPES.get(status, "InternalServerError")
         self.param = param
 
     def body(self) -> dict[str, Any]:
@@ -64,7 +66,8 @@ def _bad(message: str, param: str | None = None) -> ApiError:
 
 def _shown(value: Any) -> str:
     """repr of a request value, cut short (a 5000-digit number must not make a 5000-character error)."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else f"an integer of {len(str(value))} digits"
+    big = isinstance(value, int) and abs(value) >= 10**40
+    text = f"an integer of {len(str(value))} digits" if big else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -99,9 +102,21 @@ def stream_include_usage(body: dict) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise _bad(f"stream_options must be a JSON object such as {{\"include_usage\": true}}, got {_shown(options)}",
-                   "stream_options")
+        raise _bad("stream_options must be a JSON object such as {\"include_usage\": true}, got "
+                   f"{_shown(options)}", "stream_options")
     return bool(options.get("include_usage", False))
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    """`stop` of an OpenAI request (/v1/completions, /v1/chat/completions): a string or a list of strings
+    (empty ones ignored)."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    values = [stop] if isinstance(stop, str) else stop
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise _bad(f"stop must be a string or a list of strings, got {_shown(stop)}", "stop")
+    return tuple(dict.fromkeys(v for v in values if v))
 
 
 def token_id_list(value: Any, spec: ServerSpec, key: str) -> list[int]:
@@ -135,7 +150,8 @@ def check_model(model: Any, spec: ServerSpec) -> None:
     """vLLM 0.33's answer to a `model` that is neither the base model nor a loaded adapter (its aliases
     list the base model's names only)."""
     if model is not None and model != spec.served_name:
-        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {spec.served_name}.", param="model")
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {spec.served_name}.",
+                       param="model")
 
 
 def parse_sampling(
@@ -150,7 +166,9 @@ def parse_sampling(
 
     route "generate": omitted max_tokens fills the context; a prompt of max_model_len tokens or
     more is refused. route "completions": default max_tokens 16, `max_tokens > max_model_len` is
-    refused, otherwise it is clamped to the remaining context.
+    refused, otherwise it is clamped to the remaining context. route "chat": as "completions", but an
+    omitted max_tokens fills the context. Stop strings are the OpenAI routes' (`stop_strings`): the
+    caller removes `stop` from `raw` once it has taken them.
     """
     if not isinstance(raw, dict):
         raise _bad("sampling_params must be a JSON object", "sampling_params")
@@ -174,7 +192,8 @@ def parse_sampling(
         raise _bad(f"min_p must be in [0, 1], got {min_p}.", "min_p")
     repetition_penalty = _number(raw, "repetition_penalty", 1.0)
     if repetition_penalty <= 0:
-        raise _bad(f"repetition_penalty must be greater than zero, got {repetition_penalty}.", "repetition_penalty")
+        raise _bad(f"repetition_penalty must be greater than zero, got {repetition_penalty}.",
+                   "repetition_penalty")
     for key in _UNSUPPORTED_ZERO:
         if _number(raw, key, 0.0) != 0.0:
             raise _bad(f"{key} is not supported by the embedded server; leave it at 0", key)
@@ -192,15 +211,16 @@ def parse_sampling(
     if prompt_len >= spec.max_model_len:
         raise _bad(
             f"This model's maximum context length is {spec.max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens (at least one output token must fit). Please reduce the length of the input.",
+            f"{prompt_len} input tokens (at least one output token must fit). Please reduce the length of "
+            "the input.",
             "input_tokens",
         )
     room = spec.max_model_len - prompt_len
     max_tokens = _integer(raw, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    if route == "completions":
-        max_tokens = 16 if max_tokens is None else max_tokens
+    if route in ("completions", "chat"):
+        max_tokens = (16 if route == "completions" else room) if max_tokens is None else max_tokens
         if max_tokens > spec.max_model_len:
             raise _bad(
                 f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
@@ -214,7 +234,7 @@ def parse_sampling(
     if not 0 <= min_tokens <= max_tokens:
         raise _bad(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.", "min_tokens")
     stop_ids = raw.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids):
         raise _bad("stop_token_ids must be a list of integers", "stop_token_ids")
     ignore_eos = bool(raw.get("ignore_eos", False))
     seed = _integer(raw, "seed", None)

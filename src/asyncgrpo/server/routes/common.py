@@ -1,9 +1,10 @@
 """What the route classes share: their route tables, the server's description, request-body and query
-parsing, and the check that the engine takes new requests."""
+parsing, the check that the engine takes new requests, and server-sent-event answers."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -15,6 +16,7 @@ from asyncgrpo.server.build import EngineConfig
 from asyncgrpo.server.engine import Engine
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
 class RouteTable:
@@ -94,3 +96,37 @@ def accepting(engine: Engine) -> None:
     engine_running(engine)
     if engine.pause_mode in ("abort", "wait"):
         raise P.ApiError(503, P.PAUSED_MESSAGE)
+
+
+def random_id() -> str:
+    """16 hex digits for a request that names none (os.urandom: no UUID object per request)."""
+    return os.urandom(8).hex()
+
+
+class SseStream:
+    """A streamed answer (vLLM's framing): `data: <json>` events, then `data: [DONE]`; an error after the
+    answer started is a `data:` ErrorResponse and `[DONE]`."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+
+    @classmethod
+    async def open(cls, request: web.Request) -> SseStream:
+        response = web.StreamResponse(status=200, headers=_SSE)
+        await response.prepare(request)
+        return cls(response)
+
+    async def send(self, data: Any) -> None:
+        """One event: `data` as JSON, or a str sent as it is (JSON rendered already, or `[DONE]`)."""
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await self.response.write(f"data: {text}\n\n".encode())
+
+    async def fail(self, error: P.ApiError) -> web.StreamResponse:
+        await self.send(error.body())
+        await self.send("[DONE]")
+        return self.response
+
+    async def close(self) -> web.StreamResponse:
+        await self.send("[DONE]")
+        await self.response.write_eof()
+        return self.response

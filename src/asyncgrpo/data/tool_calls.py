@@ -1,9 +1,16 @@
-"""Tool-call parsing: the text of one generated turn -> the assistant message with its `tool_calls`.
+"""Tool calls: the text of one generated turn -> the assistant message with its `tool_calls`, and the
+OpenAI wire form of tools and calls <-> the chat-template form.
 
-Run by the rollout process on every turn of a tool-using rollout (`asyncgrpo.rollout.generate`).
-The formats are the model families' (`asyncgrpo.data.chat_templates.detect_family`): Qwen's
-`<tool_call>` blocks (the default), Llama 3's bare JSON objects and DeepSeek-V3's special-token
-blocks, unless the tokenizer brings its own response parser. Pure: text in, messages out.
+Parsing runs in the rollout process on every turn of a tool-using rollout (`asyncgrpo.rollout.generate`)
+and in the embedded server, which answers `/v1/chat/completions` with the calls parsed back
+(`asyncgrpo.server.chat`). The formats are the model families'
+(`asyncgrpo.data.chat_templates.detect_family`): Qwen's `<tool_call>` blocks (the default), Llama 3's bare
+JSON objects and DeepSeek-V3's special-token blocks, unless the tokenizer brings its own response parser.
+
+The two forms of a call: chat templates take `{"type": "function", "function": {"name", "arguments":
+dict}}`; the OpenAI API sends `{"id", "type": "function", "function": {"name", "arguments": JSON text}}`.
+`calls_from_wire` / `calls_to_wire` convert, `check_tools` validates an OpenAI `tools` list. Pure: text
+and dicts in, dicts out.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from asyncgrpo.data.chat_templates import (
     detect_family,
 )
 
-__all__ = ["ToolCallParseError", "parse_assistant_message", "parse_tool_calls"]
+__all__ = [
+    "ToolCallParseError",
+    "calls_from_wire",
+    "calls_to_wire",
+    "check_tools",
+    "parse_assistant_message",
+    "parse_tool_calls",
+]
 
 
 class ToolCallParseError(ValueError):
@@ -92,7 +106,8 @@ def _split_qwen(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
         except ValueError as exc:
             errors.append(str(exc))
     content = text[: matches[0].start()].removesuffix("\n")
-    between = (text[a.end() : b.start() if b else len(text)] for a, b in zip(matches, [*matches[1:], None]))
+    ends = [m.start() for m in matches[1:]] + [len(text)]
+    between = (text[a.end() : end] for a, end in zip(matches, ends, strict=True))
     leftovers = [piece.strip() for piece in between if piece.strip()]
     content = "\n".join([content, *leftovers]) if leftovers else content
     return content, calls, errors
@@ -206,3 +221,74 @@ def parse_tool_calls(
         ToolCallParseError: A call does not parse (bad JSON, no name, arguments not an object).
     """
     return parse_assistant_message(tokenizer, text, prefix=prefix, tools=tools).get("tool_calls", [])
+
+
+# -- the OpenAI wire form ------------------------------------------------------------------------------
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """An OpenAI `tools` list, checked: each `{"type": "function", "function": {"name": str, "description"?:
+    str, "parameters"?: object}}` (what chat templates render).
+
+    Raises:
+        ValueError: Naming the first malformed tool and the expected shape.
+    """
+    if not isinstance(tools, list):
+        raise ValueError(f'tools must be a list of {{"type": "function", "function": {{...}}}}, '
+                         f"got {tools!r:.80}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}, '
+                             f"got {tool!r:.80}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string, "
+                             f"got {function.get('name')!r:.80}")
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def calls_from_wire(calls: Any) -> list[dict[str, Any]]:
+    """The `tool_calls` of an assistant message as a client sends them (arguments as JSON text, or an
+    object) -> the chat-template form (arguments an object); each call's `id` is kept.
+
+    Raises:
+        ValueError: A call that is not `{"type": "function", "function": {"name", "arguments"}}`, or
+            arguments that are not a JSON object.
+    """
+    if not isinstance(calls, list):
+        raise ValueError(f"tool_calls must be a list, got {calls!r:.80}")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f'tool_calls[{i}] must be {{"type": "function", "function": {{"name", '
+                             f'"arguments"}}}}, got {call!r:.80}')
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"tool_calls[{i}].function.arguments is not JSON ({exc.msg}): "
+                                 f"{arguments!r:.80}") from exc
+        if not isinstance(arguments, dict):
+            raise ValueError(f"tool_calls[{i}].function.arguments must be a JSON object, "
+                             f"got {arguments!r:.80}")
+        converted = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if "id" in call:
+            converted["id"] = call["id"]
+        out.append(converted)
+    return out
+
+
+def calls_to_wire(calls: list[dict[str, Any]], ids: list[str]) -> list[dict[str, Any]]:
+    """Parsed calls (the chat-template form) -> an OpenAI `message.tool_calls`: `{"id", "type": "function",
+    "function": {"name", "arguments": JSON text}}`, with `ids[i]` the id of call i."""
+    assert len(ids) == len(calls), "one id per call"
+    return [
+        {"id": call_id, "type": "function",
+         "function": {"name": call["function"]["name"],
+                      "arguments": json.dumps(call["function"]["arguments"], ensure_ascii=False)}}
+        for call, call_id in zip(calls, ids, strict=True)
+    ]
