@@ -12,10 +12,9 @@ moving by CUDA IPC. Settings:
                 prompts per step as asyncgrpo's runs took on average (--trl-prompts-per-step)
 
 One server serves every run: a run's trainer pushes its starting weights when it starts. Per seed the
-settings alternate. With --concurrent, the seeds of a setting run at the same time instead, one process
-(and server) each, the settings one after the other: every run then shares the GPU with as many others,
-whatever its setting (`concurrent_processes` in the JSON), which makes a multi-seed comparison of small
-models affordable. Each run trains for --train-seconds of wall clock, counted from train() (the rollout
+settings alternate. With --concurrent, every setting and seed runs at the same time instead, one process
+(and server) each: every run then shares the GPU with the same others, whatever its setting
+(`concurrent_processes` in the JSON), which makes a multi-seed comparison of small models affordable. Each run trains for --train-seconds of wall clock, counted from train() (the rollout
 process's start-up included) to the first step end past it.
 
 Held-out accuracy is not measured during a run: at the first step end past every --snapshot-seconds the
@@ -318,7 +317,22 @@ def summarize(report: dict) -> dict:
             entry["time_to_onpolicy_final_ratio"] = None if reached is None else reached / theirs[-1]["t_s"]
             entry["time_to_onpolicy_final_ratio_per_seed"] = ratios
         summary[setting] = entry
+    if "async" in summary and "trl" in summary:
+        summary["async_vs_trl"] = time_to_common_accuracy(by_setting["async"], by_setting["trl"])
     return summary
+
+
+def time_to_common_accuracy(async_runs: dict, trl_runs: dict) -> dict:
+    """The lower of the two seed-mean final accuracies (which both reach) and the time each setting's
+    seed-mean curve took to first reach it."""
+    mine = mean_curve([r["curve"] for r in async_runs.values()])
+    theirs = mean_curve([r["curve"] for r in trl_runs.values()])
+    common = min(mine[-1]["accuracy"], theirs[-1]["accuracy"])
+    return {
+        "accuracy": common,
+        "async_s": first_time_reaching(mine, common),
+        "trl_s": first_time_reaching(theirs, common),
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -435,52 +449,47 @@ def run_here(args: argparse.Namespace, report: dict, out: Path) -> None:
 
 
 def run_concurrently(args: argparse.Namespace, report: dict, out: Path) -> None:
-    """Per setting, one process per seed at the same time (each this script with one seed and its own
-    server), the settings one after the other; their runs are gathered into `report`."""
+    """Every (setting, seed) at the same time, one process each (this script with one setting, one seed
+    and its own server); their runs are gathered into `report`. Each run shares the GPU with the same
+    others, whatever its setting, so the settings compare under equal contention."""
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "asyncgrpo-learning-gpu"
     work.mkdir(parents=True, exist_ok=True)
-    share = args.gpu_memory_utilization / len(args.seeds)
-    for setting in args.settings:
-        children = []
-        for seed in args.seeds:
-            child_out = work / f"{setting}-{seed}.json"
-            child_out.unlink(missing_ok=True)
-            cmd = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                "--no-concurrent",
-                "--settings",
-                setting,
-                "--seeds",
-                str(seed),
-                "--gpu-memory-utilization",
-                f"{share:.3f}",
-                "--out",
-                str(child_out),
-            ]
-            log = open(work / f"{setting}-{seed}.log", "w")  # noqa: SIM115 -- closed below
-            children.append(
-                (seed, child_out, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    jobs = [(setting, seed) for setting in args.settings for seed in args.seeds]
+    share = args.gpu_memory_utilization / len(jobs)
+    children = []
+    for setting, seed in jobs:
+        child_out = work / f"{setting}-{seed}.json"
+        child_out.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            __file__,
+            *sys.argv[1:],
+            "--no-concurrent",
+            "--settings",
+            setting,
+            "--seeds",
+            str(seed),
+            "--gpu-memory-utilization",
+            f"{share:.3f}",
+            "--out",
+            str(child_out),
+        ]
+        log = open(work / f"{setting}-{seed}.log", "w")  # noqa: SIM115 -- closed below
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        children.append((setting, seed, child_out, log, child))
+    print(f"== {len(jobs)} runs at once: {args.settings} x seeds {args.seeds} (logs in {work})", flush=True)
+    for setting, seed, child_out, log, child in children:
+        child.wait()
+        log.close()
+        if not child_out.exists():
+            tail = (work / f"{setting}-{seed}.log").read_text()[-2000:]
+            report["runs"].append(
+                {"setting": setting, "seed": seed, "status": "failed", "error": f"exit {child.returncode}: {tail}"}
             )
-        print(f"== {setting}: seeds {args.seeds} at once (logs in {work})", flush=True)
-        for seed, child_out, log, child in children:
-            child.wait()
-            log.close()
-            if not child_out.exists():
-                tail = (work / f"{setting}-{seed}.log").read_text()[-2000:]
-                report["runs"].append(
-                    {
-                        "setting": setting,
-                        "seed": seed,
-                        "status": "failed",
-                        "error": f"exit {child.returncode}: {tail}",
-                    }
-                )
-                continue
-            result = json.loads(child_out.read_text())
-            report.setdefault("initial", result.get("initial"))
-            report["runs"].extend(result["runs"])
+            continue
+        result = json.loads(child_out.read_text())
+        report.setdefault("initial", result.get("initial"))
+        report["runs"].extend(result["runs"])
         report["summary"] = summarize(report)
         out.write_text(json.dumps(report, indent=1) + "\n")
 
@@ -552,7 +561,7 @@ def main() -> None:
     report.setdefault("commands", {})
     for setting in args.settings:
         report["commands"][setting] = command_line()
-    report["concurrent_processes"] = len(args.seeds) if args.concurrent else 1
+    report["concurrent_processes"] = len(args.seeds) * len(args.settings) if args.concurrent else 1
     if args.concurrent:
         run_concurrently(args, report, out)
     else:
