@@ -59,7 +59,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-import real_model
+import real_model  # noqa: E402 -- found through the path set above
 
 logger = logging.getLogger("learning_gpu")
 

@@ -215,7 +215,10 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
     from asyncgrpo.packing.attention import TREE_ATTENTION, attention_windows, tree_attention_forward
 
     gpu = device.type == "cuda"
-    marker = lambda: torch.profiler.record_function(MARK + "recompute")
+
+    def marker():
+        return torch.profiler.record_function(MARK + "recompute")
+
     if options.compile and not checkpoint_wraps_the_call():
         marker = None  # checkpointing inside the compiled forward takes no context_fn but dispatch modes
     model = prepare_model(base_model, options, recompute_context=marker)

@@ -29,7 +29,7 @@ from provenance import command_line, package_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-import real_model
+import real_model  # noqa: E402 -- found through the path set above
 
 INSTRUCTIONS = {
     "none": "",

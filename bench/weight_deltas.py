@@ -71,7 +71,10 @@ def batch(tokenizer, model, sequences: int, completion_tokens: int, seed: int):
     """Chat-formatted arithmetic prompts with the model's own greedy continuations, a mask of the
     completion tokens and an advantage of +-1 per sequence."""
     rows = arithmetic.make_dataset(sequences, seed=seed, kinds=arithmetic.SMALL_MODEL_KINDS)
-    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in rows]
+    texts = [
+        tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        for row in rows
+    ]
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -113,7 +116,9 @@ def main() -> None:
     path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids, attention, mask, advantages = batch(tokenizer, start, args.sequences, args.completion_tokens, args.seed)
+    ids, attention, mask, advantages = batch(
+        tokenizer, start, args.sequences, args.completion_tokens, args.seed
+    )
     initial = {k: v.clone() for k, v in start.state_dict().items()}
     params = sum(p.numel() for p in start.parameters())
     print(f"{args.model}: {params / 1e6:.1f}M parameters, {ids.shape[0]} x {ids.shape[1]} tokens", flush=True)
@@ -122,7 +127,9 @@ def main() -> None:
     for lr in args.learning_rates:
         start.load_state_dict(initial)
         model = start.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
         previous = served(model)
         steps = []
         for step in range(1, args.steps + 1):
