@@ -156,6 +156,14 @@ class AsyncGRPOConfig(TrainingArguments):
         rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
             heartbeat after which the trainer considers it hung and fails.
 
+    Parameters that control harness training (`HarnessAsyncGRPOTrainer`):
+        harness_timeout (`float`, defaults to 600.0): Seconds one harness run (one rollout) may take; a
+            harness still running then is stopped (a command is killed, an async harness cancelled; a
+            sync harness's thread cannot be stopped and keeps running unrecorded), counted in
+            `harness/timeout_count` and left out of its group's advantages.
+        max_concurrent_harnesses (`int`, optional): Upper bound of harness runs at once (each command
+            is a process of its own). None: `max_concurrent_rollouts`.
+
     Parameters that control logging:
         log_completions (`bool`, defaults to False): Log a sample of (prompt, completion) pairs every
             `logging_steps` steps.
@@ -342,6 +350,16 @@ class AsyncGRPOConfig(TrainingArguments):
     rollout_worker_timeout: float = field(
         default=300.0,
         metadata={"help": "Seconds without a rollout-process heartbeat before the trainer fails."},
+    )
+
+    # -- harness training --------------------------------------------------------------------------
+    harness_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds one harness run may take before it is stopped and counted (harness/timeout_count)."},
+    )
+    max_concurrent_harnesses: int | None = field(
+        default=None,
+        metadata={"help": "Upper bound of harness runs at once; None uses max_concurrent_rollouts."},
     )
 
     # -- logging -----------------------------------------------------------------------------------

@@ -239,6 +239,11 @@ def validate(args: AsyncGRPOConfig) -> None:
         args.rollout_worker_timeout > 0,
         f"rollout_worker_timeout={args.rollout_worker_timeout} must be > 0 seconds",
     )
+    _require(args.harness_timeout > 0, f"harness_timeout={args.harness_timeout} must be > 0 seconds")
+    _require(
+        args.max_concurrent_harnesses is None or args.max_concurrent_harnesses >= 1,
+        f"max_concurrent_harnesses={args.max_concurrent_harnesses} must be >= 1, or None to use max_concurrent_rollouts",
+    )
     _require(
         args.num_completions_to_print is None or args.num_completions_to_print >= 0,
         f"num_completions_to_print={args.num_completions_to_print} must be >= 0, or None to print all",

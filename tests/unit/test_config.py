@@ -45,7 +45,8 @@ SEED_FIELDS = {
 # fields of ours that the seed lacks (each says why in its docstring)
 EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
                     "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0,
-                    "activation_memory_budget": None, "flex_attention_backend": "triton"}
+                    "activation_memory_budget": None, "flex_attention_backend": "triton",
+                    "harness_timeout": 600.0, "max_concurrent_harnesses": None}
 
 
 def make(**kwargs):

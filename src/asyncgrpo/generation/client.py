@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 PUSH_POLL_S = 1.0  # how often a generation waiting for pushed weights asks the server again
 
 
+_CLIENT_ERRORS = frozenset(range(400, 500))
+
+
 class ServerRestartedError(RuntimeError):
     """The server serves weights no trainer pushed into it after a trainer had: it restarted (or was
     replaced) during training and lost the trained weights and the weight-transfer group, and the
@@ -264,6 +267,18 @@ class GenerationClient(ServerTransport):
                 "--return-tokens-as-token-ids)"
             )
         return out
+
+    async def openai_request(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST one OpenAI-compatible request (`/v1/chat/completions`, `/v1/completions`) as a harness's
+        recording proxy forwards it: (status, JSON body). A 4xx comes back as it is, for the harness to see;
+        transport errors, 5xx and timeouts are retried as a generation request's."""
+        status, text = await self._request(
+            "POST", path, json_body=body, retry_timeout=True, pass_statuses=_CLIENT_ERRORS
+        )
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, {"error": {"message": text[:2000], "type": "BadRequestError", "code": status}}
 
     async def metrics(self) -> ServerMetrics | None:
         """Parsed /metrics, or None when the server has no such route."""

@@ -79,7 +79,12 @@ class AsyncRolloutLoop:
     -> the group's rewards (reward_funcs + environments' `get_reward` + `Rollout.reward`) ->
     `compute_advantages`. `setup()` / `close()` run on the loop's event loop. Hooks may read
     `self.config` and `self.tokenizer`.
+
+    A subclass whose `generate_one` sets `Rollout.reward` may set `provides_rollout_reward = True`:
+    the trainer then accepts it without `reward_funcs` or an environment's `get_reward`.
     """
+
+    provides_rollout_reward: bool = False
 
     def __init__(
         self,
@@ -322,7 +327,7 @@ class AsyncRolloutLoop:
         try:
             results = await asyncio.gather(
                 *(
-                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version), group_id)
+                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version, row=row), group_id)
                     for i in range(self.num_generations)
                 )
             )

@@ -55,9 +55,11 @@ def check_prompt_source(
     train_dataset: Any,
     environment_factory: Callable | dict[str, Callable] | None,
     max_steps: int,
+    rollout_reward: bool = False,
 ) -> None:
-    """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them."""
-    if not reward_funcs and environment_factory is None:
+    """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them.
+    `rollout_reward`: the loop's rollouts carry a reward of their own (`Rollout.reward`)."""
+    if not reward_funcs and environment_factory is None and not rollout_reward:
         raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class defines get_reward")
     if train_dataset is None:
         if environment_factory is None or isinstance(environment_factory, dict):

@@ -117,7 +117,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self.reward_funcs = reward_func_list(reward_funcs)
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
-        check_prompt_source(self.reward_funcs, train_dataset, environment_factory, args.max_steps)
+        check_prompt_source(self.reward_funcs, train_dataset, environment_factory, args.max_steps,
+                            rollout_reward=self.loop_cls.provides_rollout_reward)
         self.prompt_dataset = train_dataset
 
         super().__init__(
@@ -217,8 +218,13 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
-             "environment_factory": self.environment_factory, "config": self.args},
+             "environment_factory": self.environment_factory, "config": self.args, **self._extra_loop_kwargs()},
         )
+
+    def _extra_loop_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a subclass's `loop_cls` beyond `AsyncRolloutLoop`'s (checked and pickled with
+        them)."""
+        return {}
 
     def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
         args = self.args
@@ -237,6 +243,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "lora_name": self.weights.lora_name,
             # (train() pushed them): tokens of a restarted server's own are asked again
             "expects_pushed_weights": True,
+            **self._extra_loop_kwargs(),
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
