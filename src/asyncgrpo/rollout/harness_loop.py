@@ -59,6 +59,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self._warned_overrides: set[str] = set()
 
     async def setup(self) -> None:
+        # the openai SDK logs every request at INFO (httpx): one line per model call of every harness
+        if logging.getLogger("httpx").level == logging.NOTSET:
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         _, info = await self._server()
         self._proxy = RecordingProxy(self._forward, model=info.model_name)
         await self._proxy.start()
