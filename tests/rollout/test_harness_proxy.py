@@ -239,3 +239,24 @@ def test_upstream_body_uses_the_trainers_sampling_and_reports_what_it_replaced()
     assert out["model"] == MODEL and out["seed"] == 3 and out["return_token_ids"] and out["top_logprobs"] == 9
     assert asked == harness_calls.Asked(False, 0, False, False)
     assert json.dumps(out)  # JSON all the way
+
+
+def test_a_server_failure_is_kept_for_the_rollout_not_taken_for_the_harnesss():
+    async def forward(path, body, session):
+        raise ConnectionError("the inference server at http://127.0.0.1:1 does not answer")
+
+    async def go():
+        proxy = RecordingProxy(forward, model=MODEL)
+        await proxy.start()
+        try:
+            session = proxy.open()
+            sdk = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+            with pytest.raises(openai.APIStatusError) as info:
+                await sdk.chat.completions.create(model=MODEL, messages=QUESTION)
+            return info.value.status_code, session
+        finally:
+            await proxy.close()
+
+    status, session = asyncio.run(go())
+    assert status == 502
+    assert isinstance(session.server_error, ConnectionError) and session.calls == []

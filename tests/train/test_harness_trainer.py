@@ -34,11 +34,12 @@ def server(tmp_path_factory):
 
 
 def _config(tmp_path, server, **overrides) -> AsyncGRPOConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"), vllm_server_base_url=server.url, num_generations=4,
-        max_completion_length=32, learning_rate=1e-4, bf16=False, use_cpu=True, gradient_checkpointing=False,
-        save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1, seed=0,
-    )
+    kwargs = {
+        "output_dir": str(tmp_path / "out"), "vllm_server_base_url": server.url, "num_generations": 4,
+        "max_completion_length": 32, "learning_rate": 1e-4, "bf16": False, "use_cpu": True,
+        "gradient_checkpointing": False, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+        "logging_steps": 1, "seed": 0,
+    }
     kwargs.update(overrides)
     return AsyncGRPOConfig(**kwargs)
 
@@ -57,7 +58,6 @@ async def sdk_agent(run):
     client = openai.AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0)
     await client.chat.completions.create(model=run.model, messages=run.prompt)
     await client.chat.completions.create(model=run.model, messages=run.prompt)
-    return None
 
 
 def flaky_agent(run):
@@ -96,7 +96,7 @@ def test_an_sdk_agent_trains_the_model_with_the_usual_metrics(tmp_path, server):
     assert all(0.5 < entry["sampling/importance_sampling_ratio/mean"] < 2.0 for entry in logs)
 
 
-def test_raising_hanging_and_silent_harnesses_are_counted_not_fatal(tmp_path, server):
+def test_raising_hanging_and_silent_harnesses_are_counted_not_fatal(tmp_path, server, capfd):
     trainer = HarnessAsyncGRPOTrainer(
         model=MODEL, harness=flaky_agent, train_dataset=_dataset(64),
         args=_config(tmp_path, server, max_steps=2, harness_timeout=1.0, max_concurrent_harnesses=4),
@@ -107,12 +107,18 @@ def test_raising_hanging_and_silent_harnesses_are_counted_not_fatal(tmp_path, se
     totals = {name: sum(entry.get(name, 0) for entry in trainer.state.log_history)
               for name in ("harness/failed_count", "harness/timeout_count", "harness/no_call_count")}
     assert all(value > 0 for value in totals.values()), totals
+    # each cause is told in a WARNING of the rollout process (its stderr), naming the harness
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "WARNING" in line and "harness 'flaky_agent'" in line]
+    for cause in ("raised RuntimeError: the agent crashed", "still running after harness_timeout=1 s",
+                  "ended without calling the model"):
+        assert any(cause in line for line in warnings), (cause, warnings[:5])
 
 
 def test_a_command_harness_trains(tmp_path, server):
     trainer = HarnessAsyncGRPOTrainer(
         model=MODEL, harness=HarnessCommand((sys.executable, str(AGENT))), train_dataset=_dataset(64),
-        args=_config(tmp_path, server, max_steps=1, num_generations=2),
+        args=_config(tmp_path, server, max_steps=1, num_generations=2, max_concurrent_harnesses=4),
     )
     trainer.train()
     logs = _logged(trainer)

@@ -142,7 +142,7 @@ async def run_harness(harness: Harness, run: HarnessRun, *, timeout_s: float, ex
                 value = await asyncio.wait_for(value, timeout_s)
     except asyncio.TimeoutError:
         return HarnessOutcome(failure=TIMEOUT, detail=f"still running after harness_timeout={timeout_s:g} s")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- a harness's failure is its rollout's outcome, never the run's
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
         return HarnessOutcome(failure=FAILED, detail=f"raised {type(exc).__name__}: {exc}{at}")
@@ -150,7 +150,7 @@ async def run_harness(harness: Harness, run: HarnessRun, *, timeout_s: float, ex
 
 
 def _is_async(func: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(type(func), "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
 def _reward_outcome(value: Any, how: str) -> HarnessOutcome:
@@ -189,8 +189,7 @@ async def _run_command(command: HarnessCommand, run: HarnessRun, timeout_s: floa
             tail = stderr.decode("utf-8", errors="replace").strip()[-_STDERR_TAIL:]
             return HarnessOutcome(failure=FAILED, detail=f"exited with status {process.returncode}"
                                   + (f"; its stderr ends with:\n{tail}" if tail else " (no stderr)"))
-        with open(reward_path) as f:
-            text = f.read().strip()
+        text = (await asyncio.to_thread(_read_text, reward_path)).strip()
         if not text:
             return HarnessOutcome()
         try:
@@ -202,6 +201,11 @@ async def _run_command(command: HarnessCommand, run: HarnessRun, timeout_s: floa
     finally:
         with contextlib.suppress(OSError):
             os.unlink(reward_path)
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def _kill_group(pid: int) -> None:

@@ -93,6 +93,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             finally:
                 self._proxy.release(session)
             self._record(M.HARNESS_DURATION_S, time.perf_counter() - start)
+        if session.server_error is not None:  # not the harness's failure: the run's, as in any rollout
+            raise session.server_error
         calls = list(session.calls)
         failure, detail = outcome.failure, outcome.detail
         if failure is None and not calls:
@@ -121,7 +123,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         client, info = await self._server()
         context = session.context
         position, index = (context.position, context.rollout_index) if context is not None else (-1, 0)
-        seed = request_seed(int(self.config.seed), position, index, len(session.calls))
+        seed = request_seed(int(self.config.seed), position, index, session.num_requests)
+        session.num_requests += 1
         model = self._model_kwargs(context).get("model", info.model_name)
         settings = self._request_settings
         upstream, asked, overridden = harness_calls.upstream_body(path, body, settings=settings, seed=seed, model=model)

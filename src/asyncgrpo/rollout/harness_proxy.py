@@ -8,7 +8,10 @@ calls of concurrent harnesses never mix. A call is accepted only with the sessio
 token) on the session's path, and only while the session is open: a harness still running after its
 rollout ended (a timed-out sync harness) gets a 410 and records nothing. What is sent upstream and what
 is recorded is `forward`'s business (the rollout loop's); this shell owns the HTTP server, the sessions and
-the error replies. It binds 127.0.0.1 on a free port, in the rollout process's event loop.
+the error replies. It binds 127.0.0.1 on a free port, in the rollout process's event loop. A failure of
+`forward` that is not the harness's (the server unreachable, a reply without token ids) answers 502 and
+is kept in `session.server_error`, for the rollout to raise once its harness ends: it stops the run as
+in any rollout, instead of passing for a harness failure.
 
 Streaming requests (`stream: true`) are answered with the whole reply as server-sent events (one chunk
 per choice, then `[DONE]`): the tokens reach the harness at the end of the call rather than as they are
@@ -55,6 +58,8 @@ class ProxySession:
     context: Any = None  # the rollout's RolloutContext, for `forward`
     calls: list[RecordedCall] = field(default_factory=list)
     open: bool = True
+    num_requests: int = 0  # calls received, answered or not (each one's seed differs)
+    server_error: BaseException | None = None  # the first failure that was not the harness's (the run's to raise)
 
     @property
     def api_key(self) -> str:
@@ -150,6 +155,10 @@ class RecordingProxy:
             status, reply = await self.forward(path, body, session)
         except HarnessRequestError as exc:
             return _error(400, str(exc), "BadRequestError")
+        except Exception as exc:  # noqa: BLE001 -- the server's failure, not the harness's: its rollout raises it
+            if session.server_error is None:
+                session.server_error = exc
+            return _error(502, f"the inference server failed: {exc}", "APIError")
         if status >= 400 or not stream:
             return web.json_response(reply, status=status)
         return await _as_events(request, path, reply, include_usage=bool(stream_options.get("include_usage")))
