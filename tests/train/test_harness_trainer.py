@@ -6,7 +6,9 @@ process imports this module to find them.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -72,6 +74,33 @@ def flaky_agent(run):
     client = openai.OpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0)
     reply = client.chat.completions.create(model=run.model, messages=run.prompt)
     return float(len(reply.choices[0].message.content or "") % 3)
+
+
+_RUNNING = {"now": 0, "peak": 0}  # in the rollout process, where the harness runs
+
+
+async def counting_agent(run):
+    """Notes how many runs are in flight at once (in the file named by $PEAK_FILE); a random reward."""
+    _RUNNING["now"] += 1
+    _RUNNING["peak"] = max(_RUNNING["peak"], _RUNNING["now"])
+    Path(os.environ["PEAK_FILE"]).write_text(str(_RUNNING["peak"]))
+    try:
+        await asyncio.sleep(0.2)
+        client = openai.AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0)
+        await client.chat.completions.create(model=run.model, messages=run.prompt, max_tokens=4)
+        return random.random()
+    finally:
+        _RUNNING["now"] -= 1
+
+
+def test_max_concurrent_harnesses_bounds_the_runs_in_flight(tmp_path, server, monkeypatch):
+    monkeypatch.setenv("PEAK_FILE", str(tmp_path / "peak"))  # the spawned rollout process inherits it
+    trainer = HarnessAsyncGRPOTrainer(
+        model=MODEL, harness=counting_agent, train_dataset=_dataset(64),
+        args=_config(tmp_path, server, max_steps=1, num_generations=6, max_concurrent_harnesses=2),
+    )
+    trainer.train()
+    assert int((tmp_path / "peak").read_text()) == 2  # a group alone would start 6
 
 
 def test_an_sdk_agent_trains_the_model_with_the_usual_metrics(tmp_path, server):
