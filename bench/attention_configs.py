@@ -48,7 +48,8 @@ def main() -> None:
     results = {"config": vars(args), "default": dict(zip(("tile", "warps", "stages"), default)),
                "host": {"platform": platform.platform(), "torch": torch.__version__,
                         "device_name": device_slug("cuda")}, "cases": []}
-    for batch, context in itertools.product(map(int, args.batches.split(",")), map(int, args.contexts.split(","))):
+    for batch, context in itertools.product(map(int, args.batches.split(",")),
+                                            map(int, args.contexts.split(","))):
         inputs, kv_bytes = attention_case(16, 8, 128, torch.bfloat16, device, batch, context)
         times = {}
         for tile, warps, stages in grid:
@@ -64,7 +65,8 @@ def main() -> None:
                 "all_ms": {f"{t}/{w}/{s}": ms for (t, w, s), ms in times.items()}}
         results["cases"].append(case)
         print(f"B={batch:4d} context {context:5d}: default {default} {times[default]:.4f} ms, best {best} "
-              f"{times[best]:.4f} ms ({times[default] / times[best]:.2f}x, {case['kv_gb_per_s_best']:.0f} GB/s of K/V)",
+              f"{times[best]:.4f} ms ({times[default] / times[best]:.2f}x, "
+              f"{case['kv_gb_per_s_best']:.0f} GB/s of K/V)",
               flush=True)
     print(f"wrote {write_results(results, 'attention_configs', 'cuda', args.output)}")
 

@@ -144,7 +144,8 @@ def own_forwards(model: torch.nn.Module):
     """The attention and MLP modules run their own forwards (fused_layers' ones are set aside)."""
     fused = (fused_layers._attention_forward, fused_layers._mlp_forward)
     saved = {m: m.__dict__.pop("forward") for m in model.modules()
-             if isinstance(m.__dict__.get("forward"), functools.partial) and m.__dict__["forward"].func in fused}
+             if isinstance(m.__dict__.get("forward"), functools.partial)
+             and m.__dict__["forward"].func in fused}
     try:
         yield len(saved)
     finally:
@@ -166,12 +167,13 @@ def run_engine(served, args, prompts, impl: str) -> dict:
         for kind in (DECODE, SHARED):
             if kind in plan.backends:
                 plan = plan.with_backend(kind, GatherDecode)
-    graphs = StepGraphs(served.model, cache, plan, len(prompts), scheduler.max_blocks, cuda, served.vocab_size)
+    graphs = StepGraphs(served.model, cache, plan, len(prompts), scheduler.max_blocks, cuda,
+                        served.vocab_size)
     runner = ModelRunner(served.model, cache, plan, served.vocab_size, scheduler.block_table, graphs)
     params = SeqParams(
-        temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens, min_tokens=0,
-        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=args.logprobs or None,
-        want_mask=False,
+        temperature=1.0, top_k=args.top_k, top_p=1.0, min_p=0.0, seed=0, max_tokens=args.max_tokens,
+        min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(),
+        logprobs=args.logprobs or None, want_mask=False,
     )
     seqs, phases, last, wall = generate(scheduler, runner, prompts, params, max_len)  # captures the graphs
     parts = time_parts(runner)
@@ -203,13 +205,14 @@ def device_breakdown(runner: ModelRunner, last_step: list[np.ndarray]) -> dict:
     with torch.inference_mode():
         return {
             "forward": cuda_ms(lambda: runner.graphs.run(dec), runner.device),
-            "sample_graph": cuda_ms(lambda: runner.graphs.sample(logits, plan, runner.token_hashes), runner.device),
+            "sample_graph": cuda_ms(lambda: runner.graphs.sample(logits, plan, runner.token_hashes),
+                                    runner.device),
             "sample_eager": cuda_ms(lambda: sample(logits, batch), runner.device),
         }
 
 
-def attention_case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, batch: int,
-                   context: int) -> tuple[tuple, int]:
+def attention_case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   batch: int, context: int) -> tuple[tuple, int]:
     """Inputs of one layer's decode attention, `context` cached tokens per sequence in shuffled blocks
     (the table padded to a power-of-two number of blocks, as the decode graphs do), and the bytes of
     K/V it reads."""
@@ -227,12 +230,13 @@ def attention_case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     return (q, k_pool, v_pool, tables, lens, head_dim**-0.5), kv_bytes
 
 
-def attention_ms(served, batch: int, context: int, window: int | None = None, softcap: float | None = None) -> dict:
+def attention_ms(served, batch: int, context: int, window: int | None = None,
+                 softcap: float | None = None) -> dict:
     """One layer's decode attention over `context` cached tokens per sequence, both implementations,
     with a sliding window and a logit soft-cap when given (the K/V rate counts the keys the window holds)."""
     heads = served.model.config.get_text_config().num_attention_heads
-    args, kv_bytes = attention_case(heads, served.num_kv_heads, served.head_dim, served.dtype, served.device, batch,
-                                    context)
+    args, kv_bytes = attention_case(heads, served.num_kv_heads, served.head_dim, served.dtype, served.device,
+                                    batch, context)
     kv_bytes = kv_bytes * min(window or context, context) // context
     out = {}
     for name, fn in IMPLEMENTATIONS.items():
@@ -255,8 +259,9 @@ def main() -> None:
     p.add_argument("--implementations", default="triton,gather")
     p.add_argument("--unfused", action="store_true", help="also time the first implementation with the "
                    "model's own attention and MLP forwards")
-    p.add_argument("--window", type=int, default=None, help="time one layer's decode attention with this sliding "
-                   "window too (Gemma 2: 4096, Gemma 3: 512 or 1024)")
+    p.add_argument("--window", type=int, default=None,
+                   help="time one layer's decode attention with this sliding window too (Gemma 2: 4096, "
+                   "Gemma 3: 512 or 1024)")
     p.add_argument("--softcap", type=float, default=None, help="... and this logit soft-cap (Gemma 2: 50)")
     p.add_argument("--output", default=None)
     args = p.parse_args()
@@ -266,17 +271,20 @@ def main() -> None:
     prompts = make_prompts(args.batch, args.prompt_len, served.vocab_size)
     impls = args.implementations.split(",")
     if "triton" in impls and not (device.type == "cuda" and attention.triton_works_on(device, served.dtype)):
-        print("the Triton kernel needs CUDA, Triton and a passing check on this device: timing the gather path only")
+        print("the Triton kernel needs CUDA, Triton and a passing check on this device: timing the gather "
+              "path only")
         impls = [i for i in impls if i != "triton"]
-    results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
-                                                    "device_name": device_slug(args.device)},
+    results: dict = {"config": vars(args),
+                     "host": {"platform": platform.platform(), "torch": torch.__version__,
+                              "device_name": device_slug(args.device)},
                      "command": command_line(), "versions": package_versions()}
     results["engine"] = {}
     runs = [(impl, impl) for impl in impls]
     if args.unfused:
         runs.append((f"{impls[0]}_unfused_layers", impls[0]))
     for name, impl in runs:
-        with own_forwards(served.model) if name.endswith("unfused_layers") else contextlib.nullcontext(0) as swapped:
+        with (own_forwards(served.model) if name.endswith("unfused_layers")
+              else contextlib.nullcontext(0)) as swapped:
             r = run_engine(served, args, prompts, impl)
         if swapped:
             r["modules_on_own_forwards"] = swapped
@@ -304,7 +312,8 @@ def main() -> None:
             results["attention_one_layer_windowed"] = {"batch": args.batch, "context": context,
                                                        "window": args.window, "softcap": args.softcap, **a}
             print(f"... with window {args.window} and soft-cap {args.softcap}: "
-                  + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)" for k, v in a.items())
+                  + ", ".join(f"{k} {v['ms']:.3f} ms ({v['kv_gb_per_s']:.0f} GB/s of K/V)"
+                              for k, v in a.items())
                   + f"; gather / triton {a['gather']['ms'] / a['triton']['ms']:.1f}x")
     print(f"wrote {write_results(results, 'decode_step', args.device, args.output)}")
     if tmp is not None:

@@ -30,7 +30,8 @@ backward) over fwd_bwd_s (the layer part includes more than the rule).
 
 fla-core compiles and autotunes its kernels on first use on a machine (minutes at this shape with
 Triton 3.7; `warmup_s` shows it): warm it once with `--backends fla --rows 1 --parts rule --repeats 1`.
-    python bench/delta_rule.py --device cuda --backends torch --tf32 --out bench/results/delta_rule_cuda_tf32.json
+    python bench/delta_rule.py --device cuda --backends torch --tf32 \\
+        --out bench/results/delta_rule_cuda_tf32.json
 
 Writes bench/results/delta_rule_<device>.json unless --out says otherwise.
 """
@@ -62,7 +63,8 @@ SHAPE = "qwen3.5-2b"
 DEFAULTS = {  # per device type: what runs unless the command line says otherwise
     "cuda": {"token_budget": 32768, "rows": 2, "warmup": 2, "repeats": 4, "parts": ["rule", "layer"],
              "dtype": "bfloat16"},
-    "cpu": {"token_budget": 8192, "rows": 1, "warmup": 1, "repeats": 3, "parts": ["rule"], "dtype": "float32"},
+    "cpu": {"token_budget": 8192, "rows": 1, "warmup": 1, "repeats": 3, "parts": ["rule"],
+            "dtype": "float32"},
 }
 
 
@@ -72,7 +74,8 @@ def sync(device):
 
 
 def rule_inputs(num_tokens, key_heads, heads, dim_k, dim_v, dtype, device, seed):
-    """Raw (not normalised) q/k [T, Hk, K], v [T, H, V], g [T, H] float32, beta [T, H], as a layer makes them."""
+    """Raw (not normalised) q/k [T, Hk, K], v [T, H, V], g [T, H] float32, beta [T, H], as a layer makes
+    them."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(num_tokens, key_heads, dim_k, device=device, generator=gen).to(dtype)
     k = torch.randn(num_tokens, key_heads, dim_k, device=device, generator=gen).to(dtype)
@@ -156,10 +159,11 @@ def time_case(case, args):
 
 
 NO_KERNEL_OPS = frozenset(f"aten::{name}" for name in (
-    "view", "as_strided", "_reshape_alias", "reshape", "resolve_conj", "resolve_neg", "empty", "empty_strided",
-    "empty_like", "detach", "_unsafe_view", "resize_", "expand", "transpose", "t", "slice", "select", "split",
-    "split_with_sizes", "unbind", "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "alias", "diagonal",
-    "movedim", "lift_fresh", "narrow", "numpy_T", "view_as", "result_type", "stride"))
+    "view", "as_strided", "_reshape_alias", "reshape", "resolve_conj", "resolve_neg", "empty",
+    "empty_strided", "empty_like", "detach", "_unsafe_view", "resize_", "expand", "transpose", "t", "slice",
+    "select", "split", "split_with_sizes", "unbind", "permute", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "alias", "diagonal", "movedim", "lift_fresh", "narrow", "numpy_T", "view_as", "result_type",
+    "stride"))
 
 
 def innermost_op_at(ops_by_thread, tid, t):
@@ -241,7 +245,8 @@ def profile_summary(trace, gpu, top):
     kernel_rows = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])
     return {"wall_ms": wall, "kernels": len(kernels), "device_busy_ms": union / 1e3,
             "by_op": [{"op": k, "kernels": c, "device_ms": round(ms, 3)} for k, (c, ms) in rows[:top]],
-            "by_kernel": [{"kernel": k, "count": c, "device_ms": round(ms, 3)} for k, (c, ms) in kernel_rows[:top]]}
+            "by_kernel": [{"kernel": k, "count": c, "device_ms": round(ms, 3)}
+                          for k, (c, ms) in kernel_rows[:top]]}
 
 
 def profile_case(case, gpu, top):
@@ -283,7 +288,8 @@ def available_backends(requested, device, dtype):
 
 
 def rule_flops(num_tokens):
-    """FLOPs of the delta rule's forward + backward over num_tokens, the trainer's model (`asyncgrpo.train.flops`)."""
+    """FLOPs of the delta rule's forward + backward over num_tokens, the trainer's model
+    (`asyncgrpo.train.flops`)."""
     from asyncgrpo.train.flops import FlopModel
 
     config = make_config(SHAPE)
@@ -294,7 +300,8 @@ def rule_flops(num_tokens):
 def row_stats(row, layout, chunk_size=64):
     lens = row.segment_len.numpy()
     return {"tokens": row.num_tokens, "segments": int(lens.size), "levels": len(layout.levels),
-            "longest_segment": int(lens.max()), "chunks_if_chunk_padded": int(np.ceil(lens / chunk_size).sum())}
+            "longest_segment": int(lens.max()),
+            "chunks_if_chunk_padded": int(np.ceil(lens / chunk_size).sum())}
 
 
 def print_profile(label, summary):
@@ -316,8 +323,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backends", nargs="+", choices=("torch", "fla"), default=["torch", "fla"],
-                        help="fla is skipped, saying why, where fla-core does not import or fails its backward "
-                             "check on this GPU (Triton 3.4 to 3.7.0 on Hopper), and on CPU")
+                        help="fla is skipped, saying why, where fla-core does not import or fails its "
+                             "backward check on this GPU (Triton 3.4 to 3.7.0 on Hopper), and on CPU")
     parser.add_argument("--layouts", nargs="+", choices=("tree", "padfree"), default=["tree", "padfree"])
     parser.add_argument("--parts", nargs="+", choices=("rule", "layer"), default=None)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
@@ -331,8 +338,8 @@ def main(argv=None):
     parser.add_argument("--min-completion", type=int, default=256)
     parser.add_argument("--max-completion", type=int, default=2048)
     parser.add_argument("--tf32", action="store_true",
-                        help="float32 matmuls in TF32 (torch.set_float32_matmul_precision('high')): the PyTorch "
-                             "delta rule's matmuls on tensor cores, at about bf16-input precision")
+                        help="float32 matmuls in TF32 (torch.set_float32_matmul_precision('high')): the "
+                             "PyTorch delta rule's matmuls on tensor cores, at about bf16-input precision")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=15, help="ops listed per profile")
     parser.add_argument("--seed", type=int, default=0)
@@ -349,8 +356,8 @@ def main(argv=None):
 
     from asyncgrpo.packing import pack_row
 
-    samples = make_samples(np.random.default_rng(args.seed), args.groups, args.num_generations, args.prompt_len,
-                           args.min_completion, args.max_completion, 1000)
+    samples = make_samples(np.random.default_rng(args.seed), args.groups, args.num_generations,
+                           args.prompt_len, args.min_completion, args.max_completion, 1000)
     rows = make_rows(samples, args.token_budget)[: args.rows]
     backends, skipped = available_backends(args.backends, device, dtype)
     layer = make_layer(dtype, device) if "layer" in args.parts else None
@@ -367,7 +374,8 @@ def main(argv=None):
                     if gpu:
                         torch.cuda.reset_peak_memory_stats(device)
                     entry = {"row": index, "layout": layout_name, "part": part, "backend": backend,
-                             **row_stats(row, layout), "sample_tokens": sample_tokens, **time_case(case, args)}
+                             **row_stats(row, layout), "sample_tokens": sample_tokens,
+                             **time_case(case, args)}
                     entry["ms_per_1k_tokens"] = 1e3 * entry["fwd_bwd_s"] / row.num_tokens * 1e3
                     entry["rule_tflops"] = rule_flops(row.num_tokens) / entry["fwd_bwd_s"] / 1e12
                     entry["sample_tokens_per_s"] = sample_tokens / entry["fwd_bwd_s"]
@@ -380,7 +388,8 @@ def main(argv=None):
                     else:
                         entry["max_rel_err_vs_torch"] = float((out - reference).norm() / reference.norm())
                     print(f"row {index} {layout_name} {part} {backend}: "
-                          + json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in entry.items()}),
+                          + json.dumps({k: (round(v, 5) if isinstance(v, float) else v)
+                                        for k, v in entry.items()}),
                           flush=True)
                     if args.profile:
                         entry["profile"] = profile_case(case, gpu, args.top)

@@ -45,8 +45,9 @@ the Python functions with the most own time (`host_functions`), which is where a
 
 Each configuration runs twice over one KV cache and one set of step graphs, as a server serves two
 waves of requests: the first run captures the graphs and compiles the kernels, the second is reported
-(with the graphs it still had to capture: shapes the first run did not meet). `--shared-prefix off` serves decode attention without reading a group's shared
-prompt once for all its members (`server/attention/shared_prefix.py`), for a side-by-side. Writes
+(with the graphs it still had to capture: shapes the first run did not meet). `--shared-prefix off` serves
+decode attention without reading a group's shared prompt once for all its members
+(`server/attention/shared_prefix.py`), for a side-by-side. Writes
 bench/results/engine_phases_<shape>_<device>.json.
 """
 
@@ -84,7 +85,8 @@ BLOCK_SIZE = 16
 PHASES = ("schedule", "launch", "wait", "device", "record")
 KERNEL_CATEGORIES = (  # first match wins (lower-case kernel names)
     ("attention", ("paged_decode", "merge_splits", "shared_prefix", "flash", "fmha", "attention", "sdpa")),
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "matmul", "aten::mm", "aten::addmm",
+                "aten::bmm")),
     ("sampling", ("sort", "topk", "cumsum", "softmax", "argmax", "exponential", "scan", "radix")),
 )
 
@@ -196,12 +198,14 @@ def engine_state(served, args, flags: PlanFlags) -> tuple[PagedKVCache, Executio
     cache = PagedKVCache(served.num_layers, num_blocks, BLOCK_SIZE, served.num_kv_heads, served.head_dim,
                          served.dtype, served.device, served.attention_layers)
     plan = resolve_plan(served.model, cache, served.device, flags)
-    graphs = StepGraphs(served.model, cache, plan, args.concurrency, -(-max_len // BLOCK_SIZE),
-                        served.device.type == "cuda", served.vocab_size, args.max_prompt_rows) if args.graphs == "on" else None
+    graphs = (StepGraphs(served.model, cache, plan, args.concurrency, -(-max_len // BLOCK_SIZE),
+                         served.device.type == "cuda", served.vocab_size, args.max_prompt_rows)
+              if args.graphs == "on" else None)
     return cache, plan, graphs
 
 
-def run_workload(served, args, seed: int, profile: bool, state: tuple[PagedKVCache, ExecutionPlan, StepGraphs | None],
+def run_workload(served, args, seed: int, profile: bool,
+                 state: tuple[PagedKVCache, ExecutionPlan, StepGraphs | None],
                  asynchronous: bool = False) -> dict:
     """One run of the workload through a fresh scheduler and model runner over `state` (`engine_state`: the
     plan decides the shared-prefix pass and the prompt layout); per-class step times. asynchronous: each
@@ -338,9 +342,11 @@ def profile_host(step, decode, prefill, top: int = 20) -> tuple[list[dict], obje
     prof.enable()
     out = step(decode, prefill)
     prof.disable()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return [{"function": f"{Path(f).name}:{line}:{name}", "calls": calls, "own_ms": 1e3 * own, "cum_ms": 1e3 * cum}
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls": calls, "own_ms": 1e3 * own,
+             "cum_ms": 1e3 * cum}
             for (f, line, name), (_, calls, own, cum, _) in rows], out
 
 
@@ -357,43 +363,49 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=64)
-    p.add_argument("--turn-gap-steps", type=int, default=1, help="Steps between a turn's end and the next turn.")
-    p.add_argument("--turn-gap-jitter", type=int, default=8, help="Up to this many more steps, drawn per turn.")
+    p.add_argument("--turn-gap-steps", type=int, default=1,
+                   help="Steps between a turn's end and the next turn.")
+    p.add_argument("--turn-gap-jitter", type=int, default=8,
+                   help="Up to this many more steps, drawn per turn.")
     p.add_argument("--top-k", type=int, default=20)
     p.add_argument("--logprobs", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--caching", choices=("on", "off"), default="on")
-    p.add_argument("--admission-interval", type=int, default=1, help="As `asyncgrpo serve --admission-interval`.")
+    p.add_argument("--admission-interval", type=int, default=1,
+                   help="As `asyncgrpo serve --admission-interval`.")
     p.add_argument("--graphs", choices=("on", "off"), default="on", help="CUDA graphs for decode-only steps.")
     p.add_argument("--max-prompt-rows", type=int, default=MAX_PROMPT_ROWS,
-                   help="Prompt tokens a step may add to its decode rows and still replay a graph (the server's "
-                   f"{MAX_PROMPT_ROWS}); longer steps run eagerly.")
+                   help="Prompt tokens a step may add to its decode rows and still replay a graph (the "
+                   f"server's {MAX_PROMPT_ROWS}); longer steps run eagerly.")
     p.add_argument("--shared-prefix", default="on,off",
-                   help="Comma-separated: decode attention reads a group's shared prompt once (on) or per sequence (off).")
+                   help="Comma-separated: decode attention reads a group's shared prompt once (on) or per "
+                   "sequence (off).")
     p.add_argument("--scheduling", default="sync,async",
                    help="Comma-separated: each step recorded before the next is planned (sync), or the next "
                    "launched first, as `asyncgrpo serve --async-scheduling` (async).")
     p.add_argument("--prompt-attention", default="auto",
                    help="Comma-separated, as `asyncgrpo serve --prompt-attention`: prompt chunks packed for "
-                   "FlashAttention's variable-length kernel (flash_varlen), padded into a batch (padded), or the "
-                   "server's choice (auto).")
+                   "FlashAttention's variable-length kernel (flash_varlen), padded into a batch (padded), or "
+                   "the server's choice (auto).")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--output", default=None)
     args = p.parse_args()
     layouts = {"auto": None, "flash_varlen": True, "padded": False}  # -> PlanFlags(packed_prompts=...)
     unknown = set(args.prompt_attention.split(",")) - set(layouts)
     if unknown:
-        p.error(f"--prompt-attention {args.prompt_attention}: unknown {sorted(unknown)}; give auto, flash_varlen or padded")
+        p.error(f"--prompt-attention {args.prompt_attention}: unknown {sorted(unknown)}; give auto, "
+                "flash_varlen or padded")
     if args.shape != "turns":
         args.turns = 1
     model, tmp = prepare_model(args)
     device = resolve_device(args.device)
     served = load_served_model(model, device, "auto", None)
-    results: dict = {"config": vars(args), "host": {"platform": platform.platform(), "torch": torch.__version__,
-                                                    "device_name": device_slug(args.device)},
+    results: dict = {"config": vars(args),
+                     "host": {"platform": platform.platform(), "torch": torch.__version__,
+                              "device_name": device_slug(args.device)},
                      "command": command_line(), "versions": package_versions(), "runs": {}}
-    modes = [(shared, sched, layout) for shared in args.shared_prefix.split(",") for sched in args.scheduling.split(",")
-             for layout in args.prompt_attention.split(",")]
+    modes = [(shared, sched, layout) for shared in args.shared_prefix.split(",")
+             for sched in args.scheduling.split(",") for layout in args.prompt_attention.split(",")]
     for mode, scheduling, layout in modes:
         shared, asynchronous, varlen = mode == "on", scheduling == "async", layouts[layout]
         # the first run captures the graphs and builds the kernels; the second replays them
@@ -402,16 +414,18 @@ def main() -> None:
         r = run_workload(served, args, seed=0, profile=args.profile and not asynchronous, state=state,
                          asynchronous=asynchronous)
         r["first_run"] = {k: first[k] for k in ("seconds", "generated_tokens_per_s", "graph_captures")}
-        key = f"shared_prefix_{mode}" + ("_async" if asynchronous else "") + ("" if layout == "auto" else f"_{layout}")
+        key = (f"shared_prefix_{mode}" + ("_async" if asynchronous else "")
+               + ("" if layout == "auto" else f"_{layout}"))
         results["runs"][key] = r
         print(f"[{layout} prompts] ", end="")
         print(f"shared prefix {mode}, {scheduling}: {r['generated_tokens_per_s']:.0f} generated tok/s in "
               f"{r['seconds']:.2f} s (prefix hits {r['prefix_hit_frac']:.2f}; {r['graph_captures']} graphs "
-              f"captured, {first['graph_captures']} in the first run at {first['generated_tokens_per_s']:.0f} "
-              "tok/s)", flush=True)
+              f"captured, {first['graph_captures']} in the first run at "
+              f"{first['generated_tokens_per_s']:.0f} tok/s)", flush=True)
         for kind, s in r["steps"].items():
             ms = s["median_ms"]
-            print(f"  {kind:<8} {s['steps']:5d} steps {s['total_s']:7.2f} s  median batch {s['median_batch']:5.0f}  "
+            print(f"  {kind:<8} {s['steps']:5d} steps {s['total_s']:7.2f} s  "
+                  f"median batch {s['median_batch']:5.0f}  "
                   "median ms " + " ".join(f"{k} {ms[k]:.2f}" for k in (*PHASES, "wall")), flush=True)
         for kind, prof in r["profiles"].items():
             print(f"  profile {kind}: {prof}", flush=True)

@@ -189,17 +189,18 @@ def bench_model(shape: str, args, device: torch.device) -> dict | None:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'model':<12} {'rank':>4} {'s/step':>8} {'tok/s':>10} {'trained tok/s':>14} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'peak GiB':>9}")
+    print(f"{'model':<12} {'rank':>4} {'s/step':>8} {'tok/s':>10} {'trained tok/s':>14} {'TFLOP/s':>8} "
+          f"{'MFU':>6} {'peak GiB':>9}")
     for r in results:
         for e in r["per_rank"]:
             mem = f"{e['peak_memory_gib']:.1f}" if e["peak_memory_gib"] is not None else "-"
             print(f"{r['shape']:<12} {e['rank']:>4} {e['seconds_per_step']:>8.3f} {e['tokens_per_s']:>10.0f} "
                   f"{e['trained_tokens_per_s']:>14.0f} {e['tflops']:>8.1f} {e['mfu']:>6.1%} {mem:>9}")
         state = "equal" if r["loss_match"] else "DIFFERENT"
-        print(f"{r['shape']:<12} total {r['total_tokens_per_s']:.0f} tok/s ({r['total_trained_tokens_per_s']:.0f} "
-              f"trained) on {r['ranks']} ranks, mean MFU {r['mfu_mean']:.1%}; step-0 loss {r['loss_step0']:.6g} vs "
-              f"one process {r['loss_step0_one_process']:.6g}: {state} (|diff| {r['loss_abs_diff']:.2g})")
+        print(f"{r['shape']:<12} total {r['total_tokens_per_s']:.0f} tok/s "
+              f"({r['total_trained_tokens_per_s']:.0f} trained) on {r['ranks']} ranks, mean MFU "
+              f"{r['mfu_mean']:.1%}; step-0 loss {r['loss_step0']:.6g} vs one process "
+              f"{r['loss_step0_one_process']:.6g}: {state} (|diff| {r['loss_abs_diff']:.2g})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gpu = args.device == "cuda"
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"], "groups": (24 if gpu else 4) * world + 4,
+    defaults = {"models": ["qwen3-0.6b", "qwen3-1.7b"] if gpu else ["tiny"],
+                "groups": (24 if gpu else 4) * world + 4,
                 "prompt_len": 512 if gpu else 32, "min_completion": 256 if gpu else 16,
                 "max_completion": 2048 if gpu else 64, "token_budget": 32768 if gpu else 384,
                 "warmup": 2 if gpu else 1, "steps": 4 if gpu else 2}
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print_table(results)
             name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
-            out = Path(args.out or Path(__file__).parent / "results" / f"fsdp_step_{device.type}_{world}.json")
+            out = Path(args.out
+                       or Path(__file__).parent / "results" / f"fsdp_step_{device.type}_{world}.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             meta = {"device": name, "torch": torch.__version__, "args": vars(args)}
             out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")

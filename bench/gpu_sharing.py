@@ -37,12 +37,15 @@ def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
         return
     control = shutil.which(MPS_CONTROL)
     if control is None:
-        raise SystemExit(f"--sharing mps needs {MPS_CONTROL} (from the NVIDIA driver's utilities) on PATH, and it "
-                         "is not there: install the driver utilities, or run with --sharing time-slicing")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(work_dir / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(work_dir / "mps-log")}
+        raise SystemExit(f"--sharing mps needs {MPS_CONTROL} (from the NVIDIA driver's utilities) on "
+                         "PATH, and it is not there: install the driver utilities, or run with "
+                         "--sharing time-slicing")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(work_dir / "mps-pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": str(work_dir / "mps-log")}
     for folder in env.values():
         Path(folder).mkdir(parents=True, exist_ok=True)
-    started = subprocess.run([control, "-d"], check=False, env={**os.environ, **env}, capture_output=True, text=True, timeout=30)
+    started = subprocess.run([control, "-d"], check=False, env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=30)
     if started.returncode != 0:
         raise SystemExit(f"starting the MPS daemon failed ({control} -d exited {started.returncode}: "
                          f"{(started.stderr or started.stdout).strip()}); run with --sharing time-slicing")
@@ -50,8 +53,8 @@ def gpu_sharing(mode: str, work_dir: Path) -> Iterator[dict]:
     if probe_error:
         subprocess.run([control], check=False, input="quit\n", env={**os.environ, **env}, capture_output=True,
                        text=True, timeout=30)
-        raise SystemExit(f"a CUDA client under the MPS daemon {probe_error}; the daemon was stopped: run with "
-                         "--sharing time-slicing")
+        raise SystemExit(f"a CUDA client under the MPS daemon {probe_error}; the daemon was stopped: run "
+                         "with --sharing time-slicing")
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)  # inherited by the server and the rollout process
     try:
@@ -71,8 +74,8 @@ def _probe_cuda(env: dict, timeout_s: float = 120.0) -> str | None:
     wrong (a client that cannot reach the daemon may hang rather than fail: the timeout bounds that)."""
     code = "import torch; assert torch.ones(4, device='cuda').sum().item() == 4"
     try:
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return f"did not finish a one-kernel computation in {timeout_s:.0f} s"
     if done.returncode != 0:

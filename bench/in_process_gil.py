@@ -82,8 +82,8 @@ def one_run(load: str, interval: float | None) -> dict:
             worker = threading.Thread(target=busy, args=(load, stop, count), daemon=True)
             worker.start()
         start = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", CLIENT, server.url], check=False, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run([sys.executable, "-c", CLIENT, server.url], check=False, capture_output=True,
+                             text=True, timeout=600)
         seconds = time.perf_counter() - start
         stop.set()
         if worker is not None:
@@ -91,7 +91,8 @@ def one_run(load: str, interval: float | None) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"client failed: {out.stderr[-2000:]}")
     return {"load": load, "switch_interval_s": interval or sys.getswitchinterval(),
-            "generated_tokens_per_s": float(out.stdout.split()[-1]), "load_iterations_per_s": count[0] / seconds}
+            "generated_tokens_per_s": float(out.stdout.split()[-1]),
+            "load_iterations_per_s": count[0] / seconds}
 
 
 def main() -> None:

@@ -76,7 +76,9 @@ def outermost_host_ops(events: list[dict], prefix: str = "aten::") -> list[Kerne
     return ops
 
 
-def labelled_ranges(events: list[dict], labels: dict[str, Iterable[str]]) -> dict[str, list[tuple[float, float]]]:
+def labelled_ranges(
+    events: list[dict], labels: dict[str, Iterable[str]]
+) -> dict[str, list[tuple[float, float]]]:
     """Host ranges per label: an event belongs to a label when its name contains one of the label's
     patterns. Overlapping ranges of one label are merged; each label's list is sorted."""
     out: dict[str, list[tuple[float, float]]] = {}
@@ -109,7 +111,9 @@ def union_length(spans: Iterable[tuple[float, float]]) -> float:
     return sum(e - s for s, e in merge_intervals(spans))
 
 
-def clip(spans: Iterable[tuple[float, float, str]], window: list[tuple[float, float]]) -> list[tuple[float, float, str]]:
+def clip(
+    spans: Iterable[tuple[float, float, str]], window: list[tuple[float, float]]
+) -> list[tuple[float, float, str]]:
     """Labelled intervals cut to a merged window list (parts outside it dropped)."""
     out = []
     for start, end, label in spans:

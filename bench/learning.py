@@ -51,9 +51,11 @@ def run_command(name: str, seed: str, out_dir: str, result_file: str, max_steps:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--runs", nargs="+", choices=("demo", "increment_env"), default=["demo", "increment_env"])
+    parser.add_argument("--runs", nargs="+", choices=("demo", "increment_env"),
+                        default=["demo", "increment_env"])
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="Per run.")
     parser.add_argument("--out", default=None, help="Result JSON (printed when not given).")
@@ -69,7 +71,8 @@ def main() -> None:
         for name in args.runs:
             runs = []
             for seed in args.seeds:
-                result_file = Path(work) / f"{name}-{seed}" / ("accuracy.json" if name == "demo" else "result.json")
+                result_file = (Path(work) / f"{name}-{seed}"
+                               / ("accuracy.json" if name == "demo" else "result.json"))
                 cmd = run_command(name, str(seed), str(result_file.parent), str(result_file), args.max_steps)
                 runs.append({"seed": seed, **run(cmd, result_file, args.timeout_s)})
             template = run_command(name, "N", "DIR", "DIR/result.json", args.max_steps)  # (as run, seed N)

@@ -14,8 +14,9 @@ moving by CUDA IPC. Settings:
 One server serves every run: a run's trainer pushes its starting weights when it starts. Per seed the
 settings alternate. With --concurrent, every setting and seed runs at the same time instead, one process
 (and server) each: every run then shares the GPU with the same others, whatever its setting
-(`concurrent_processes` in the JSON), which makes a multi-seed comparison of small models affordable. Each run trains for --train-seconds of wall clock, counted from train() (the rollout
-process's start-up included) to the first step end past it.
+(`concurrent_processes` in the JSON), which makes a multi-seed comparison of small models affordable.
+Each run trains for --train-seconds of wall clock, counted from train() (the rollout process's start-up
+included) to the first step end past it.
 
 Held-out accuracy is not measured during a run: at the first step end past every --snapshot-seconds the
 weights are copied to host memory (the copy's time is left out of the clock), and after the run each copy
@@ -484,7 +485,8 @@ def run_concurrently(args: argparse.Namespace, report: dict, out: Path) -> None:
         if not child_out.exists():
             tail = (work / f"{setting}-{seed}.log").read_text()[-2000:]
             report["runs"].append(
-                {"setting": setting, "seed": seed, "status": "failed", "error": f"exit {child.returncode}: {tail}"}
+                {"setting": setting, "seed": seed, "status": "failed",
+                 "error": f"exit {child.returncode}: {tail}"}
             )
             continue
         result = json.loads(child_out.read_text())

@@ -28,7 +28,8 @@ process with the JSON saying where it stopped, so a killed or stuck run still le
 
     python bench/one_gpu.py --shape 0.6b 1.7b --max-seconds 60     # one H200: embedded server, IPC sync
     python bench/one_gpu.py --shape tiny                           # CPU smoke run, under a minute
-    python bench/one_gpu.py --shape 0.6b --sharing mps             # the same with an MPS daemon (gpu_sharing.py)
+    python bench/one_gpu.py --shape 0.6b --sharing mps             # the same with an MPS daemon
+                                                                   # (gpu_sharing.py)
     python bench/one_gpu.py --shape 0.6b --sharing in-process      # the server inside the trainer's process
     python bench/one_gpu.py --shape 0.6b --keep-kv-across-syncs     # syncs keep the KV of rollouts in flight
 
@@ -112,7 +113,8 @@ def make_prompts(tokenizer: Any, language: PseudoLanguage, num_prompts: int, tar
     overhead = rendered_tokens("")
     per_word = sum(rendered_tokens(language.text(rng, 100)) - overhead for _ in range(8)) / 800
     num_words = max(1, round((target_tokens - overhead) / per_word))
-    rows = [{"prompt": [{"role": "user", "content": language.text(rng, num_words)}]} for _ in range(num_prompts)]
+    rows = [{"prompt": [{"role": "user", "content": language.text(rng, num_words)}]}
+            for _ in range(num_prompts)]
     measured = [rendered_tokens(r["prompt"][0]["content"]) for r in rows[:64]]
     return rows, sum(measured) / len(measured)
 
@@ -137,7 +139,8 @@ class Bench:
 
         self.args = args
         self.output = output
-        self.device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (args.device if args.device != "auto"
+                       else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.started = time.perf_counter()
         self.lock = threading.Lock()
         self.result: dict[str, Any] = {
@@ -168,7 +171,8 @@ class Bench:
 
 
 def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[str, int], repeat: int,
-               url: str, model_dir: Path, rows: list[dict], is_server: Callable[[int], bool]) -> dict[str, Any]:
+               url: str, model_dir: Path, rows: list[dict],
+               is_server: Callable[[int], bool]) -> dict[str, Any]:
     """One time-bounded training run; its record is appended to the shape's runs and saved as it goes.
     `is_server(pid)`: whether a process on the GPU belongs to the server (for its memory)."""
     import torch
@@ -178,7 +182,8 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
 
     args, cuda = bench.args, bench.device == "cuda"
     name, max_staleness = setting
-    run: dict[str, Any] = {"setting": name, "max_staleness": max_staleness, "repeat": repeat, "status": "running"}
+    run: dict[str, Any] = {"setting": name, "max_staleness": max_staleness, "repeat": repeat,
+                           "status": "running"}
     bench.result["shapes"][shape]["runs"].append(run)
     label = f"{shape} {name} #{repeat}"
     run["server_idle_wait_s"] = wait_until_idle(url)  # requests a stopped run left behind
@@ -196,7 +201,8 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
     recorder = RunRecorder(label=label, max_seconds=args.max_seconds, warmup_steps=args.warmup_steps,
                            on_record=on_record, generated=poller)
     limit_s = args.max_seconds + args.grace_s
-    watchdog = threading.Timer(limit_s, bench.abort, (f"{label} still running {limit_s:.0f} s after it started",))
+    watchdog = threading.Timer(limit_s, bench.abort,
+                               (f"{label} still running {limit_s:.0f} s after it started",))
     watchdog.daemon = True
     watchdog.start()
     config = AsyncGRPOConfig(
@@ -204,22 +210,26 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
         vllm_server_base_url=url, max_steps=args.max_steps, max_staleness=max_staleness,
         learning_rate=args.learning_rate, num_generations=preset["num_generations"],
         max_completion_length=preset["max_completion"], token_budget=preset["token_budget"],
-        gradient_accumulation_steps=preset["grad_accum"], gradient_checkpointing=not args.no_gradient_checkpointing,
+        gradient_accumulation_steps=preset["grad_accum"],
+        gradient_checkpointing=not args.no_gradient_checkpointing,
         bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1,
         seed=args.seed, keep_kv_across_syncs=args.keep_kv_across_syncs, torch_compile=args.torch_compile,
-        activation_memory_budget=args.activation_memory_budget, flex_attention_backend=args.flex_attention_backend,
+        activation_memory_budget=args.activation_memory_budget,
+        flex_attention_backend=args.flex_attention_backend,
     )
-    print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after {args.warmup_steps} "
-          f"warm-up steps, {limit_s:.0f} s at most)", flush=True)
+    print(f"[{label}] starting (max_staleness={max_staleness}; {args.max_seconds:.0f} s after "
+          f"{args.warmup_steps} warm-up steps, {limit_s:.0f} s at most)", flush=True)
     memory = GpuMemory()
     with poller, round_trip:  # stopped after the finally below has read the generated tokens
         try:
             with memory:
-                trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_token_fraction, train_dataset=rows,
-                                           args=config, callbacks=[recorder])
-                trainer.remove_callback(PrinterCallback)  # one progress line per step instead of the log dicts
+                trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_token_fraction,
+                                           train_dataset=rows, args=config, callbacks=[recorder])
+                # one progress line per step instead of the log dicts
+                trainer.remove_callback(PrinterCallback)
                 recorder.trainer = trainer
-                bench.result["shapes"][shape]["num_parameters"] = sum(p.numel() for p in trainer.model.parameters())
+                bench.result["shapes"][shape]["num_parameters"] = sum(
+                    p.numel() for p in trainer.model.parameters())
                 trainer.train()
             run["status"] = "done"
         except BaseException as exc:
@@ -243,7 +253,8 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
             bench.save()
             trainer = recorder.trainer = None
             gc.collect()
-            if cuda:  # freeing device memory synchronizes the device: not during an in-process server's capture
+            # freeing device memory synchronizes the device: not during an in-process server's capture
+            if cuda:
                 from asyncgrpo.capture_gate import device_work
 
                 with device_work():
@@ -265,7 +276,8 @@ def run_shape(bench: Bench, shape: str) -> None:
     prepare_checkpoint(shape, model_dir, bench.device)
     tokenizer = load_tokenizer(str(model_dir))
     language = language_for_vocab(VOCAB_SIZES[shape] or SHAPES[shape]["vocab_size"])  # the tokenizer's corpus
-    rows, mean_prompt = make_prompts(tokenizer, language, preset["num_prompts"], preset["prompt_tokens"], args.seed)
+    rows, mean_prompt = make_prompts(tokenizer, language, preset["num_prompts"], preset["prompt_tokens"],
+                                     args.seed)
     shape_result.update(vocab_size=len(tokenizer), prompt_tokens_mean=mean_prompt)
     print(f"[{shape}] {len(rows)} prompts of {mean_prompt:.0f} tokens on average", flush=True)
     bench.save()
@@ -280,7 +292,8 @@ def run_shape(bench: Bench, shape: str) -> None:
             return pid not in mine
     else:
         serve_args = ["--dtype", "bfloat16" if bench.device == "cuda" else "float32",
-                      "--max-model-len", str(preset["max_model_len"]), "--max-num-seqs", str(args.max_num_seqs)]
+                      "--max-model-len", str(preset["max_model_len"]),
+                      "--max-num-seqs", str(args.max_num_seqs)]
         if bench.device == "cuda":
             serve_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         if args.sharing == "in-process":  # the server's threads in this process: its memory counts as ours
@@ -352,29 +365,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", choices=sorted(PRESETS), default=["0.6b", "1.7b"])
     p.add_argument("--server", choices=("embedded", "vllm"), default="embedded")
-    p.add_argument("--vllm-url", default=None, help="A running vLLM 0.33 with the ipc backend (--server vllm).")
+    p.add_argument("--vllm-url", default=None,
+                   help="A running vLLM 0.33 with the ipc backend (--server vllm).")
     p.add_argument("--device", default="auto", help="auto (cuda if there is one), cuda or cpu.")
-    p.add_argument("--model-dir", default=None, help="The checkpoint (built there if missing); one shape only.")
+    p.add_argument("--model-dir", default=None,
+                   help="The checkpoint (built there if missing); one shape only.")
     p.add_argument("--build-only", action="store_true", help="Build the checkpoint(s) and exit.")
-    p.add_argument("--work-dir", default="/tmp/asyncgrpo-one-gpu", help="Checkpoints, server logs, output dirs.")
+    p.add_argument("--work-dir", default="/tmp/asyncgrpo-one-gpu",
+                   help="Checkpoints, server logs, output dirs.")
     p.add_argument("--max-seconds", type=float, default=60.0,
                    help="Per run: seconds measured after the warm-up steps (the steady window).")
     p.add_argument("--grace-s", type=float, default=180.0,
                    help="Per run, for start-up, warm-up (compilation) and shutdown: a run still going "
                    "--max-seconds + --grace-s after it started ends the process (JSON says where).")
     p.add_argument("--deadline-s", type=float, default=None,
-                   help="Seconds for the whole command: a run is not started unless --max-seconds + 60 are left.")
+                   help="Seconds for the whole command: a run is not started unless --max-seconds + 60 are "
+                   "left.")
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="Pairs of runs per shape (ABBA order).")
     p.add_argument("--max-steps", type=int, default=100_000, help="Runs stop on time before this.")
     for key in PRESETS["0.6b"]:
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="Default: the shape's preset.")
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                       help="Default: the shape's preset.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
     p.add_argument("--sharing", choices=SHARING_MODES, default="time-slicing",
-                   help="How trainer and server share the GPU: two processes time-sliced by CUDA, two processes "
-                   "under an MPS daemon, or the embedded server inside the trainer's process (its own stream).")
+                   help="How trainer and server share the GPU: two processes time-sliced by CUDA, two "
+                   "processes under an MPS daemon, or the embedded server inside the trainer's process (its "
+                   "own stream).")
     p.add_argument("--keep-kv-across-syncs", action="store_true",
-                   help="AsyncGRPOConfig.keep_kv_across_syncs: a sync keeps the KV of the rollouts in flight.")
+                   help="AsyncGRPOConfig.keep_kv_across_syncs: a sync keeps the KV of the rollouts in "
+                   "flight.")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
@@ -382,9 +402,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-compile", action="store_true",
                    help="The trainer's torch_compile=True (compiled decoder layers, fused log-prob head).")
     p.add_argument("--activation-memory-budget", type=float, default=None,
-                   help="The trainer's activation_memory_budget (with --torch-compile): selective recomputation.")
+                   help="The trainer's activation_memory_budget (with --torch-compile): selective "
+                   "recomputation.")
     p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
-                   help="The trainer's flex_attention_backend (with --torch-compile): 'flash' is FlashAttention-4.")
+                   help="The trainer's flex_attention_backend (with --torch-compile): 'flash' is "
+                   "FlashAttention-4.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -401,9 +423,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.build_only:
         import torch
 
-        device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+        device = ("cuda" if args.device == "auto" and torch.cuda.is_available()
+                  else args.device.replace("auto", "cpu"))
         for shape in args.shape:
-            prepare_checkpoint(shape, Path(args.model_dir or Path(args.work_dir) / f"qwen3-{shape}-chat"), device)
+            prepare_checkpoint(shape, Path(args.model_dir or Path(args.work_dir) / f"qwen3-{shape}-chat"),
+                               device)
         return
     with gpu_sharing(args.sharing, Path(args.work_dir)) as sharing:  # before this process touches CUDA
         run_bench(args, sharing)
@@ -414,13 +438,15 @@ def run_bench(args: argparse.Namespace, sharing: dict) -> None:
 
     slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-") \
         if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    suffix = (("_vllm" if args.server == "vllm" else "") + {"mps": "_mps", "in-process": "_inprocess"}.get(args.sharing, "")
+    suffix = (("_vllm" if args.server == "vllm" else "")
+              + {"mps": "_mps", "in-process": "_inprocess"}.get(args.sharing, "")
               + ("_keepkv" if args.keep_kv_across_syncs else ""))
     output = Path(args.output or Path(__file__).parent / "results" / f"one_gpu_{slug}{suffix}.json")
     bench = Bench(args, output)
     if args.sharing == "in-process" and (bench.device != "cuda" or args.server != "embedded"):
-        raise SystemExit("--sharing in-process runs the embedded server inside this process and moves weights by CUDA "
-                         f"IPC: it needs --server embedded on CUDA (got --server {args.server} on {bench.device})")
+        raise SystemExit("--sharing in-process runs the embedded server inside this process and moves "
+                         "weights by CUDA IPC: it needs --server embedded on CUDA (got --server "
+                         f"{args.server} on {bench.device})")
     bench.result["sharing"] = sharing
     print(f"one_gpu: {', '.join(args.shape)} on {bench.result['device']}, {args.server} server; "
           f"JSON -> {output}", flush=True)

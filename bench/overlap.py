@@ -56,7 +56,8 @@ def run_once(args: argparse.Namespace, url: str, max_staleness: int, out_dir: Pa
         logging_steps=1,
         seed=args.seed,
     )
-    trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=dataset, args=config)
+    trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=dataset,
+                               args=config)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -89,17 +90,20 @@ def run_once(args: argparse.Namespace, url: str, max_staleness: int, out_dir: Pa
 
 def medians(runs: list[dict]) -> dict:
     """Per-key median over repeated runs of one setting."""
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k not in ("max_staleness", "repeat")]
+    keys = [k for k, v in runs[0].items()
+            if isinstance(v, (int, float)) and k not in ("max_staleness", "repeat")]
     return {"max_staleness": runs[0]["max_staleness"], "repeats": len(runs),
             **{k: statistics.median(r[k] for r in runs) for k in keys}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="asyncgrpo/tiny-chat")
     parser.add_argument("--device", default="cpu", help="The trainer's device (cpu or cuda).")
     parser.add_argument("--server-device", default=None,
-                        help="The embedded server's device (default: --device), e.g. cuda:1 beside a trainer on cuda:0.")
+                        help="The embedded server's device (default: --device), e.g. cuda:1 beside a trainer "
+                        "on cuda:0.")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=512)
@@ -107,7 +111,8 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="Interleaved pairs of runs; medians are compared.")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="Interleaved pairs of runs; medians are compared.")
     parser.add_argument("--server-url", default=None, help="A running server instead of starting one.")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
@@ -145,7 +150,8 @@ def main() -> None:
           f"trained tokens per second, async / on-policy: {throughput_ratio:.2f}x")
     result = {
         "benchmark": "overlap",
-        "command": "python bench/overlap.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        "command": "python bench/overlap.py " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                        for k, v in vars(args).items()
                                                         if v is not None and k != "out"),
         "device": args.device,
         "host": platform.node(),

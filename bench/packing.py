@@ -68,13 +68,15 @@ SHAPES = {  # Qwen3 configs of the released checkpoints, with their full vocabul
 }
 HYBRID_SHAPES = {  # Qwen3.5 text models: three Gated DeltaNet layers per full-attention layer
     "qwen3.5-2b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
-                       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-                       "linear_num_value_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                       "linear_conv_kernel_dim": 4, "vocab_size": 248320, "tie_word_embeddings": True},
-    "tiny-hybrid": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-                        "vocab_size": 512, "tie_word_embeddings": True},
+                       "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                       "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+                       "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
+                       "tie_word_embeddings": True},
+    "tiny-hybrid": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 512,
+                        "tie_word_embeddings": True},
 }
 
 
@@ -90,7 +92,8 @@ def make_config(shape):
 
 def step_flops(config, n_body, tokens, trained, pairs):
     """FLOPs of forward + backward that a layout must do (module docstring): body, LM head at the trained
-    tokens, attention over the attended pairs, a hybrid's delta rule: the trainer's FLOP model (`perf/*_mfu`)."""
+    tokens, attention over the attended pairs, a hybrid's delta rule: the trainer's FLOP model
+    (`perf/*_mfu`)."""
     from asyncgrpo.train.flops import FlopModel
 
     return FlopModel.for_config(config, n_body).step_flops(tokens, trained, pairs)
@@ -102,8 +105,8 @@ WORKLOADS = {
                          "max_completion": 2048},
                 "cpu": {"groups": 6, "prompt_len": 64, "max_prompt_len": 64, "min_completion": 32,
                         "max_completion": 192}},
-    "shared-prompt": {"cuda": {"groups": 40, "prompt_len": 1280, "max_prompt_len": 2048, "min_completion": 256,
-                               "max_completion": 512},
+    "shared-prompt": {"cuda": {"groups": 40, "prompt_len": 1280, "max_prompt_len": 2048,
+                               "min_completion": 256, "max_completion": 512},
                       "cpu": {"groups": 14, "prompt_len": 96, "max_prompt_len": 160, "min_completion": 16,
                               "max_completion": 40}},
 }
@@ -166,8 +169,8 @@ class Layout:
             mask = TreeMask.from_row(row, deltanet_backend="torch" if self.name == "tree_torch" else "auto",
                                      mask_capacity=self.mask_capacity, kernel_options=self.kernel_options)
             return {"kind": "row", "ids": row.input_ids[None], "pos": row.position_ids[None], "mask": mask,
-                        "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages, "tokens": row.num_tokens,
-                        "pairs": row.attention_pairs, "trained": row.num_trained}
+                        "pred": row.pred_index, "target": row.target_ids, "adv": row.advantages,
+                        "tokens": row.num_tokens, "pairs": row.attention_pairs, "trained": row.num_trained}
         length = max(s.num_tokens for s in samples)
         ids = torch.zeros(len(samples), length, dtype=torch.long)
         attn = torch.zeros(len(samples), length, dtype=torch.long)
@@ -181,9 +184,9 @@ class Layout:
             adv.append(torch.full((t.numel(),), s.advantage))
         lengths = [s.num_tokens for s in samples]
         return {"kind": "padded", "ids": ids.to(dev), "attn": attn.to(dev), "pred": torch.cat(pred).to(dev),
-                    "target": torch.cat(target).to(dev), "adv": torch.cat(adv).to(dev), "tokens": sum(lengths),
-                    "pairs": sum(n * (n + 1) // 2 for n in lengths), "trained": sum(s.num_trained for s in samples),
-                    "slots": ids.numel()}
+                    "target": torch.cat(target).to(dev), "adv": torch.cat(adv).to(dev),
+                    "tokens": sum(lengths), "pairs": sum(n * (n + 1) // 2 for n in lengths),
+                    "trained": sum(s.num_trained for s in samples), "slots": ids.numel()}
 
 
 def hidden_states(model, batch):
@@ -229,7 +232,8 @@ def logprob_diff(model, samples, device):
     with torch.no_grad():
         set_layout(model, "tree")
         tree = Layout("tree", device).prepare(samples)
-        packed = token_logprobs(hidden_states(model, tree), model.lm_head.weight, tree["pred"], tree["target"])
+        packed = token_logprobs(hidden_states(model, tree), model.lm_head.weight, tree["pred"],
+                                tree["target"])
         set_layout(model, "padded")
         alone = []
         for s in samples:
@@ -241,7 +245,8 @@ def logprob_diff(model, samples, device):
 
 def time_layout(model, name, rows, args, device, options):
     """Warm up on the first rows, time forward + backward on the rest: one layout's result entry
-    (an "error" entry when the GPU runs out of memory, or when a variant's optional path fails), and the first timed row's log-probs."""
+    (an "error" entry when the GPU runs out of memory, or when a variant's optional path fails), and the
+    first timed row's log-probs."""
     from step_options import StepOptions, variant_scope
 
     set_layout(model, name)
@@ -270,7 +275,8 @@ def time_layout(model, name, rows, args, device, options):
     except torch.cuda.OutOfMemoryError as exc:
         model.zero_grad(set_to_none=True)
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}, None
-    except Exception as exc:  # an optional path (FlashAttention-4, liger-kernel) that fails here is a result too
+    # an optional path (FlashAttention-4, liger-kernel) that fails here is a result too
+    except Exception as exc:
         if options == StepOptions():
             raise
         traceback.print_exc()
@@ -299,7 +305,8 @@ def speedups(result):
     out = {}
     for other in ("padfree", "padded", "tree_torch"):
         if "error" not in result.get("tree", {"error": 1}) and "error" not in result.get(other, {"error": 1}):
-            out[f"speedup_vs_{other}"] = result["tree"]["trained_tokens_per_s"] / result[other]["trained_tokens_per_s"]
+            out[f"speedup_vs_{other}"] = (result["tree"]["trained_tokens_per_s"]
+                                          / result[other]["trained_tokens_per_s"])
     return out
 
 
@@ -316,7 +323,8 @@ def bench_model(shape, workload, args, device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel_shape = DeltaRuleShape(config.linear_num_value_heads, config.linear_key_head_dim,
                                   config.linear_value_head_dim, dtype) if hybrid else None
-    if hybrid and device.type == "cuda" and resolve_delta_rule_backend("auto", device, kernel_shape) == "torch":
+    if (hybrid and device.type == "cuda"
+            and resolve_delta_rule_backend("auto", device, kernel_shape) == "torch"):
         layouts = ("tree", "padfree", "padded")  # "tree" already runs the PyTorch delta rule
     if args.layouts:
         layouts = tuple(name for name in layouts if name in args.layouts or name == "tree")
@@ -338,8 +346,9 @@ def bench_model(shape, workload, args, device):
         raise ValueError(f"{len(rows)} rows < warmup + steps = {needed}: raise --groups")
     rows = rows[:needed]
     raw = sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:])
-    result = {"workload": workload["name"], "shape": shape, "params": sum(p.numel() for p in base_model.parameters()),
-              "rows": needed, "samples_per_row": float(np.mean([len(r) for r in rows])), "layouts": list(layouts),
+    result = {"workload": workload["name"], "shape": shape,
+              "params": sum(p.numel() for p in base_model.parameters()), "rows": needed,
+              "samples_per_row": float(np.mean([len(r) for r in rows])), "layouts": list(layouts),
               "variants": {}}
     if hybrid:
         result["tree_delta_rule"] = resolve_delta_rule_backend("auto", device, kernel_shape)
@@ -352,11 +361,13 @@ def bench_model(shape, workload, args, device):
         for name in names:
             print(f"{workload['name']} {shape} {options.name}: {name} ...", flush=True)
             entries[name], logprobs = time_layout(model, name, rows, args, device, options)
-            print(f"{workload['name']} {shape} {options.name} {name}: {json.dumps(entries[name])}", flush=True)
+            print(f"{workload['name']} {shape} {options.name} {name}: {json.dumps(entries[name])}",
+                  flush=True)
             if logprobs is not None and options == StepOptions():
                 base_logprobs[name] = logprobs
             elif logprobs is not None and name in base_logprobs:
-                entries[name]["logprob_max_abs_diff_vs_base"] = float((logprobs - base_logprobs[name]).abs().max())
+                entries[name]["logprob_max_abs_diff_vs_base"] = float(
+                    (logprobs - base_logprobs[name]).abs().max())
         entries.update(speedups(entries))
         if options == StepOptions():
             result.update(entries)
@@ -413,13 +424,14 @@ def main(argv=None):
     add_workload_arguments(parser)
     parser.add_argument("--workloads", nargs="+", default=["default"], help=f"from {sorted(WORKLOADS)}")
     parser.add_argument("--variants", nargs="+", default=["base"],
-                        help="step variants, e.g. base compile+head compile+head+nockpt (bench/step_options.py)")
+                        help="step variants, e.g. base compile+head compile+head+nockpt "
+                        "(bench/step_options.py)")
     parser.add_argument("--variant-layouts", nargs="+", default=["tree", "padfree"],
                         help="the layouts the variants other than base run")
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--sac-budget", type=float, default=None,
-                        help="the 'sac' variants' activation memory budget (the trainer's activation_memory_budget; "
-                        "default: step_options.SAC_BUDGET)")
+                        help="the 'sac' variants' activation memory budget (the trainer's "
+                        "activation_memory_budget; default: step_options.SAC_BUDGET)")
     parser.add_argument("--diff-samples", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="default: the device's datasheet dense bf16 peak, as the trainer's perf/*_mfu")
@@ -443,7 +455,8 @@ def main(argv=None):
     if not 0 < args.sac_budget <= 1:
         parser.error(f"--sac-budget {args.sac_budget} must be in (0, 1]")
     variants = [StepOptions.parse(v).name for v in args.variants]
-    args.variants = ["base"] + [v for v in dict.fromkeys(variants) if v != "base"]  # base first: the reference
+    # base first: the reference
+    args.variants = ["base"] + [v for v in dict.fromkeys(variants) if v != "base"]
     args.peak_tflops = resolve_peak_tflops(args.peak_tflops, device)
     args.matmul_tflops = matmul_tflops(device)
 
@@ -453,7 +466,8 @@ def main(argv=None):
 
     print_table(results)
     print(f"MFU against {args.peak_tflops:.1f} TFLOP/s"
-          + (f"; one 8192^3 bf16 matmul reached {args.matmul_tflops:.0f} TFLOP/s" if args.matmul_tflops else ""))
+          + (f"; one 8192^3 bf16 matmul reached {args.matmul_tflops:.0f} TFLOP/s"
+             if args.matmul_tflops else ""))
     name = torch.cuda.get_device_name(device).replace(" ", "_") if gpu else platform.machine()
     out = Path(args.out or Path(__file__).parent / "results" / f"packing_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

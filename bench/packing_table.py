@@ -29,8 +29,8 @@ def _flop_ratio(entries) -> float | None:
 
 
 def print_table(results):
-    print(f"{'workload / model / variant':<34} {'layout':<10} {'trained tok/s':>14} {'s/row':>8} {'tok/row':>8} "
-          f"{'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'workload / model / variant':<34} {'layout':<10} {'trained tok/s':>14} {'s/row':>8} "
+          f"{'tok/row':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for r in results:
         label = f"{r['workload']} {r['shape']}"
         for name in r["layouts"]:
@@ -43,11 +43,15 @@ def print_table(results):
         for variant, entries in [("base", r), *r["variants"].items()]:
             if "speedup_vs_padfree" in entries and ratio:
                 flops = _flop_ratio(entries)
-                at_equal_mfu = f"; padfree/tree FLOPs {flops:.2f}, {flops / ratio:.2f} x the ratio" if flops else ""
+                at_equal_mfu = (f"; padfree/tree FLOPs {flops:.2f}, {flops / ratio:.2f} x the ratio"
+                                if flops else "")
                 print(f"{label} {variant}: tree speedup vs padfree {entries['speedup_vs_padfree']:.2f} "
-                      f"({entries['speedup_vs_padfree'] / ratio:.2f} x packing ratio {ratio:.2f}{at_equal_mfu})")
-        others = [f"vs {n} {r[f'speedup_vs_{n}']:.2f}" for n in ("padded", "tree_torch") if f"speedup_vs_{n}" in r]
-        print(f"{label}: samples/row {r['samples_per_row']:.1f}; base tree speedup {', '.join(others) or '-'}; "
+                      f"({entries['speedup_vs_padfree'] / ratio:.2f} x packing ratio "
+                      f"{ratio:.2f}{at_equal_mfu})")
+        others = [f"vs {n} {r[f'speedup_vs_{n}']:.2f}" for n in ("padded", "tree_torch")
+                  if f"speedup_vs_{n}" in r]
+        print(f"{label}: samples/row {r['samples_per_row']:.1f}; base tree speedup "
+              f"{', '.join(others) or '-'}; "
               f"{r['logprob_dtype']} log-prob max diff {r['logprob_max_abs_diff']:.3g}")
         for variant, entries in r["variants"].items():
             diffs = [f"{n} {e['logprob_max_abs_diff_vs_base']:.3g}" for n, e in entries.items()

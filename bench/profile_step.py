@@ -1,4 +1,5 @@
-"""Where a tree-packed training step's time goes: torch profiler over mask + forward + log-prob head + backward.
+"""Where a tree-packed training step's time goes: torch profiler over mask + forward + log-prob head +
+backward.
 
 The step is bench/packing.py's (tree attention, gradient checkpointing, the chunked log-prob head at the
 trained tokens, backward of an advantage-weighted surrogate) on the same synthetic GRPO rows, one of
@@ -72,9 +73,10 @@ from step_options import StepOptions, prepare_model, variant_scope
 
 MARK = "asyncgrpo::"  # prefix of this script's record_function ranges
 PHASES = ("mask", "forward", "logprob_head", "recompute", "backward")
-CATEGORIES = ("mask", "logprob_head", "recompute", "attention_fwd", "attention_bwd", "matmul", "elementwise", "copy")
-MATMUL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|_mm_|aten::(linear|mm|addmm|bmm|matmul|baddbmm)$",
-                    re.IGNORECASE)
+CATEGORIES = ("mask", "logprob_head", "recompute", "attention_fwd", "attention_bwd", "matmul", "elementwise",
+              "copy")
+MATMUL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm80_|_mm_|"
+                    r"aten::(linear|mm|addmm|bmm|matmul|baddbmm)$", re.IGNORECASE)
 ATTENTION = re.compile(r"flash|fmha|flex_attention|attention|sdpa|triton_tem_", re.IGNORECASE)
 COPY = re.compile(r"memcpy|memset", re.IGNORECASE)
 
@@ -232,7 +234,8 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
                 profiled_step(model, batch, args, device, options, windows)
             if gpu:
                 torch.cuda.reset_peak_memory_stats()
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+            activities = ([torch.profiler.ProfilerActivity.CPU]
+                          + ([torch.profiler.ProfilerActivity.CUDA] if gpu else []))
             with torch.profiler.profile(activities=activities) as prof:
                 for batch in batches[args.warmup:]:
                     profiled_step(model, batch, args, device, options, windows)
@@ -247,7 +250,8 @@ def profile_variant(base_model, rows, options, args, device) -> tuple[dict, obje
         "variant": options.name,
         "tokens_per_row": float(np.mean([b["tokens"] for b in timed])),
         "trained_per_row": float(np.mean([b["trained"] for b in timed])),
-        "packing_ratio": sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:]) / sum(b["tokens"] for b in timed),
+        "packing_ratio": (sum(sum(s.num_tokens for s in r) for r in rows[args.warmup:])
+                          / sum(b["tokens"] for b in timed)),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "recompute_marked": marker is not None and not options.nockpt,
         **summarise(trace, len(timed), gpu, compiled_layers=options.compile),
@@ -272,7 +276,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(parser)
     parser.add_argument("--workload", default="default", help="a workload of bench/packing.py")
-    parser.add_argument("--variants", nargs="+", default=["base"], help="step variants (bench/step_options.py)")
+    parser.add_argument("--variants", nargs="+", default=["base"],
+                        help="step variants (bench/step_options.py)")
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", action="store_true", help="also write the Chrome trace next to the JSON")
@@ -308,7 +313,8 @@ def main(argv=None):
                                workload["max_prompt_len"])
         rows = make_rows(samples, args.token_budget)[: args.warmup + args.steps]
         if len(rows) < args.warmup + args.steps:
-            raise SystemExit(f"{len(rows)} rows < warmup + steps = {args.warmup + args.steps}: raise --groups")
+            raise SystemExit(
+                f"{len(rows)} rows < warmup + steps = {args.warmup + args.steps}: raise --groups")
         for variant in args.variants:
             options = StepOptions.parse(variant)
             start = time.perf_counter()

@@ -8,7 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-PACKAGES = ("torch", "triton", "transformers", "fla-core", "liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl")
+PACKAGES = ("torch", "triton", "transformers", "fla-core", "liger-kernel", "flash-attn-4",
+            "nvidia-cutlass-dsl")
 
 
 def command_line(argv: list[str] | None = None) -> str:

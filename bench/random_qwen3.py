@@ -27,12 +27,15 @@ from pathlib import Path
 import torch
 
 SHAPES = {
-    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000, "tie_word_embeddings": True},
-    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": True},
-    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "tie_word_embeddings": False},
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32000,
+             "tie_word_embeddings": True},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+             "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+           "tie_word_embeddings": False},
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": True},
 }
@@ -133,7 +136,8 @@ def build_random_qwen3(shape: str, path: Path, *, chat: bool = False, vocab_size
     else:
         tokenizer = word_tokenizer(cfg["vocab_size"])
         eos = pad = 0
-    config = Qwen3Config(**cfg, max_position_embeddings=40960, eos_token_id=eos, pad_token_id=pad, dtype="bfloat16")
+    config = Qwen3Config(**cfg, max_position_embeddings=40960, eos_token_id=eos, pad_token_id=pad,
+                         dtype="bfloat16")
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)

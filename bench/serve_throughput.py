@@ -4,12 +4,12 @@ a plain transformers `generate` loop (and optionally a running vLLM) on the same
 Each level sends C requests at once to /inference/v1/generate (aiohttp; fixed random prompts,
 temperature 1, top_k 20, ignore_eos, N tokens each, one seed per request) and counts completion
 tokens over the wall time of the wave. Every measurement is the second of two same-shape runs (the
-first pays one-time costs: graph captures, allocator growth). Two transformers baselines, sampling with top_k 20 and exactly
-N new tokens: `model.generate` on the same C prompts as one batch (what a careful user writes), and
-the plain loop that calls `model.generate` on one prompt after the other (what serving requests with
-transformers does without a batching server; its rate does not depend on C, so it is measured once
-on `--loop-prompts` prompts). `--logprobs K` adds a pass that also asks for K top log-probs (the
-baselines then return scores and take the top K of their log-softmax).
+first pays one-time costs: graph captures, allocator growth). Two transformers baselines, sampling with
+top_k 20 and exactly N new tokens: `model.generate` on the same C prompts as one batch (what a careful
+user writes), and the plain loop that calls `model.generate` on one prompt after the other (what serving
+requests with transformers does without a batching server; its rate does not depend on C, so it is
+measured once on `--loop-prompts` prompts). `--logprobs K` adds a pass that also asks for K top
+log-probs (the baselines then return scores and take the top K of their log-softmax).
 
     python bench/serve_throughput.py                               # CPU, bundled tiny model (~1-2 min)
     python bench/serve_throughput.py --random-qwen3 0.6b --device cuda --logprobs 8 \
@@ -133,7 +133,8 @@ async def server_wave(
                               for k, v in after["step_phase_seconds"].items()},
             # CUDA graphs captured during the wave (shapes the warm-up did not meet), and their cost
             "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
-            "graph_capture_seconds": after.get("graph_capture_seconds", 0.0) - before.get("graph_capture_seconds", 0.0),
+            "graph_capture_seconds": (after.get("graph_capture_seconds", 0.0)
+                                      - before.get("graph_capture_seconds", 0.0)),
             "prefix_cache_hit_rate": hits / max(queries, 1),
         }
         # the wave's steps one by one (its last RECENT_STEPS ones if it ran more: `steps_logged` says)
@@ -220,7 +221,8 @@ def engine_counters(url: str, steps: int = 0) -> dict | None:
 def post_json(url: str, path: str) -> dict:
     import urllib.request
 
-    request = urllib.request.Request(url + path, data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url + path, data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.loads(response.read())
 
@@ -239,7 +241,8 @@ def wait_for_health(url: str, timeout_s: float) -> None:
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() > deadline:
-            raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s; is the server running?")
+            raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s; is the server "
+                             "running?")
         time.sleep(1)
 
 
@@ -293,7 +296,8 @@ def run_hf(path: str, args, levels, prompts) -> dict:
             print(f"  hf generate     logprobs={k:<2} C={c:<4} {r['tokens_per_s']:10.1f} tok/s", flush=True)
         r = hf_loop(model, prompts[: args.loop_prompts], args.max_tokens, args.top_k, k, args.device)
         results[f"{k}:loop"] = r
-        print(f"  hf generate     logprobs={k:<2} one prompt at a time {r['tokens_per_s']:10.1f} tok/s", flush=True)
+        print(f"  hf generate     logprobs={k:<2} one prompt at a time {r['tokens_per_s']:10.1f} tok/s",
+              flush=True)
     del model
     gc.collect()
     if args.device.startswith("cuda"):
@@ -309,8 +313,8 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
     for k in args.logprob_passes:
         for c in levels:
             shape = {"turns": args.turns, "turn_tokens": extras}
-            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k, **shape,
-                                            probe=engine_counters))
+            first = asyncio.run(server_wave(url, model, warm_prompts[:c], args.max_tokens, args.top_k, k,
+                                            **shape, probe=engine_counters))
             profile = args.profile_dir and label == "embedded" and not results  # the first timed wave
             if profile:
                 post_json(url, "/start_profile")
@@ -336,9 +340,12 @@ def run_server(url: str, model: str | None, label: str, args, levels, prompts, w
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="asyncgrpo/tiny-chat")
-    p.add_argument("--random-qwen3", choices=sorted(SHAPES), default=None, help="Benchmark a random Qwen3 shape.")
-    p.add_argument("--model-dir", default=None, help="Where to write/reuse the random model (default: a temp dir).")
-    p.add_argument("--build-only", action="store_true", help="Write the random model to --model-dir and exit.")
+    p.add_argument("--random-qwen3", choices=sorted(SHAPES), default=None,
+                   help="Benchmark a random Qwen3 shape.")
+    p.add_argument("--model-dir", default=None,
+                   help="Where to write/reuse the random model (default: a temp dir).")
+    p.add_argument("--build-only", action="store_true",
+                   help="Write the random model to --model-dir and exit.")
     p.add_argument("--device", default="cpu")
     p.add_argument("--concurrency", default="1,16,64,256", help="Comma-separated concurrency levels.")
     p.add_argument("--prompt-len", type=int, default=None, help="Default: 128 on CUDA, 16 on CPU.")
@@ -378,8 +385,10 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
     prompts = make_prompts(max(levels), args.prompt_len, vocab, group_size=args.group_size)
     warm_prompts = make_prompts(max(levels), args.prompt_len, vocab, seed=1, group_size=args.group_size)
-    extras = [make_prompts(max(args.turns - 1, 1), args.turn_tokens, vocab, seed=2 + i) for i in range(max(levels))]
-    results: dict = {"config": {k: v for k, v in vars(args).items() if k != "logprob_passes"}, "levels": levels}
+    extras = [make_prompts(max(args.turns - 1, 1), args.turn_tokens, vocab, seed=2 + i)
+              for i in range(max(levels))]
+    results: dict = {"config": {k: v for k, v in vars(args).items() if k != "logprob_passes"},
+                     "levels": levels}
     results["config"]["model_path"] = model_path
     results["host"] = {"platform": platform.platform(), "torch": torch.__version__,
                        "device_name": device_slug(args.device)}
@@ -391,9 +400,11 @@ def main() -> None:
     from asyncgrpo.launch import EmbeddedServer
 
     max_len = args.prompt_len + args.turns * args.max_tokens + (args.turns - 1) * args.turn_tokens + 16
-    # every request's own tokens, and each group's prompt once (a cached prompt is shared by its samples; an
-    # 8B's 256 x 2048-token prompts would not fit beside vLLM otherwise; without prefix caching, requests wait)
-    kv_tokens = max(levels) * (max_len - args.prompt_len) + -(-max(levels) // args.group_size) * args.prompt_len
+    # every request's own tokens, and each group's prompt once (a cached prompt is shared by its samples;
+    # an 8B's 256 x 2048-token prompts would not fit beside vLLM otherwise; without prefix caching,
+    # requests wait)
+    kv_tokens = (max(levels) * (max_len - args.prompt_len)
+                 + -(-max(levels) // args.group_size) * args.prompt_len)
     serve_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(levels)),
                   "--kv-cache-tokens", str(kv_tokens), *args.server_arg]
     if args.profile_dir:
@@ -402,7 +413,8 @@ def main() -> None:
     print(f"embedded server (log: {log}):", flush=True)
     with EmbeddedServer(model_path, device=args.device, extra_args=serve_args, log_path=log,
                         startup_timeout_s=600) as server:
-        results["embedded"] = run_server(server.url, None, "embedded", args, levels, prompts, warm_prompts, extras)
+        results["embedded"] = run_server(server.url, None, "embedded", args, levels, prompts, warm_prompts,
+                                         extras)
     if args.vllm_url:
         import urllib.request
 
@@ -410,10 +422,12 @@ def main() -> None:
         with urllib.request.urlopen(f"{args.vllm_url}/v1/models") as r:
             vllm_model = json.loads(r.read())["data"][0]["id"]
         print(f"vLLM at {args.vllm_url} ({vllm_model}):", flush=True)
-        results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts, warm_prompts, extras)
+        results["vllm"] = run_server(args.vllm_url, vllm_model, "vllm", args, levels, prompts, warm_prompts,
+                                     extras)
 
     print()
-    head = f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf batch':>10} {'x batch':>7} {'hf loop':>9} {'x loop':>7}"
+    head = (f"{'logprobs':>8} {'C':>5} {'embedded':>10} {'hf batch':>10} {'x batch':>7} {'hf loop':>9} "
+            f"{'x loop':>7}")
     if args.vllm_url:
         head += f" {'vllm':>10} {'x vllm':>7}"
     print(head + "   (generated tokens/s)")

@@ -7,10 +7,10 @@ For each process: the longest busy stretches (consecutive samples not waiting in
 or a wait, for at least --min-s), each with the functions on its samples' stacks and the share of its
 samples each is on (an event loop blocked for seconds shows what blocks it), and the gaps (no sample for
 at least --min-s: the main thread held the interpreter lock in one call into C, or the process was not
-scheduled), each with its wall time, longest first. Each stretch also gives the CPU seconds its main thread and its
-whole process ran (where the sampler recorded them): a main thread with much less CPU than wall time
-waited for a core or for the interpreter lock, which another thread of the process held if the process's
-CPU time exceeds the main thread's.
+scheduled), each with its wall time, longest first. Each stretch also gives the CPU seconds its main
+thread and its whole process ran (where the sampler recorded them): a main thread with much less CPU than
+wall time waited for a core or for the interpreter lock, which another thread of the process held if the
+process's CPU time exceeds the main thread's.
 """
 
 from __future__ import annotations
@@ -118,16 +118,18 @@ def main(argv: list[str] | None = None) -> None:
     for proc in processes:
         print(f"== {proc['file']} ({proc['samples']} samples): {proc['process']}")
         for stretch in proc["busy"][: args.top]:
-            cpu = (f", main thread on a core {stretch['main_thread_cpu_s']:.2f} s, process {stretch['process_cpu_s']:.2f} s"
+            cpu = (f", main thread on a core {stretch['main_thread_cpu_s']:.2f} s, process "
+                   f"{stretch['process_cpu_s']:.2f} s"
                    if "main_thread_cpu_s" in stretch else "")
-            print(f"  busy {stretch['seconds']:.2f} s from {stretch['start']:.3f} ({stretch['samples']} samples{cpu}): "
+            print(f"  busy {stretch['seconds']:.2f} s from {stretch['start']:.3f} "
+                  f"({stretch['samples']} samples{cpu}): "
                   + ", ".join(f"{name} {share:.0%}" for name, share in stretch["functions"]))
         for gap in proc["gaps"][: args.top]:
             print(f"  no sample for {gap['seconds']:.2f} s at {gap['start']:.3f}; after: "
                   + " <- ".join(gap["after"][:8]))
     if args.out:
-        write_json(Path(args.out), {"benchmark": "stack_report", "command": command_line(argv), "min_s": args.min_s,
-                                    "processes": processes})
+        write_json(Path(args.out), {"benchmark": "stack_report", "command": command_line(argv),
+                                    "min_s": args.min_s, "processes": processes})
 
 
 if __name__ == "__main__":

@@ -50,13 +50,15 @@ class StepOptions:
         parts = [p for p in text.split("+") if p and p != "base"]
         unknown = sorted(set(parts) - set(OPTIONS))
         if unknown:
-            raise ValueError(f"variant {text!r}: unknown option(s) {unknown}; combine 'base' or {OPTIONS} with '+'")
+            raise ValueError(f"variant {text!r}: unknown option(s) {unknown}; combine 'base' or {OPTIONS} "
+                             "with '+'")
         if "sac" in parts and ("compile" not in parts or "nockpt" in parts):
-            raise ValueError(f"variant {text!r}: 'sac' is the compiled layers' own recomputation: it needs 'compile' "
-                             "and replaces checkpointing ('nockpt' says there is none)")
+            raise ValueError(f"variant {text!r}: 'sac' is the compiled layers' own recomputation: it needs "
+                             "'compile' and replaces checkpointing ('nockpt' says there is none)")
         for option in ("tune", "flash"):
             if option in parts and "compile" not in parts:
-                raise ValueError(f"variant {text!r}: '{option}' is an option of the compiled layers: it needs 'compile'")
+                raise ValueError(f"variant {text!r}: '{option}' is an option of the compiled layers: it "
+                                 "needs 'compile'")
         return cls(**{p: True for p in parts})
 
     @property
@@ -150,8 +152,8 @@ def apply_liger(model) -> None:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen3
         from transformers.models.qwen3 import modeling_qwen3
     except ImportError as exc:
-        raise SystemExit(f"the 'liger' variant needs the liger-kernel package ({exc}); install it (pip install "
-                         "liger-kernel) or leave 'liger' out of --variants") from None
+        raise SystemExit(f"the 'liger' variant needs the liger-kernel package ({exc}); install it (pip "
+                         "install liger-kernel) or leave 'liger' out of --variants") from None
     if model.config.model_type != "qwen3":
         raise SystemExit(f"the 'liger' variant patches Qwen3 models only, not {model.config.model_type!r}")
     rotary, norm_cls, mlp_cls = (modeling_qwen3.apply_rotary_pos_emb, modeling_qwen3.Qwen3RMSNorm,

@@ -64,10 +64,12 @@ def routes(num_tokens: int):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=1024, help="generated tokens per response")
-    p.add_argument("--responses", type=int, default=61, help="responses finishing together (their total is reported)")
+    p.add_argument("--responses", type=int, default=61,
+                   help="responses finishing together (their total is reported)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--busy-processes", type=int, default=0,
-                   help="Processes spinning in Python meanwhile (CPU contention as beside a trainer and an engine)")
+                   help="Processes spinning in Python meanwhile (CPU contention as beside a trainer and an "
+                   "engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     try:
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError as exc:
         raise SystemExit(f"vLLM's source or one of its pure-Python dependencies is missing ({exc}); see the "
                          "module docstring for how to put them on PYTHONPATH") from None
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy_processes)]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(args.busy_processes)]
     try:
         results = time_builders(builders, args)
     finally:
@@ -83,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
             spinner.kill()
     if args.out:
         write_json(Path(args.out), {"benchmark": "vllm_response_cost", "command": command_line(argv),
-                                    "host": platform.node(), "cpu": platform.processor() or platform.machine(),
-                                    "python": platform.python_version(), "args": vars(args), "results": results})
+                                    "host": platform.node(),
+                                    "cpu": platform.processor() or platform.machine(),
+                                    "python": platform.python_version(), "args": vars(args),
+                                    "results": results})
 
 
 def time_builders(builders, args) -> dict:
@@ -99,8 +104,8 @@ def time_builders(builders, args) -> dict:
         median = statistics.median(seconds)
         results[name] = {"median_s_per_response": median, "json_bytes": len(body),
                          f"s_for_{args.responses}_responses": median * args.responses}
-        print(f"{name}: {median * 1e3:.1f} ms per {args.tokens}-token response ({len(body) / 1e3:.0f} kB JSON), "
-              f"{median * args.responses:.2f} s for {args.responses}")
+        print(f"{name}: {median * 1e3:.1f} ms per {args.tokens}-token response "
+              f"({len(body) / 1e3:.0f} kB JSON), {median * args.responses:.2f} s for {args.responses}")
     return results
 
 

@@ -54,11 +54,13 @@ class IncrementEnv:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=at_least(1), default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=at_least(0, float), default=2e-4)
-    parser.add_argument("--model", default=MODEL, help="Model id, folder or .gguf file (default: the bundled tiny model).")
+    parser.add_argument("--model", default=MODEL,
+                        help="Model id, folder or .gguf file (default: the bundled tiny model).")
     parser.add_argument("--eval-rows", type=at_least(1), default=100)
     parser.add_argument("--eval-samples", type=at_least(1), default=4)
     parser.add_argument("--output-dir", default="asyncgrpo-increment")

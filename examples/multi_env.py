@@ -46,7 +46,8 @@ def mixed_rows(n: int, seed: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=at_least(1), default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="asyncgrpo-multi-env")
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             environment_factory={"counter": CounterEnv, "arithmetic": ArithmeticEnv},
             args=AsyncGRPOConfig(
                 output_dir=args.output_dir, vllm_server_base_url=server.url, max_steps=args.max_steps,
-                learning_rate=2e-4, num_generations=8, max_completion_length=48, max_tool_calling_iterations=8,
+                learning_rate=2e-4, num_generations=8, max_completion_length=48,
+                max_tool_calling_iterations=8,
                 seed=args.seed, bf16=False, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
                 report_to="none", logging_steps=1,
             ),

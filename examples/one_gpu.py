@@ -9,10 +9,11 @@ when the server reports the same GPU.
 
 On CUDA the server runs inside this process (`ServerThread`: its HTTP loop and engine in threads, the
 engine on a CUDA stream of its own), so that its decode steps run beside the trainer's kernels: two
-processes on one GPU take turns on it instead. Measured (docs/performance.md, "One GPU"), the asynchronous run
-trained 1.30x the on-policy run's tokens/s this way (0.6B, H100), and with the server in its own
-process 1.13x (0.6B, H200) and 0.98x (1.7B, H100). `--server-process` runs it in its own process (`asyncgrpo serve`), as on CPU, where
-the in-process server cannot take weights (it takes them over CUDA IPC only).
+processes on one GPU take turns on it instead. Measured (docs/performance.md, "One GPU"), the
+asynchronous run trained 1.30x the on-policy run's tokens/s this way (0.6B, H100), and with the server
+in its own process 1.13x (0.6B, H200) and 0.98x (1.7B, H100). `--server-process` runs it in its own
+process (`asyncgrpo serve`), as on CPU, where the in-process server cannot take weights (it takes them
+over CUDA IPC only).
 
     pip install 'asyncgrpo[math]'             # math-verify, for accuracy_reward
     python examples/one_gpu.py                 # Qwen/Qwen3-0.6B on openai/gsm8k, 200 steps
@@ -58,7 +59,8 @@ INSTRUCTION = "Solve the problem step by step, then give the final answer as \\b
 
 def to_prompt(row: dict[str, Any], instruction: str = INSTRUCTION) -> dict[str, Any]:
     """A GSM8K row -> a conversational prompt (the question, then `instruction`) and the gold answer
-    (`accuracy_reward` reads `answer`): the number after GSM8K's final `####`, without thousands separators."""
+    (`accuracy_reward` reads `answer`): the number after GSM8K's final `####`, without thousands
+    separators."""
     gold = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
     content = f"{row['question']}\n\n{instruction}" if instruction else row["question"]
     return {"prompt": [{"role": "user", "content": content}], "answer": gold}
@@ -78,7 +80,8 @@ def load_rows(args: argparse.Namespace):
     from datasets import load_dataset
 
     dataset = load_dataset(args.dataset, args.dataset_config, split=args.split)
-    return dataset.map(to_prompt, fn_kwargs={"instruction": args.instruction}, remove_columns=dataset.column_names)
+    return dataset.map(to_prompt, fn_kwargs={"instruction": args.instruction},
+                       remove_columns=dataset.column_names)
 
 
 def start_server(args: argparse.Namespace, cuda: bool):
@@ -87,8 +90,10 @@ def start_server(args: argparse.Namespace, cuda: bool):
     serve_args = ["--max-model-len", str(args.max_model_len)]
     if cuda:
         serve_args += ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    # a server in its own process downloads a hub model itself (the launcher runs it offline unless told otherwise)
-    return start_server_on(args.model, device=args.device, extra_args=serve_args, in_process=cuda and not args.server_process,
+    # a server in its own process downloads a hub model itself (the launcher runs it offline unless told
+    # otherwise)
+    return start_server_on(args.model, device=args.device, extra_args=serve_args,
+                           in_process=cuda and not args.server_process,
                            log_path=os.path.join(args.output_dir, "server.log"), startup_timeout_s=1800,
                            env={"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0")})
 
@@ -101,26 +106,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dataset-config", default="main")
     p.add_argument("--split", default="train")
     p.add_argument("--data-files", default=None, help="A local JSON/JSONL file of GSM8K rows instead.")
-    p.add_argument("--vllm-url", type=server_url, default=None, help="A running vLLM on this GPU instead of the embedded server.")
+    p.add_argument("--vllm-url", type=server_url, default=None,
+                   help="A running vLLM on this GPU instead of the embedded server.")
     p.add_argument("--device", default="cuda", help="cuda (one GPU for both) or cpu.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
     p.add_argument("--server-process", action="store_true",
                    help="Run the embedded server in its own process (always so on CPU).")
     p.add_argument("--torch-compile", action="store_true",
-                   help="Compile the trainer's decoder layers (1.7-2.2x its forward + backward in bench/packing.py "
-                        "on an H100; tens of seconds of compilation at the first step).")
+                   help="Compile the trainer's decoder layers (1.7-2.2x its forward + backward in "
+                        "bench/packing.py on an H100; tens of seconds of compilation at the first step).")
     p.add_argument("--activation-memory-budget", type=float, default=None,
-                   help="With --torch-compile: recompute selectively instead of whole layers, keeping this fraction "
-                        "of the activation memory (0.5: 9-16%% more tokens/s than checkpointing, ~3x its memory).")
+                   help="With --torch-compile: recompute selectively instead of whole layers, keeping this "
+                        "fraction of the activation memory (0.5: 9-16%% more tokens/s than checkpointing, "
+                        "~3x its memory).")
     p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
-                   help="With --torch-compile on a Hopper or Blackwell GPU: 'flash' runs the tree attention on "
-                        "FlashAttention-4 (pip install flash-attn-4; 10-19%% more tokens/s in bench/packing.py).")
+                   help="With --torch-compile on a Hopper or Blackwell GPU: 'flash' runs the tree attention "
+                        "on FlashAttention-4 (pip install flash-attn-4; 10-19%% more tokens/s in "
+                        "bench/packing.py).")
     p.add_argument("--max-model-len", type=at_least(1), default=2048)
     p.add_argument("--max-steps", type=at_least(1), default=200)
     p.add_argument("--learning-rate", type=at_least(0, float), default=1e-6)
     p.add_argument("--num-generations", type=at_least(2), default=8)
     p.add_argument("--max-completion-length", type=at_least(1), default=1024)
-    p.add_argument("--token-budget", type=at_least(1), default=8192, help="Tokens per packed row (one forward).")
+    p.add_argument("--token-budget", type=at_least(1), default=8192,
+                   help="Tokens per packed row (one forward).")
     p.add_argument("--grad-accum", type=at_least(1), default=4, help="Packed rows per optimizer step.")
     p.add_argument("--max-staleness", type=at_least(0), default=4)
     p.add_argument("--thinking", action="store_true", help="Let Qwen3 think first (longer completions).")
@@ -134,17 +143,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     server = start_server(args, cuda) if args.vllm_url is None else None
     try:
         config = AsyncGRPOConfig(
-            output_dir=args.output_dir, vllm_server_base_url=args.vllm_url or server.url, max_steps=args.max_steps,
+            output_dir=args.output_dir, vllm_server_base_url=args.vllm_url or server.url,
+            max_steps=args.max_steps,
             learning_rate=args.learning_rate, num_generations=args.num_generations,
             max_completion_length=args.max_completion_length, token_budget=args.token_budget,
             gradient_accumulation_steps=args.grad_accum, max_staleness=args.max_staleness,
             chat_template_kwargs={"enable_thinking": args.thinking}, bf16=cuda, use_cpu=not cuda,
             gradient_checkpointing=cuda, torch_compile=args.torch_compile,
-            activation_memory_budget=args.activation_memory_budget, flex_attention_backend=args.flex_attention_backend,
+            activation_memory_budget=args.activation_memory_budget,
+            flex_attention_backend=args.flex_attention_backend,
             save_strategy="no", report_to="none",
             logging_steps=1, seed=args.seed,
         )
-        trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=rows, args=config)
+        trainer = AsyncGRPOTrainer(model=args.model, reward_funcs=accuracy_reward, train_dataset=rows,
+                                   args=config)
         trainer.train()
         trainer.save_model(args.output_dir)
     finally:

@@ -55,11 +55,14 @@ def failed_call(message: dict) -> bool:
     return message["role"] == "tool" and str(message.get("content", "")).startswith("Error:")
 
 
-def reached_target(completions: list[list[dict]], target: list[int], max_step: list[int], **kwargs) -> list[float]:
+def reached_target(
+    completions: list[list[dict]], target: list[int], max_step: list[int], **kwargs
+) -> list[float]:
     """1.0 when the last counter value the tool returned is the target and no step exceeded max_step."""
     rewards = []
     for messages, goal, limit in zip(completions, target, max_step):
-        steps = [call["function"]["arguments"].get("step") for m in messages for call in m.get("tool_calls", [])]
+        steps = [call["function"]["arguments"].get("step")
+                 for m in messages for call in m.get("tool_calls", [])]
         values = [m["content"] for m in messages if m["role"] == "tool" and not failed_call(m)]
         within = all(isinstance(s, int) and s <= limit for s in steps)
         rewards.append(float(within and bool(values) and values[-1] == str(goal)))
@@ -73,7 +76,8 @@ def tool_error_penalty(completions: list[list[dict]], **kwargs) -> list[float]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=at_least(1), default=30)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--output-dir", default="asyncgrpo-tools")
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             tools=[increment],
             args=AsyncGRPOConfig(
                 output_dir=args.output_dir, vllm_server_base_url=server.url, max_steps=args.max_steps,
-                learning_rate=2e-4, num_generations=8, max_completion_length=48, max_tool_calling_iterations=8,
+                learning_rate=2e-4, num_generations=8, max_completion_length=48,
+                max_tool_calling_iterations=8,
                 seed=args.seed, bf16=False, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
                 report_to="none", logging_steps=1,
             ),

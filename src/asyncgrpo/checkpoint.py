@@ -38,7 +38,8 @@ class RolloutState:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RolloutState.{name} must be a non-negative int, got {value!r}")
         above = self.trained_above
-        if not all(isinstance(p, int) and not isinstance(p, bool) and p > self.trained_position for p in above):
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p > self.trained_position
+                   for p in above):
             raise ValueError(
                 f"RolloutState.trained_above must hold ints above trained_position={self.trained_position}, "
                 f"got {list(above)!r}"
@@ -46,7 +47,8 @@ class RolloutState:
         object.__setattr__(self, "trained_above", tuple(sorted(set(above))))
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "trained_above": list(self.trained_above)}, indent=2, sort_keys=True) + "\n"
+        return json.dumps({**asdict(self), "trained_above": list(self.trained_above)}, indent=2,
+                          sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str = ROLLOUT_STATE_FILE) -> RolloutState:
@@ -54,7 +56,9 @@ class RolloutState:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{source} is not valid JSON ({exc}); delete it to restart the prompt stream") from exc
+            raise ValueError(
+                f"{source} is not valid JSON ({exc}); delete it to restart the prompt stream"
+            ) from exc
         keys = ("trained_position", "model_version")
         missing = [k for k in keys if k not in data] if isinstance(data, dict) else list(keys)
         if missing:

@@ -27,7 +27,8 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",
         help="Train the bundled tiny model on arithmetic with RL and show held-out accuracy before/after.",
-        description="Start the embedded server, train asyncgrpo/tiny-chat with AsyncGRPOTrainer, report accuracy.",
+        description="Start the embedded server, train asyncgrpo/tiny-chat with AsyncGRPOTrainer, "
+                    "report accuracy.",
     )
     from asyncgrpo.demo import add_arguments
 

@@ -186,7 +186,8 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     gradient_checkpointing: bool | None = field(
         default=None,
-        metadata={"help": "Trade compute for memory. None (the default) means True.", "nargs": "?", "const": True},
+        metadata={"help": "Trade compute for memory. None (the default) means True.", "nargs": "?",
+                  "const": True},
     )
     bf16: bool | None = field(
         default=None,
@@ -197,23 +198,26 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     ignore_data_skip: bool = field(
         default=True,
-        metadata={"help": "Always True: resuming uses rollout_state.json, not the Trainer's skip-and-replay."},
+        metadata={"help": "Always True: resuming uses rollout_state.json, not the Trainer's "
+                  "skip-and-replay."},
     )
     report_to: None | str | list[str] = field(
         default="none",
-        metadata={"help": "Integrations to report logs to ('none' by default, 'all' for every installed one)."},
+        metadata={"help": "Integrations to report logs to ('none' by default, 'all' for every installed "
+                  "one)."},
     )
 
     # -- model -------------------------------------------------------------------------------------
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Keyword arguments for from_pretrained when the model is a path or id (JSON string ok)."},
+        metadata={"help": "Keyword arguments for from_pretrained when the model is a path or id "
+                  "(JSON string ok)."},
     )
     dtype: str = field(
         default="float32",
         metadata={
-            "help": "dtype the weights are loaded in: 'auto', 'bfloat16', 'float16' or 'float32' (default, the "
-            "training-inference mismatch is sensitive to the trainer's precision).",
+            "help": "dtype the weights are loaded in: 'auto', 'bfloat16', 'float16' or 'float32' (default, "
+            "the training-inference mismatch is sensitive to the trainer's precision).",
             "choices": list(DTYPES),
         },
     )
@@ -223,15 +227,16 @@ class AsyncGRPOConfig(TrainingArguments):
     activation_memory_budget: float | None = field(
         default=None,
         metadata={
-            "help": "With torch_compile: recompute selectively instead of whole layers, keeping at most this "
-            "fraction (0, 1] of the activation memory (e.g. 0.5); whole-layer gradient_checkpointing is then off."
+            "help": "With torch_compile: recompute selectively instead of whole layers, keeping at "
+            "most this fraction (0, 1] of the activation memory (e.g. 0.5); whole-layer "
+            "gradient_checkpointing is then off."
         },
     )
     flex_attention_backend: str = field(
         default="triton",
         metadata={
-            "help": "Tree attention kernels on CUDA: 'triton' (FlexAttention's own) or 'flash' (its FlashAttention-4 "
-            "backend: the flash-attn-4 package, a Hopper or Blackwell GPU, torch_compile).",
+            "help": "Tree attention kernels on CUDA: 'triton' (FlexAttention's own) or 'flash' (its "
+            "FlashAttention-4 backend: the flash-attn-4 package, a Hopper or Blackwell GPU, torch_compile).",
             "choices": list(FLEX_BACKENDS),
         },
     )
@@ -244,7 +249,9 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # -- generation --------------------------------------------------------------------------------
-    num_generations: int = field(default=8, metadata={"help": "Rollouts sampled per prompt (group size, >= 2)."})
+    num_generations: int = field(
+        default=8, metadata={"help": "Rollouts sampled per prompt (group size, >= 2)."}
+    )
     max_completion_length: int = field(
         default=2048, metadata={"help": "Maximum tokens generated per sampling request (per turn)."}
     )
@@ -256,7 +263,8 @@ class AsyncGRPOConfig(TrainingArguments):
     top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens; 0 disables top-k."})
     min_p: float | None = field(
         default=None,
-        metadata={"help": "Minimum probability relative to the most likely token, in [0, 1]; needs top_k > 0."},
+        metadata={"help": "Minimum probability relative to the most likely token, in [0, 1]; needs "
+                  "top_k > 0."},
     )
     repetition_penalty: float = field(
         default=1.0, metadata={"help": "Sampler repetition penalty; only 1.0 (none): the trainer's log-probs "
@@ -272,7 +280,8 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     tool_call_timeout: float = field(
         default=300.0,
-        metadata={"help": "Seconds one tool call may run before it is reported to the model as a tool error."},
+        metadata={"help": "Seconds one tool call may run before it is reported to the model as a tool "
+                  "error."},
     )
 
     # -- inference server --------------------------------------------------------------------------
@@ -290,13 +299,13 @@ class AsyncGRPOConfig(TrainingArguments):
 
     vllm_server_restart_timeout: float = field(
         default=0.0,
-        metadata={"help": "Seconds to wait for a server that stops answering during training to come back (restarted "
-                  "by a supervisor); 0: the run stops after the requests' retries (about 20 s)."},
+        metadata={"help": "Seconds to wait for a server that stops answering during training to come back "
+                  "(restarted by a supervisor); 0: the run stops after the requests' retries (about 20 s)."},
     )
     vllm_server_api_key: str | None = field(
         default=None,
-        metadata={"help": "The server's API key, sent as a bearer token by the trainer and the rollout process; "
-                  "None reads the VLLM_API_KEY environment variable."},
+        metadata={"help": "The server's API key, sent as a bearer token by the trainer and the rollout "
+                  "process; None reads the VLLM_API_KEY environment variable."},
     )
 
     # -- loss --------------------------------------------------------------------------------------
@@ -395,6 +404,7 @@ class AsyncGRPOConfig(TrainingArguments):
     def __str__(self) -> str:
         text = super().__str__()
         key = self.vllm_server_api_key
-        return text.replace(f"vllm_server_api_key={key},", f"vllm_server_api_key={_MASKED_KEY},") if key else text
+        return (text.replace(f"vllm_server_api_key={key},", f"vllm_server_api_key={_MASKED_KEY},")
+                if key else text)
 
     __repr__ = __str__

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncgrpo.config")
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-FLEX_BACKENDS = ("triton", "flash")  # flex_attention_backend: FlexAttention's Triton kernels, or FlashAttention-4
+# flex_attention_backend: FlexAttention's Triton kernels, or FlashAttention-4
+FLEX_BACKENDS = ("triton", "flash")
 _TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -77,7 +78,8 @@ def resolve_defaults(args: AsyncGRPOConfig) -> None:
     if "activation_checkpointing" in _TRAINING_ARGUMENT_FIELDS:  # newer transformers: the new name
         if args.activation_checkpointing is None:
             # gradient_checkpointing is this config's own field (the reference's name): no deprecation warning
-            args.activation_checkpointing = True if args.gradient_checkpointing is None else args.gradient_checkpointing
+            args.activation_checkpointing = (True if args.gradient_checkpointing is None
+                                             else args.gradient_checkpointing)
             args.gradient_checkpointing = None
     elif args.gradient_checkpointing is None:
         args.gradient_checkpointing = True
@@ -137,23 +139,26 @@ def _require_server_url(url: str) -> None:
 def validate(args: AsyncGRPOConfig) -> None:
     """Every field's rules, in declaration order: a broken rule raises, a no-op combination warns."""
     # two of TrainingArguments' fields that it takes as they come
-    _require(args.learning_rate >= 0, f"learning_rate={args.learning_rate} must be >= 0: a negative one climbs the "
-             "loss; use a small positive value such as 1e-6 (0 trains nothing)")
+    _require(args.learning_rate >= 0, f"learning_rate={args.learning_rate} must be >= 0: a negative one "
+             "climbs the loss; use a small positive value such as 1e-6 (0 trains nothing)")
     _require(args.gradient_accumulation_steps >= 1,
-             f"gradient_accumulation_steps={args.gradient_accumulation_steps} must be >= 1 (micro-batches per step)")
+             f"gradient_accumulation_steps={args.gradient_accumulation_steps} must be >= 1 "
+             "(micro-batches per step)")
     _require(args.dtype in DTYPES, f"dtype={args.dtype!r} is not one of {DTYPES}; pick one of them")
     budget = args.activation_memory_budget
     _require(budget is None or 0 < budget <= 1,
-             f"activation_memory_budget={budget} must be in (0, 1] (the fraction of activation memory the compiled "
-             "layers keep; e.g. 0.5), or None for whole-layer gradient_checkpointing")
+             f"activation_memory_budget={budget} must be in (0, 1] (the fraction of activation memory the "
+             "compiled layers keep; e.g. 0.5), or None for whole-layer gradient_checkpointing")
     _require(budget is None or bool(args.torch_compile),
-             f"activation_memory_budget={budget} is the compiled layers' recomputation: set torch_compile=True as "
-             "well, or leave activation_memory_budget=None for whole-layer gradient_checkpointing")
+             f"activation_memory_budget={budget} is the compiled layers' recomputation: set "
+             "torch_compile=True as well, or leave activation_memory_budget=None for whole-layer "
+             "gradient_checkpointing")
     _require(args.flex_attention_backend in FLEX_BACKENDS,
-             f"flex_attention_backend={args.flex_attention_backend!r} is not one of {FLEX_BACKENDS}; pick one of them")
+             f"flex_attention_backend={args.flex_attention_backend!r} is not one of {FLEX_BACKENDS}; "
+             "pick one of them")
     _require(args.flex_attention_backend != "flash" or bool(args.torch_compile),
-             "flex_attention_backend='flash' runs in the compiled layers: set torch_compile=True as well, or leave "
-             "flex_attention_backend='triton'")
+             "flex_attention_backend='flash' runs in the compiled layers: set torch_compile=True as well, or "
+             "leave flex_attention_backend='triton'")
     _require(
         args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
         f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",
@@ -163,24 +168,27 @@ def validate(args: AsyncGRPOConfig) -> None:
         f"num_generations={args.num_generations}: a group needs at least 2 rollouts to compute an advantage "
         f"(advantages are standardised within the group); set num_generations >= 2",
     )
-    _require(args.max_completion_length >= 1, f"max_completion_length={args.max_completion_length} must be >= 1")
+    _require(args.max_completion_length >= 1,
+             f"max_completion_length={args.max_completion_length} must be >= 1")
     _require(
         args.temperature > 0,
         f"temperature={args.temperature} must be > 0: importance ratios compare the trainer's probabilities "
         f"with the sampler's sampling distribution, which greedy decoding (temperature 0) does not have; use "
         f"a positive temperature such as 1.0",
     )
-    _require(0 < args.top_p <= 1, f"top_p={args.top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
+    _require(0 < args.top_p <= 1,
+             f"top_p={args.top_p} must be in (0, 1]; use 1.0 to disable nucleus sampling")
     _require(args.top_k >= 0, f"top_k={args.top_k} must be >= 0; use 0 (not -1) to disable top-k")
     _require(
-        args.min_p is None or 0 <= args.min_p <= 1, f"min_p={args.min_p} must be in [0, 1], or None to disable it"
+        args.min_p is None or 0 <= args.min_p <= 1,
+        f"min_p={args.min_p} must be in [0, 1], or None to disable it",
     )
     truncation = [f"top_p={args.top_p}"] if args.top_p < 1 else []
     truncation += [f"min_p={args.min_p}"] if args.min_p else []
     _require(
         not truncation or args.top_k > 0,
-        f"{' and '.join(truncation)} needs top_k > 0 (got top_k={args.top_k}): the trainer renormalizes over the "
-        f"sampler's candidate set, which is only bounded with top-k; set top_k (e.g. 50) as well",
+        f"{' and '.join(truncation)} needs top_k > 0 (got top_k={args.top_k}): the trainer renormalizes over "
+        "the sampler's candidate set, which is only bounded with top-k; set top_k (e.g. 50) as well",
     )
     _require(
         args.repetition_penalty == 1.0,
@@ -194,17 +202,19 @@ def validate(args: AsyncGRPOConfig) -> None:
     )
     _require(
         args.tool_call_timeout > 0,
-        f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise hang "
-        "its rollout forever); use a large value for slow tools",
+        f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise "
+        "hang its rollout forever); use a large value for slow tools",
     )
     _require_server_url(args.vllm_server_base_url)
-    _require(args.vllm_server_timeout > 0, f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
+    _require(args.vllm_server_timeout > 0,
+             f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
     _require(args.vllm_server_restart_timeout >= 0,
-             f"vllm_server_restart_timeout={args.vllm_server_restart_timeout} must be >= 0 seconds (0: do not wait)")
+             f"vllm_server_restart_timeout={args.vllm_server_restart_timeout} must be >= 0 seconds "
+             "(0: do not wait)")
     _require(
         0 < args.epsilon < 1,
-        f"epsilon={args.epsilon} must be in (0, 1) so that the trust region [1 - epsilon, 1 + epsilon_high] is "
-        f"non-empty and positive",
+        f"epsilon={args.epsilon} must be in (0, 1) so that the trust region [1 - epsilon, 1 + epsilon_high] "
+        "is non-empty and positive",
     )
     _require(
         args.epsilon_high is None or args.epsilon_high > 0,
@@ -213,9 +223,9 @@ def validate(args: AsyncGRPOConfig) -> None:
     c_min, c_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
     _require(
         0 <= c_min < 1 < c_max,
-        f"vllm_importance_sampling_clip_min={c_min} and vllm_importance_sampling_clip_max={c_max} must satisfy "
-        f"0 <= clip_min < 1 < clip_max: tokens whose ratio falls outside are masked, so an on-policy ratio "
-        f"of 1 must be inside (defaults: 0.5 and 5.0)",
+        f"vllm_importance_sampling_clip_min={c_min} and vllm_importance_sampling_clip_max={c_max} must "
+        "satisfy 0 <= clip_min < 1 < clip_max: tokens whose ratio falls outside are masked, so an on-policy "
+        "ratio of 1 must be inside (defaults: 0.5 and 5.0)",
     )
     _require(args.num_sampler_logprobs >= 0, f"num_sampler_logprobs={args.num_sampler_logprobs} must be >= 0")
     if args.score_centering and args.num_sampler_logprobs == 0:
@@ -228,7 +238,8 @@ def validate(args: AsyncGRPOConfig) -> None:
         f"token_budget={args.token_budget} must be >= 1, or None to use the server's max_model_len",
     )
     _require(
-        args.max_concurrent_rollouts >= 1, f"max_concurrent_rollouts={args.max_concurrent_rollouts} must be >= 1"
+        args.max_concurrent_rollouts >= 1,
+        f"max_concurrent_rollouts={args.max_concurrent_rollouts} must be >= 1",
     )
     _require(
         args.max_staleness >= 0,

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=at_least(1), default=60, help="Optimizer steps to train.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning-rate", type=at_least(0, float), default=2e-4)
-    parser.add_argument("--num-generations", type=at_least(2), default=8, help="Completions per prompt (a group).")
+    parser.add_argument("--num-generations", type=at_least(2), default=8,
+                        help="Completions per prompt (a group).")
     parser.add_argument("--num-train-prompts", type=at_least(1), default=2000)
     parser.add_argument("--num-eval-prompts", type=at_least(1), default=200)
     parser.add_argument("--eval-samples", type=at_least(1), default=4, help="Samples per held-out question.")
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=at_least(0), default=4)
     parser.add_argument("--server-url", type=server_url, default=None,
                         help="Use this running server instead of starting one.")
-    parser.add_argument("--model", default=MODEL_ID, help="Model id, folder or .gguf file (default: the bundled tiny model).")
+    parser.add_argument("--model", default=MODEL_ID,
+                        help="Model id, folder or .gguf file (default: the bundled tiny model).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
             processing_class=tokenizer,
             callbacks=[progress],
         )
-        trainer.remove_callback(PrinterCallback)  # the progress bar shows the run; metrics.jsonl has every log
+        # the progress bar shows the run; metrics.jsonl has every log
+        trainer.remove_callback(PrinterCallback)
         trainer.train()
         after = evaluator()
         progress.close(after, trainer.state.global_step)
@@ -110,13 +113,14 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     wall_s = time.perf_counter() - started
-    result = {"accuracy_before": before.accuracy, "accuracy_after": after.accuracy, "boxed_before": before.boxed,
-              "boxed_after": after.boxed, "steps": args.max_steps, "wall_s": wall_s, "seed": args.seed,
-              "eval_prompts": len(eval_rows), "eval_samples": args.eval_samples}
+    result = {"accuracy_before": before.accuracy, "accuracy_after": after.accuracy,
+              "boxed_before": before.boxed, "boxed_after": after.boxed, "steps": args.max_steps,
+              "wall_s": wall_s, "seed": args.seed, "eval_prompts": len(eval_rows),
+              "eval_samples": args.eval_samples}
     (out / "accuracy.json").write_text(json.dumps(result, indent=2))
     gain = (after.accuracy - before.accuracy) * 100
-    print(f"held-out accuracy: {before.accuracy:.1%} -> {after.accuracy:.1%} ({gain:+.1f} points) in {wall_s:.0f}s;"
-          f" answers boxed: {before.boxed:.1%} -> {after.boxed:.1%}")
+    print(f"held-out accuracy: {before.accuracy:.1%} -> {after.accuracy:.1%} ({gain:+.1f} points) in "
+          f"{wall_s:.0f}s; answers boxed: {before.boxed:.1%} -> {after.boxed:.1%}")
     plot_path = plot(out / "metrics.jsonl", out / "reward_accuracy.png")
     print(f"metrics: {out / 'metrics.jsonl'}" + (f"\nplot: {plot_path}" if plot_path else ""))
     return 0
@@ -136,8 +140,8 @@ class HeldOutAccuracy:
     """
 
     def __init__(
-        self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int, api_key: str | None = None,
-        max_tokens: int = 48, temperature: float = 1.0,
+        self, url: str, tokenizer: Any, rows: list[dict], *, samples: int, seed: int,
+        api_key: str | None = None, max_tokens: int = 48, temperature: float = 1.0,
     ) -> None:
         self.url = url
         self.api_key = api_key
@@ -160,8 +164,8 @@ class HeldOutAccuracy:
             return float(arithmetic.is_correct(text, row["answer"]))
 
         accuracy = evaluate(
-            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed, max_tokens=self.max_tokens,
-            temperature=self.temperature, score=score, api_key=self.api_key,
+            self.url, self.tokenizer, self.rows, samples=self.samples, seed=self.seed,
+            max_tokens=self.max_tokens, temperature=self.temperature, score=score, api_key=self.api_key,
         )
         return HeldOut(accuracy, sum(boxed) / max(1, len(boxed)))
 
@@ -169,7 +173,8 @@ class HeldOutAccuracy:
 class DemoProgress(TrainerCallback):
     """A progress bar with the reward, metrics to JSONL, and held-out accuracy every few steps."""
 
-    def __init__(self, path: Path, evaluator: HeldOutAccuracy, eval_every: int, max_steps: int, before: HeldOut) -> None:
+    def __init__(self, path: Path, evaluator: HeldOutAccuracy, eval_every: int, max_steps: int,
+                 before: HeldOut) -> None:
         from tqdm.auto import tqdm
 
         self.file = open(path, "w")  # noqa: SIM115 -- open for the whole run, closed in close()
@@ -193,7 +198,8 @@ class DemoProgress(TrainerCallback):
         self._write({"step": state.global_step, **logs})
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.eval_every and state.global_step % self.eval_every == 0 and state.global_step < state.max_steps:
+        if (self.eval_every and state.global_step % self.eval_every == 0
+                and state.global_step < state.max_steps):
             result = self.evaluator()
             self.accuracy = result.accuracy
             self._write_held_out(state.global_step, result)

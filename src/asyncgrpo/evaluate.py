@@ -97,7 +97,8 @@ async def evaluate_async(
                     rollout = await generate(prompt, list(tools))
                     return float(score(row, rollout))
                 rollout, env_reward, _ = await run_in_environment(
-                    pool, row, prompt, list(tools), generate=generate, executor=executor, record=lambda _: None
+                    pool, row, prompt, list(tools), generate=generate, executor=executor,
+                    record=lambda _: None,
                 )
                 if env_reward is not None:
                     return float(env_reward[1])

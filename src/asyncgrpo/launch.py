@@ -71,7 +71,8 @@ class EmbeddedServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "w")  # noqa: SIM115 -- the child writes to it; closed in stop()
         out = self._log_file or subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
         self._wait_ready()
         return self
 

@@ -12,9 +12,10 @@ renders every earlier turn as it was written.
 
 Parsing the tool calls of a generated turn is `asyncgrpo.data.tool_calls`.
 
-Callers: the trainer runs `prepare_chat_template(processing_class, tools_enabled=..., chat_template_kwargs=...)`
-once, before the rollout process is spawned (the switched template travels with the pickled tokenizer);
-the tool loop builds each turn's assistant message with `parse_assistant_message`.
+Callers: the trainer runs
+`prepare_chat_template(processing_class, tools_enabled=..., chat_template_kwargs=...)` once, before
+the rollout process is spawned (the switched template travels with the pickled tokenizer); the tool
+loop builds each turn's assistant message with `parse_assistant_message`.
 """
 
 from __future__ import annotations
@@ -334,9 +335,10 @@ def prepare_chat_template(
             "reasoning, never re-render an earlier turn differently once it is no longer the last)."
         )
     logger.warning(
-        "tools are enabled and the chat template of %r is not prefix-preserving (%s); switched to the bundled "
-        "%s training template %s, which renders the prompt, tools and tool calls the same way but keeps "
-        "earlier turns unchanged. Pass a processing_class with your own chat_template to choose otherwise.",
+        "tools are enabled and the chat template of %r is not prefix-preserving (%s); switched to the "
+        "bundled %s training template %s, which renders the prompt, tools and tool calls the same way "
+        "but keeps earlier turns unchanged. Pass a processing_class with your own chat_template to "
+        "choose otherwise.",
         name,
         reason,
         family,

@@ -82,9 +82,10 @@ def check_prompt(prompt: Any, where: str = "prompt") -> None:
         media = _media_in(message["content"])
         if media is not None:
             raise ValueError(
-                f"{where}[{i}] holds {media} content; images are not supported yet: prompts must be text only "
-                f"(vision-language checkpoints train their text model on text-only prompts). Keep the text parts, "
-                f"e.g. {{'role': 'user', 'content': [{{'type': 'text', 'text': '...'}}]}}, or drop the rows with images"
+                f"{where}[{i}] holds {media} content; images are not supported yet: prompts must be text "
+                "only (vision-language checkpoints train their text model on text-only prompts). Keep the "
+                f"text parts, e.g. {{'role': 'user', 'content': [{{'type': 'text', 'text': '...'}}]}}, or "
+                "drop the rows with images"
             )
 
 
@@ -162,11 +163,14 @@ def validate_prompt_dataset(
     check_prompt(first[PROMPT_COLUMN], where="train_dataset[0]['prompt']")
 
 
-def _check_environment_column(dataset: Any, first: Mapping[str, Any], columns: list[str], names: set[str]) -> None:
+def _check_environment_column(
+    dataset: Any, first: Mapping[str, Any], columns: list[str], names: set[str]
+) -> None:
     if ENVIRONMENT_COLUMN not in columns:
         raise ValueError(
-            f"environment_factory is a dict of {len(names)} environments ({sorted(names)}), but train_dataset has no "
-            f"{ENVIRONMENT_COLUMN!r} column to choose one per row; add it, holding one of those names in every row"
+            f"environment_factory is a dict of {len(names)} environments ({sorted(names)}), but "
+            f"train_dataset has no {ENVIRONMENT_COLUMN!r} column to choose one per row; add it, holding one "
+            "of those names in every row"
         )
     if isinstance(dataset, Sequence):
         values = [row.get(ENVIRONMENT_COLUMN) for row in dataset]
@@ -178,8 +182,8 @@ def _check_environment_column(dataset: Any, first: Mapping[str, Any], columns: l
     if unknown:
         index = next(i for i, v in enumerate(values) if v not in names)
         raise ValueError(
-            f"train_dataset[{index}][{ENVIRONMENT_COLUMN!r}] = {values[index]!r} does not name an environment "
-            f"(unknown values: {', '.join(unknown[:5])}); environment_factory has {sorted(names)}"
+            f"train_dataset[{index}][{ENVIRONMENT_COLUMN!r}] = {values[index]!r} does not name an "
+            f"environment (unknown values: {', '.join(unknown[:5])}); environment_factory has {sorted(names)}"
         )
 
 
@@ -240,7 +244,8 @@ def iter_prompts(
     """
     if start_position < 0:
         raise ValueError(f"start_position must be >= 0, got {start_position}")
-    rows = _iter_rows(dataset, seed=seed, start_position=start_position, shuffle=shuffle, max_epochs=max_epochs)
+    rows = _iter_rows(dataset, seed=seed, start_position=start_position, shuffle=shuffle,
+                      max_epochs=max_epochs)
     epoch, accepted, seen, whole_epoch = -1, 0, 0, False
     for position, ep, row_index, row, epoch_start in rows:
         if position in skip_positions:

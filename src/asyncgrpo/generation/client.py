@@ -58,10 +58,11 @@ class ServerRestartedError(RuntimeError):
 
     def __init__(self, base_url: str, seen: str) -> None:
         super().__init__(
-            f"the inference server at {base_url} {seen} (weight version {INITIAL_WEIGHT_VERSION!r}, the weights it "
-            "loaded at start): it restarted during training and lost the trained weights. Nothing it generated "
-            "from them is trained on. Resume training from the last checkpoint (`trainer.train(resume_from_checkpoint="
-            "True)`): a run pushes its weights into the server before it generates"
+            f"the inference server at {base_url} {seen} (weight version {INITIAL_WEIGHT_VERSION!r}, the "
+            "weights it loaded at start): it restarted during training and lost the trained weights. Nothing "
+            "it generated from them is trained on. Resume training from the last checkpoint "
+            "(`trainer.train(resume_from_checkpoint=True)`): a run pushes its weights into the server before "
+            "it generates"
         )
         self.base_url = base_url
 
@@ -88,8 +89,8 @@ class GenerationClient(ServerTransport):
                          backoff_s=backoff_s, on_retry=on_retry, headers=headers, outage_s=outage_s)
         self.info: ServerInfo | None = None
         self._warned_top_logprobs = False
-        # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it restarted,
-        # and are asked again once the trainer has pushed its weights back (see generate)
+        # a trainer has pushed its weights: base-model tokens from the server's initial weights mean it
+        # restarted, and are asked again once the trainer has pushed its weights back (see generate)
         self.expects_pushed_weights = False
         self._push_wait: asyncio.Lock | None = None  # one waiter polls the server at a time
         self._said_restart = False
@@ -199,18 +200,21 @@ class GenerationClient(ServerTransport):
                 try:
                     version = await self.weight_info()
                 except (ServerRequestError, ProtocolError) as exc:  # no /weight_info to wait on
-                    raise ServerRestartedError(self.base_url, "generated tokens with weights no trainer pushed") from exc
+                    raise ServerRestartedError(
+                        self.base_url, "generated tokens with weights no trainer pushed"
+                    ) from exc
                 if version != INITIAL_WEIGHT_VERSION:
                     if self._said_restart:
-                        logger.warning("the inference server at %s serves pushed weights again (%s): generation goes "
-                                       "on", self.base_url, version)
+                        logger.warning("the inference server at %s serves pushed weights again (%s): "
+                                       "generation goes on", self.base_url, version)
                         self._said_restart = False
                     return
                 if not self._said_restart:
                     logger.warning(
-                        "the inference server at %s generated tokens with its initial weights (%r): it restarted and "
-                        "lost the trained weights. Those tokens are dropped; waiting up to %.0f s for the trainer to "
-                        "push its weights again", self.base_url, INITIAL_WEIGHT_VERSION, self.timeout_s,
+                        "the inference server at %s generated tokens with its initial weights (%r): it "
+                        "restarted and lost the trained weights. Those tokens are dropped; waiting up to "
+                        "%.0f s for the trainer to push its weights again",
+                        self.base_url, INITIAL_WEIGHT_VERSION, self.timeout_s,
                     )
                     self._said_restart = True
                 if time.monotonic() > deadline:
@@ -230,14 +234,14 @@ class GenerationClient(ServerTransport):
         info = self.info or await self.detect()
         if params.return_sampling_mask and not info.supports_sampling_mask:
             raise ValueError(
-                f"candidate sets (top_k/top_p/min_p) need a server that returns sampling masks; {self.base_url} "
-                "does not: start vLLM >= 0.28 with --return-sampling-mask --enable-scale-out "
-                "(VLLM_USE_V2_MODEL_RUNNER=1 if it refuses the flag)"
+                "candidate sets (top_k/top_p/min_p) need a server that returns sampling masks; "
+                f"{self.base_url} does not: start vLLM >= 0.28 with --return-sampling-mask "
+                "--enable-scale-out (VLLM_USE_V2_MODEL_RUNNER=1 if it refuses the flag)"
             )
         if info.supports_sampling_mask and (params.temperature <= 0 or params.top_k <= 0):
             raise ValueError(
-                f"the server runs with --return-sampling-mask, which rejects requests unless temperature > 0 and "
-                f"top_k > 0 (got temperature={params.temperature}, top_k={params.top_k}); set top_k (and "
+                "the server runs with --return-sampling-mask, which rejects requests unless temperature > 0 "
+                f"and top_k > 0 (got temperature={params.temperature}, top_k={params.top_k}); set top_k (and "
                 "temperature > 0) or restart the server without --return-sampling-mask"
             )
         k = params.logprobs
@@ -262,8 +266,8 @@ class GenerationClient(ServerTransport):
         if k and out.top_logprobs is None and not self._warned_top_logprobs:
             self._warned_top_logprobs = True
             logger.warning(
-                "/v1/completions keys top log-probs by token text, which cannot be mapped back to ids; top_logprobs "
-                "are unavailable (start vLLM with --enable-scale-out for the token-id route, or "
+                "/v1/completions keys top log-probs by token text, which cannot be mapped back to ids; "
+                "top_logprobs are unavailable (start vLLM with --enable-scale-out for the token-id route, or "
                 "--return-tokens-as-token-ids)"
             )
         return out
@@ -323,9 +327,10 @@ class GenerationClient(ServerTransport):
         /shutdown_weight_transfer_engine drops its weight-transfer group and its hold, so the next trainer
         need not wait out the lease. One attempt per request, `timeout_s` each. False when there was
         nothing to release (another holder, none, or vLLM, which has no lease)."""
-        status, text = await self._request("GET", "/lease", pass_statuses=frozenset({404}), retry_transient=False,
-                                           timeout_s=timeout_s)
-        if status == 404 or not (isinstance(body := self._json("/lease", text), dict) and body.get("is_holder")):
+        status, text = await self._request("GET", "/lease", pass_statuses=frozenset({404}),
+                                           retry_transient=False, timeout_s=timeout_s)
+        if status == 404 or not (isinstance(body := self._json("/lease", text), dict)
+                                 and body.get("is_holder")):
             return False
         await self._post_json("/shutdown_weight_transfer_engine", retry_transient=False, timeout_s=timeout_s)
         return True

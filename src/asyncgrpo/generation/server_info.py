@@ -98,7 +98,8 @@ def parse_server_device(body: dict[str, Any]) -> ServerDevice:
         accepts_ipc=accepts_ipc,
         embedded=isinstance(embedded, dict),
         insecure_serialization=str(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")).lower() in ("1", "true"),
-        pid=embedded.get("pid") if isinstance(embedded, dict) and isinstance(embedded.get("pid"), int) else None,
+        pid=(embedded.get("pid") if isinstance(embedded, dict) and isinstance(embedded.get("pid"), int)
+             else None),
     )
 
 

@@ -69,8 +69,8 @@ class ServerRequestError(RuntimeError):
         elif status == 403 and path.startswith(GENERATE_PATH):
             hint = " (start vLLM with --enable-scale-out)"
         elif status == 401:
-            hint = (" (the server wants an API key: set `vllm_server_api_key`, or the VLLM_API_KEY environment "
-                    "variable, to the key given to its --api-key)")
+            hint = (" (the server wants an API key: set `vllm_server_api_key`, or the VLLM_API_KEY "
+                    "environment variable, to the key given to its --api-key)")
         super().__init__(f"{method} {path} -> HTTP {status}: {message}{hint}")
 
 
@@ -115,7 +115,8 @@ class _RetryLog:
     def flush(self) -> None:
         """Log the count of retries not shown yet (at close)."""
         if self._unshown:
-            logger.warning("%d more retries not shown in the last %.0fs", self._unshown, time.monotonic() - self._last)
+            logger.warning("%d more retries not shown in the last %.0fs", self._unshown,
+                           time.monotonic() - self._last)
             self._unshown = 0
 
 
@@ -208,10 +209,12 @@ class ServerTransport:
                 reason = f"no answer within {timeout_s:.0f}s"
             except _TRANSPORT_ERRORS as exc:
                 if not retry_transient or self._retries_spent(attempt, started):
-                    tried = f" (after {attempt} retries over {time.monotonic() - started:.0f}s)" if attempt else ""
+                    tried = (f" (after {attempt} retries over {time.monotonic() - started:.0f}s)"
+                             if attempt else "")
                     raise ServerConnectionError(
                         f"{method} {url} failed: {connection_failure(exc)}{tried}. The inference server at "
-                        f"{self.base_url} does not answer: if it stopped, its log says why; " + self._after_outage()
+                        f"{self.base_url} does not answer: if it stopped, its log says why; "
+                        + self._after_outage()
                     ) from exc
                 reason = connection_failure(exc)
             else:
@@ -221,7 +224,8 @@ class ServerTransport:
                         logger.warning("the inference server at %s answers again", self.base_url)
                     return status, text
                 message = error_message(text)
-                if status < 500 or not retry_transient or attempt >= self.max_retries:  # it answers: no outage
+                # it answers: no outage
+                if status < 500 or not retry_transient or attempt >= self.max_retries:
                     raise ServerRequestError(method, path, status, message)
                 reason = f"HTTP {status}: {message}"
             attempt += 1
@@ -229,13 +233,14 @@ class ServerTransport:
                 1.0 + 0.5 * self._rng.random()
             )
             if attempt <= self.max_retries:
-                self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} in {delay:.2f}s")
+                self._retry_log.warn(f"{method} {path} failed ({reason}); retry {attempt}/{self.max_retries} "
+                                     f"in {delay:.2f}s")
             else:  # the restart window: poll often enough to see the server as soon as it is back
                 away = time.monotonic() - started
                 delay = max(min(delay, OUTAGE_POLL_S, self.outage_s - away), 0.0)
                 self._retry_log.warn(
-                    f"{method} {path} failed ({reason}); the server has not answered for {away:.0f}s, waiting up to "
-                    f"vllm_server_restart_timeout={self.outage_s:g}s for it to come back",
+                    f"{method} {path} failed ({reason}); the server has not answered for {away:.0f}s, "
+                    f"waiting up to vllm_server_restart_timeout={self.outage_s:g}s for it to come back",
                     now_or_never=not self._waiting_for_restart,
                 )
                 self._waiting_for_restart = True
@@ -250,10 +255,10 @@ class ServerTransport:
     def _after_outage(self) -> str:
         """What to do once the server did not come back: the end of a connection error's message."""
         if self.outage_s:
-            return (f"it did not come back within vllm_server_restart_timeout={self.outage_s:g}s. Start it again and "
-                    "resume training from the last checkpoint")
-        return ("start it again and resume training from the last checkpoint, or set `vllm_server_restart_timeout` "
-                "to wait for a server that a supervisor restarts")
+            return (f"it did not come back within vllm_server_restart_timeout={self.outage_s:g}s. Start it "
+                    "again and resume training from the last checkpoint")
+        return ("start it again and resume training from the last checkpoint, or set "
+                "`vllm_server_restart_timeout` to wait for a server that a supervisor restarts")
 
     @staticmethod
     def _json(path: str, text: str) -> Any:
@@ -283,8 +288,9 @@ class ServerTransport:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
-                    f"generation server at {self.base_url} was not ready after {timeout_s:.0f}s (last /health: "
-                    f"{last}); start it (`vllm serve ...` or `asyncgrpo serve MODEL`) or raise `vllm_server_timeout`"
+                    f"generation server at {self.base_url} was not ready after {timeout_s:.0f}s (last "
+                    f"/health: {last}); start it (`vllm serve ...` or `asyncgrpo serve MODEL`) or raise "
+                    "`vllm_server_timeout`"
                 )
             try:
                 async with self._session.get(

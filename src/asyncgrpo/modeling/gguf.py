@@ -37,8 +37,8 @@ GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 CACHE_ENV = "ASYNCGRPO_CACHE_DIR"
 _INSTALL = "pip install 'asyncgrpo[gguf]'"
-_ALTERNATIVES = ("convert the model to a folder of safetensors weights (for example its original checkpoint on the "
-                 "Hugging Face hub) and pass that folder, or serve the GGUF file with vLLM")
+_ALTERNATIVES = ("convert the model to a folder of safetensors weights (for example its original checkpoint "
+                 "on the Hugging Face hub) and pass that folder, or serve the GGUF file with vLLM")
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -82,12 +82,14 @@ def gguf_model_folder(path: str | os.PathLike) -> str:
     """
     file = Path(path).expanduser().resolve()
     if not file.is_file():
-        raise FileNotFoundError(f"the GGUF file {file} does not exist; pass the path of a .gguf file or a model folder")
+        raise FileNotFoundError(f"the GGUF file {file} does not exist; pass the path of a .gguf file or a "
+                                "model folder")
     with open(file, "rb") as f:
         head = f.read(len(GGUF_MAGIC))
     if head != GGUF_MAGIC:
-        raise ValueError(f"{file} is not a GGUF file: it starts with the bytes {head!r}, and a GGUF file starts with "
-                         f"{GGUF_MAGIC!r}; pass a .gguf file (as llama.cpp writes them) or a model folder")
+        raise ValueError(f"{file} is not a GGUF file: it starts with the bytes {head!r}, and a GGUF file "
+                         f"starts with {GGUF_MAGIC!r}; pass a .gguf file (as llama.cpp writes them) or a "
+                         "model folder")
     stat = file.stat()
     key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     folder = cache_dir() / "gguf" / f"{file.stem}-{key}"
@@ -112,7 +114,8 @@ def _convert_once(file: Path, folder: Path) -> bool:
         lock.acquire(timeout=0)
     except Timeout:
         logger.info("%s: another process is converting it into %s; waiting for it", file.name, folder)
-        lock.acquire()  # no timeout: the holder converts (minutes for a large model); the OS frees it if it dies
+        # no timeout: the holder converts (minutes for a large model); the OS frees it if it dies
+        lock.acquire()
     try:
         if folder.is_dir():  # converted by the process that held the lock
             logger.info("%s: reusing its model folder %s", file.name, folder)
@@ -178,8 +181,8 @@ def _convert(file: Path, out: Path) -> None:
     # llama.cpp's head size; transformers' reader leaves some families (qwen3) at their config's default
     head_dim = metadata.get(f"{arch}.attention.key_length")
     if head_dim and getattr(text, "head_dim", None) not in (None, head_dim):
-        logger.info("%s: head_dim %d from attention.key_length (the config's default was %d)", file.name, head_dim,
-                    text.head_dim)
+        logger.info("%s: head_dim %d from attention.key_length (the config's default was %d)", file.name,
+                    head_dim, text.head_dim)
         text.head_dim = head_dim
     kwargs: dict[str, Any] = {}
     try:  # transformers >= 5.2x keeps weights in GGUF blocks unless told to dequantize
@@ -193,9 +196,9 @@ def _convert(file: Path, out: Path) -> None:
     )
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise ValueError(f"{file}: transformers found no weights for {len(missing)} parameters of this {arch} model "
-                         f"({', '.join(missing[:3])}, ...): the file's tensor names are not the ones it maps; "
-                         f"{_ALTERNATIVES}")
+        raise ValueError(f"{file}: transformers found no weights for {len(missing)} parameters of this "
+                         f"{arch} model ({', '.join(missing[:3])}, ...): the file's tensor names are not the "
+                         f"ones it maps; {_ALTERNATIVES}")
     model.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(**where)
     tokenizer.model_max_length = getattr(text, "max_position_embeddings", None) or tokenizer.model_max_length

@@ -15,10 +15,11 @@ Backends:
   backward). Exact, O(T^2) memory: meant for tests and the tiny CPU model.
 
 How the row reaches the layers: the trainer wraps the forward in `tree_attention_context(mask)`;
-`enable_tree_attention` installed forward pre-hooks (on the model and on its base model) that copy the active mask into the model's
-keyword arguments, and transformers passes unknown keyword arguments down to the attention
-function. Gradient checkpointing captures them, so recomputation in the backward pass (possibly in
-another thread, after the context exited) sees the same row. Nothing global outlives the context.
+`enable_tree_attention` installed forward pre-hooks (on the model and on its base model) that copy
+the active mask into the model's keyword arguments, and transformers passes unknown keyword
+arguments down to the attention function. Gradient checkpointing captures them, so recomputation in
+the backward pass (possibly in another thread, after the context exited) sees the same row. Nothing
+global outlives the context.
 The model's own mask creation returns None for an implementation without a registered mask
 function (transformers 5.x `_preprocess_mask_arguments`), so no dense causal mask is ever built.
 """
@@ -59,7 +60,8 @@ TREE_ATTENTION = "asyncgrpo_tree"
 _MASK_KWARG = "tree_mask"
 _HOOK_ATTR = "_asyncgrpo_tree_attention_hook"
 _NOT_PASSED = object()
-_ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("asyncgrpo_tree_mask", default=None)
+_ACTIVE_MASK: contextvars.ContextVar[TreeMask | None] = contextvars.ContextVar("asyncgrpo_tree_mask",
+                                                                                default=None)
 
 
 @dataclass(eq=False)
@@ -99,8 +101,9 @@ class TreeMask:
             raise ValueError(f"TreeMask.deltanet_backend must be one of {DELTA_RULE_BACKENDS}, "
                              f"got {self.deltanet_backend!r}")
         if self.mask_capacity is not None and self.mask_capacity < self.num_tokens:
-            raise ValueError(f"TreeMask.mask_capacity={self.mask_capacity} is below the row's {self.num_tokens} "
-                             "tokens; give at least the longest row's length (the token budget), or None")
+            raise ValueError(f"TreeMask.mask_capacity={self.mask_capacity} is below the row's "
+                             f"{self.num_tokens} tokens; give at least the longest row's length (the token "
+                             "budget), or None")
 
     @classmethod
     def from_row(cls, row: PackedRow, device: torch.device | str | None = None, backend: str = "auto",
@@ -115,18 +118,18 @@ class TreeMask:
         span_end = row.segment_subtree_end[row.segment_ids]
         return cls(position_ids=row.position_ids.to(device), span_end=span_end.to(device), backend=backend,
                    block_size=block_size, segment_parent=row.segment_parent, segment_start=row.segment_start,
-                   segment_len=row.segment_len, deltanet_backend=deltanet_backend, mask_capacity=mask_capacity,
-                   kernel_options=kernel_options)
+                   segment_len=row.segment_len, deltanet_backend=deltanet_backend,
+                   mask_capacity=mask_capacity, kernel_options=kernel_options)
 
     def recurrent_layout(self, conv_width: int) -> RecurrentLayout:
         """The index plan of the row's recurrent layers (`packing/recurrent.py`), cached per width."""
         key = ("recurrent", conv_width)
         if key not in self._cache:
             if self.segment_parent is None:
-                raise ValueError("this TreeMask has no segments, which recurrent (Gated DeltaNet) layers need: "
-                                 "build it with TreeMask.from_row(row, device)")
-            self._cache[key] = RecurrentLayout.build(self.segment_parent, self.segment_start, self.segment_len,
-                                                     conv_width, self.position_ids.device)
+                raise ValueError("this TreeMask has no segments, which recurrent (Gated DeltaNet) layers "
+                                 "need: build it with TreeMask.from_row(row, device)")
+            self._cache[key] = RecurrentLayout.build(self.segment_parent, self.segment_start,
+                                                     self.segment_len, conv_width, self.position_ids.device)
         return self._cache[key]
 
     @property
@@ -201,7 +204,8 @@ def _tree_block_mask(mask: TreeMask, window: int | None) -> BlockMask:
     # every row (new rows change tensor values and sizes, not the traced code).
     span_end, depth = mask.span_end, mask.position_ids
     if mask.mask_capacity is not None:
-        span_end, depth = _static_padded(span_end, mask.mask_capacity), _static_padded(depth, mask.mask_capacity)
+        span_end, depth = (_static_padded(span_end, mask.mask_capacity),
+                           _static_padded(depth, mask.mask_capacity))
     if window is None:
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx < span_end[kv_idx])
@@ -298,8 +302,8 @@ def _flex_forward(query, key, value, tree_mask, scaling, dropout, window, softca
         key, value, enable_gqa = _repeat_kv(key, num_heads), _repeat_kv(value, num_heads), False
     compiled = query.device.type != "cpu" and not torch.compiler.is_compiling()
     attend = _compiled_flex_attention() if compiled else flex_attention
-    return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window), scale=scaling,
-                  enable_gqa=enable_gqa, kernel_options=tree_mask.kernel_options)
+    return attend(query, key, value, score_mod=score_mod, block_mask=tree_mask.block_mask(window),
+                  scale=scaling, enable_gqa=enable_gqa, kernel_options=tree_mask.kernel_options)
 
 
 def active_tree_mask() -> TreeMask | None:
@@ -313,7 +317,8 @@ def attention_windows(model: torch.nn.Module) -> tuple[int | None, ...]:
     mask build per row; one missing is built on first use instead."""
     windows: set[int | None] = {None}
     for module in model.modules():
-        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "sliding_window", None), int):
+        if (type(module).__name__.endswith("Attention")
+                and isinstance(getattr(module, "sliding_window", None), int)):
             windows.add(module.sliding_window)
     config = _pretrained_core(model).config.get_text_config()
     if isinstance(getattr(config, "sliding_window", None), int) and (
@@ -361,15 +366,17 @@ def enable_tree_attention(model: torch.nn.Module) -> None:
         AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
     core.set_attn_implementation(TREE_ATTENTION)
     if core.config._attn_implementation != TREE_ATTENTION:
-        raise ValueError(f"model type {core.config.model_type!r} ({type(core).__name__}) does not route its "
-                         "attention through transformers' AttentionInterface, so tree attention cannot run it")
+        raise ValueError(f"model type {core.config.model_type!r} ({type(core).__name__}) does not route "
+                         "its attention through transformers' AttentionInterface, so tree attention "
+                         "cannot run it")
     # Hook every transformers model inside (the CausalLM and its base model), so the row reaches the
     # layers whether the trainer calls `model(...)` or `model.model(...)` for hidden states.
     from transformers import PreTrainedModel
 
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and getattr(module, _HOOK_ATTR, None) is None:
-            setattr(module, _HOOK_ATTR, module.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
+            setattr(module, _HOOK_ATTR,
+                    module.register_forward_pre_hook(_inject_active_mask, with_kwargs=True))
     text_config = core.config.get_text_config()
     enable_tree_deltanet(model, expected=list(getattr(text_config, "layer_types", None) or ()).count(
         "linear_attention"), active_row=_ACTIVE_MASK.get)

@@ -47,21 +47,24 @@ _ORIGINAL_FORWARD = "_asyncgrpo_original_forward"
 _MASK_KWARG = "tree_mask"  # the keyword the tree-attention hook adds (attention.py)
 
 
-def enable_tree_deltanet(model: torch.nn.Module, expected: int, active_row: Callable[[], object | None]) -> None:
+def enable_tree_deltanet(
+    model: torch.nn.Module, expected: int, active_row: Callable[[], object | None]
+) -> None:
     """Give every Gated DeltaNet layer its tree-packed forward; `expected` is the number of
     `linear_attention` layers the config declares (a mismatch means an unverified layer class);
     `active_row()` is the row being forwarded, if any (`tree_attention_context`)."""
     layers = deltanet_layers(model)
     if len(layers) != expected:
-        names = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "conv1d")})
-        raise ValueError(f"the config declares {expected} linear-attention layers but {len(layers)} are Gated DeltaNet "
-                         f"layers that tree packing runs (found: {names or 'none'}; verified: "
+        names = sorted({type(m).__name__ for m in model.modules()
+                        if hasattr(m, "A_log") and hasattr(m, "conv1d")})
+        raise ValueError(f"the config declares {expected} linear-attention layers but {len(layers)} are "
+                         f"Gated DeltaNet layers that tree packing runs (found: {names or 'none'}; verified: "
                          f"{sorted(DELTANET_CLASSES)})")
     for layer in layers:
         if not (hasattr(layer, "in_proj_qkvz") or hasattr(layer, "in_proj_qkv")):
-            raise ValueError(f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz (Qwen3-Next) "
-                             "projections; this transformers version lays the layer out differently from the one "
-                             "tree packing was verified with (transformers >= 5.15)")
+            raise ValueError(f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz "
+                             "(Qwen3-Next) projections; this transformers version lays the layer out "
+                             "differently from the one tree packing was verified with (transformers >= 5.15)")
         if _ORIGINAL_FORWARD not in vars(layer):
             setattr(layer, _ORIGINAL_FORWARD, layer.forward)
             layer.forward = functools.partial(_forward, layer, active_row)
@@ -77,13 +80,16 @@ def disable_tree_deltanet(model: torch.nn.Module) -> None:
             layer.forward = original
 
 
-def _forward(layer: torch.nn.Module, active_row: Callable[[], object | None], *args, **kwargs) -> torch.Tensor:
+def _forward(
+    layer: torch.nn.Module, active_row: Callable[[], object | None], *args, **kwargs
+) -> torch.Tensor:
     mask = kwargs.pop(_MASK_KWARG, None)
     if mask is None:
         if active_row() is not None:  # the layer's own forward would mix samples and sibling branches
-            raise RuntimeError(f"{type(layer).__name__} was called without the packed row although one is being "
-                               "forwarded: this transformers version does not pass the decoder layer's keyword "
-                               "arguments to its linear-attention layer; upgrade to transformers >= 5.15")
+            raise RuntimeError(f"{type(layer).__name__} was called without the packed row although one "
+                               "is being forwarded: this transformers version does not pass the "
+                               "decoder layer's keyword arguments to its linear-attention layer; "
+                               "upgrade to transformers >= 5.15")
         return getattr(layer, _ORIGINAL_FORWARD)(*args, **kwargs)
     hidden_states = args[0] if args else kwargs.pop("hidden_states")
     # a cache (transformers makes one unless use_cache=False) is left untouched: a tree has no single
@@ -93,15 +99,19 @@ def _forward(layer: torch.nn.Module, active_row: Callable[[], object | None], *a
     return tree_deltanet_forward(layer, hidden_states, mask)
 
 
-def tree_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, tree_mask: TreeMask) -> torch.Tensor:
+def tree_deltanet_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, tree_mask: TreeMask
+) -> torch.Tensor:
     """The layer's forward over one packed row. hidden_states [1, T, hidden] -> [1, T, hidden]."""
     batch, num_tokens, _ = hidden_states.shape
     if batch != 1 or num_tokens != tree_mask.num_tokens:
-        raise ValueError(f"a Gated DeltaNet layer runs one packed row of {tree_mask.num_tokens} tokens, got hidden "
-                         f"states of batch {batch} x {num_tokens} tokens; pass input_ids/position_ids of shape [1, T]")
+        raise ValueError(f"a Gated DeltaNet layer runs one packed row of {tree_mask.num_tokens} tokens, got "
+                         f"hidden states of batch {batch} x {num_tokens} tokens; pass input_ids/position_ids "
+                         "of shape [1, T]")
     layout = tree_mask.recurrent_layout(layer.conv_kernel_size)
     mixed_qkv, z, b, a = deltanet_projections(layer, hidden_states[0])
-    mixed_qkv = tree_causal_conv1d(mixed_qkv, layer.conv1d.weight[:, 0], layer.conv1d.bias, layout, layer.activation)
+    mixed_qkv = tree_causal_conv1d(mixed_qkv, layer.conv1d.weight[:, 0], layer.conv1d.bias, layout,
+                                   layer.activation)
     query, key, value, g, beta = delta_rule_inputs(layer, mixed_qkv, b, a)
     shape = DeltaRuleShape(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, hidden_states.dtype)
     backend = resolve_delta_rule_backend(tree_mask.deltanet_backend, hidden_states.device, shape)

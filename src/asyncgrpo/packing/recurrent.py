@@ -112,7 +112,8 @@ class RecurrentLayout:
         if conv_width < 1:
             raise ValueError(f"conv_width must be >= 1, got {conv_width}")
         if num_segments == 0 or np.any(parent >= np.arange(num_segments)):
-            raise ValueError("segments must be in depth-first order, each after its parent (see packing/tree.py)")
+            raise ValueError(
+                "segments must be in depth-first order, each after its parent (see packing/tree.py)")
         context = conv_width - 1
         segment_of_token = np.repeat(np.arange(num_segments), length)
         conv_keep = np.arange(num_tokens) + context * (segment_of_token + 1)
@@ -173,13 +174,14 @@ def _path_tail(segment: int, count: int, parent, start, length) -> np.ndarray:
     return np.concatenate(pieces[::-1]) if pieces else np.zeros(0, dtype=np.int64)
 
 
-def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: RecurrentLayout,
-                       activation: str | None = "silu") -> torch.Tensor:
+def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       layout: RecurrentLayout, activation: str | None = "silu") -> torch.Tensor:
     """Depthwise causal convolution of each token over its trie path. x [T, C], weight [C, W],
     bias [C] or None; returns [T, C] in x's dtype (computed in weight's dtype, like transformers)."""
     channels, width = weight.shape
     if width != layout.conv_width:
-        raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has {width}")
+        raise ValueError(f"the layout was built for convolution width {layout.conv_width}, the weight has "
+                         f"{width}")
     # index_select, not x[index]: its backward adds with index_add_ instead of sorting the index
     padded = torch.cat([x, x.new_zeros(1, channels)]).index_select(0, layout.conv_index)  # [T + S (W - 1), C]
     return causal_conv1d_at(padded, layout.conv_keep, weight, bias, activation)
@@ -196,7 +198,8 @@ class DeltaRuleShape:
     dtype: torch.dtype = torch.bfloat16
 
 
-def resolve_delta_rule_backend(backend: str, device: torch.device, shape: DeltaRuleShape = DeltaRuleShape()) -> str:
+def resolve_delta_rule_backend(backend: str, device: torch.device,
+                               shape: DeltaRuleShape = DeltaRuleShape()) -> str:
     """"auto": fla-core's Triton kernel on CUDA where it imports and its training check passes at the
     layer's `shape`, else the PyTorch path."""
     if backend not in DELTA_RULE_BACKENDS:
@@ -215,8 +218,8 @@ def resolve_delta_rule_backend(backend: str, device: torch.device, shape: DeltaR
         _log_fallback_once(reason)
         return "torch"
     if backend == "auto":
-        reason = _fla_training_problem(device.index if device.index is not None else torch.cuda.current_device(),
-                                       shape)
+        reason = _fla_training_problem(
+            device.index if device.index is not None else torch.cuda.current_device(), shape)
         if reason is not None:
             _log_fallback_once(reason)
             return "torch"
@@ -284,24 +287,27 @@ def _fla_check(device_index: int, shape: DeltaRuleShape) -> str | None:
         out, _ = kernel(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens)
         out.float().sum().backward()
     except Exception as err:  # noqa: BLE001 - any failure means: use the PyTorch path, and say why
-        return f"fla-core's delta rule failed a forward + backward check on this GPU: {type(err).__name__}: {err}"
+        return (f"fla-core's delta rule failed a forward + backward check on this GPU: "
+                f"{type(err).__name__}: {err}")
     return None
 
 
 @functools.cache
 def _log_fla_first_use_once() -> None:
-    logger.info("Gated DeltaNet layers run fla-core's Triton kernels; the first steps compile and autotune them "
-                "(minutes on a fresh machine, e.g. about 5 at the Qwen3.5-2B shape on an H200; Triton keeps the "
-                "compiled kernels on disk for later runs)")
+    logger.info("Gated DeltaNet layers run fla-core's Triton kernels; the first steps compile and autotune "
+                "them (minutes on a fresh machine, e.g. about 5 at the Qwen3.5-2B shape on an H200; Triton "
+                "keeps the compiled kernels on disk for later runs)")
 
 
 @functools.cache
 def _log_fallback_once(reason: str) -> None:
-    logger.warning("Gated DeltaNet layers run the pure-PyTorch chunked delta rule on CUDA (slower): %s", reason)
+    logger.warning("Gated DeltaNet layers run the pure-PyTorch chunked delta rule on CUDA (slower): %s",
+                   reason)
 
 
 def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, layout: RecurrentLayout, backend: str = "torch") -> torch.Tensor:
+                          beta: torch.Tensor, layout: RecurrentLayout,
+                          backend: str = "torch") -> torch.Tensor:
     """The gated delta rule over a packed row, each segment starting from its parent's final state.
 
     query/key [T, Hk, K] (raw: l2-normalised and scaled here), value [T, H, V] with H a multiple of
@@ -317,7 +323,8 @@ def tree_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"tree_gated_delta_rule backend must be 'torch' or 'fla', got {backend!r}")
     # l2-normalised here (float32, stored back in the input dtype, as fla's own l2norm does) rather
     # than in fla's kernel: its l2norm kernels autotune again for every new size bucket of a level
-    query, key = (l2_normalize(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype) for x in (query, key))
+    query, key = (l2_normalize(x.to(torch.promote_types(x.dtype, torch.float32))).to(x.dtype)
+                  for x in (query, key))
     query, key = grouped_query_key(query, key, value.shape[-2])
     outputs, final_states = [], None
     last = len(layout.levels) - 1
@@ -333,7 +340,8 @@ def _fla_level(query, key, value, g, beta, level: SegmentLevel, initial, keep_fi
     kernel, reason = _fla_kernel()
     if kernel is None:
         raise RuntimeError(f"the fla delta rule backend was chosen but fla-core cannot run: {reason}")
-    query, key, value, g, beta = (x.index_select(0, level.token_index)[None] for x in (query, key, value, g, beta))
+    query, key, value, g, beta = (x.index_select(0, level.token_index)[None]
+                                  for x in (query, key, value, g, beta))
     out, final = kernel(query, key, value, g, beta, initial_state=initial, output_final_state=keep_final,
                         use_qk_l2norm_in_kernel=False, cu_seqlens=level.cu_seqlens)
     return out[0], final

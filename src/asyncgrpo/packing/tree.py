@@ -125,7 +125,8 @@ class PackedRow:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
         moved = {}
         for name, value in vars(self).items():
-            moved[name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+            moved[name] = (value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor)
+                           else value)
         return PackedRow(**moved)
 
 
@@ -341,8 +342,8 @@ def _completion_of_sample(samples) -> torch.Tensor:
     """Per sample, the index of its completion: samples of one rollout (same non-empty `rollout_id`,
     a multi-turn rollout that forked) share the first one's index; a sample without an id stands alone."""
     first: dict[str, int] = {}
-    return torch.tensor([first.setdefault(s.rollout_id, i) if s.rollout_id else i for i, s in enumerate(samples)],
-                        dtype=torch.int64)
+    return torch.tensor([first.setdefault(s.rollout_id, i) if s.rollout_id else i
+                         for i, s in enumerate(samples)], dtype=torch.int64)
 
 
 def concat_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -76,7 +76,8 @@ class AdmissionGate:
             if blocker is None:
                 break
             if self.admission.groups_open == 0:
-                assert blocker in (IDLE_STALENESS, IDLE_ON_POLICY), f"blocked on {blocker!r} with no group open"
+                assert blocker in (IDLE_STALENESS, IDLE_ON_POLICY), (
+                    f"blocked on {blocker!r} with no group open")
                 self._announce_idle(RolloutIdle(blocker, view))
             start = time.perf_counter()
             await self._wait_for_progress(POLL_S)
@@ -87,7 +88,8 @@ class AdmissionGate:
             self.record(M.ROLLOUT_BACKPRESSURE_S, backpressure_s)
 
     async def end_of_prompts(self) -> None:
-        """After the last dispatch: once every open group is on the queue, tell the trainer nothing more comes."""
+        """After the last dispatch: once every open group is on the queue, tell the trainer nothing more
+        comes."""
         while self.admission.groups_open:
             await self._wait_for_progress(None)
         self.channel.samples.put(RolloutIdle(IDLE_OUT_OF_PROMPTS, None))

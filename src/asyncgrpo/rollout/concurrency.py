@@ -42,7 +42,8 @@ class ConcurrencyCap:
         max_model_len: The server's maximum sequence length (prompt + completion).
     """
 
-    def __init__(self, max_concurrent_rollouts: int, kv_cache_tokens: int | None, max_model_len: int | None) -> None:
+    def __init__(self, max_concurrent_rollouts: int, kv_cache_tokens: int | None,
+                 max_model_len: int | None) -> None:
         if max_concurrent_rollouts < 1:
             raise ValueError(f"max_concurrent_rollouts must be >= 1, got {max_concurrent_rollouts}")
         self.max_concurrent_rollouts = max_concurrent_rollouts
@@ -72,7 +73,8 @@ class ConcurrencyCap:
             and num_waiting == 0
             and self.finished_since_change >= self.cap
         ):
-            new_cap = min(self.max_concurrent_rollouts, max(self.cap + 1, math.floor(self.cap * RAISE_FACTOR)))
+            new_cap = min(self.max_concurrent_rollouts,
+                          max(self.cap + 1, math.floor(self.cap * RAISE_FACTOR)))
         else:
             return self.cap
         if new_cap != self.cap:

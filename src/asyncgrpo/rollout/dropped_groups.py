@@ -40,18 +40,20 @@ class DroppedGroupsWatch:
 
     def _message(self) -> str:
         n, unscored = self.consecutive, self._unscored
-        head = f"the last {n} groups were all dropped, so no sample reaches the trainer and no step is taken: "
+        head = (f"the last {n} groups were all dropped, so no sample reaches the trainer and no step is "
+                "taken: ")
         no_score = (
-            "no reward source scored their rollouts (every reward was None or NaN); make the reward functions "
-            "return a float for these prompts (None/NaN means 'not applicable')"
+            "no reward source scored their rollouts (every reward was None or NaN); make the reward "
+            "functions return a float for these prompts (None/NaN means 'not applicable')"
         )
         constant = (
-            f"every rollout of a group got the same reward (the latest: {self._last_value:g}); check that the "
-            "reward can tell completions apart, or use prompts the model solves sometimes but not always "
+            f"every rollout of a group got the same reward (the latest: {self._last_value:g}); check that "
+            "the reward can tell completions apart, or use prompts the model solves sometimes but not always "
             "(see frac_reward_zero_std and reward_dropped)"
         )
         if unscored == n:
             return head + no_score
         if unscored == 0:
             return head + constant
-        return head + f"{unscored} had fewer than two scored rollouts: {no_score}; {n - unscored} had equal rewards: {constant}"
+        return head + (f"{unscored} had fewer than two scored rollouts: {no_score}; {n - unscored} had equal "
+                       f"rewards: {constant}")

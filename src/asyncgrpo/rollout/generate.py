@@ -102,13 +102,16 @@ async def execute_tool_call(
     try:
         result = await asyncio.wait_for(call_maybe_async(tool, executor, **arguments), timeout_s)
     except asyncio.TimeoutError:  # a sync tool's thread runs on; the rollout does not wait for it
-        logger.warning("tool %s did not return within tool_call_timeout=%gs; reported to the model as an error", name, timeout_s)
+        logger.warning("tool %s did not return within tool_call_timeout=%gs; reported to the model as an "
+                       "error", name, timeout_s)
         return ToolResult(
-            name, f"Error: the tool {name!r} timed out after {timeout_s:g} s.", True, False, time.perf_counter() - start
+            name, f"Error: the tool {name!r} timed out after {timeout_s:g} s.", True, False,
+            time.perf_counter() - start,
         )
     except Exception as exc:  # noqa: BLE001 -- a raising tool is the policy's problem, reported to it
         logger.debug("tool %s raised %r", name, exc)
-        return ToolResult(name, f"Error: {type(exc).__name__}: {exc}", True, False, time.perf_counter() - start)
+        return ToolResult(name, f"Error: {type(exc).__name__}: {exc}", True, False,
+                          time.perf_counter() - start)
     content = result if isinstance(result, str) else json.dumps(result, default=str)
     return ToolResult(name, content, False, False, time.perf_counter() - start)
 
@@ -163,7 +166,8 @@ class EnvironmentPool:
         if name not in self._factories:
             raise ValueError(
                 f"row environment={name!r} does not name an environment; environment_factory has "
-                f"{sorted(k for k in self._factories if k is not None)}. Add an 'environment' column with one of them."
+                f"{sorted(k for k in self._factories if k is not None)}. Add an 'environment' column with "
+                "one of them."
             )
         return name
 
@@ -308,7 +312,8 @@ def _assistant_message(
     """The assistant message of a turn and the errors of the calls that did not parse (no tools: text)."""
     if not tools:
         return {"role": "assistant", "content": text}, []
-    prefix = tokenizer.decode(prompt_ids, skip_special_tokens=False) if getattr(tokenizer, "response_template", None) else ""
+    prefix = (tokenizer.decode(prompt_ids, skip_special_tokens=False)
+              if getattr(tokenizer, "response_template", None) else "")
     try:
         return parse_assistant_message(tokenizer, text, prefix=prefix, tools=tools), []
     except ToolCallParseError as exc:
@@ -363,7 +368,8 @@ def generation_records(
         key = tuple(tuple(t.output_ids) for t in rollout.turns)
         records.append(M.metric(M.COMPLETIONS_DUPLICATE_FRAC, float(key in seen)))
         seen.add(key)
-        records += [M.metric(M.ROLLOUT_TURNS_MEAN, len(rollout.turns)), M.metric(M.ROLLOUT_TURNS_MAX, len(rollout.turns))]
+        records += [M.metric(M.ROLLOUT_TURNS_MEAN, len(rollout.turns)),
+                    M.metric(M.ROLLOUT_TURNS_MAX, len(rollout.turns))]
         records.append(M.metric(M.ROLLOUT_SAMPLES_PER_ROLLOUT, len(rec.sequences)))
         # over turn transitions (a fork always drifts); NaN in a window without any transition
         drift = rec.drift_tokens
@@ -374,6 +380,7 @@ def generation_records(
         ]
         if has_tools:  # the failure frequency is over calls: NaN in a window without any call
             records.append(M.metric(M.TOOLS_CALL_FREQUENCY, rollout.tool_call_count))
-            records.append(M.ratio(M.TOOLS_FAILURE_FREQUENCY, rollout.tool_failure_count, rollout.tool_call_count))
+            records.append(M.ratio(M.TOOLS_FAILURE_FREQUENCY, rollout.tool_failure_count,
+                                   rollout.tool_call_count))
     records.append(M.rate(M.ROLLOUT_GENERATED_TOKENS_PER_S, generated, seconds))
     return records

@@ -104,7 +104,8 @@ class AsyncRolloutLoop:
         expects_pushed_weights: bool = False,
     ) -> None:
         if dataset is None and environment_factory is None:
-            raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() returns the prompt")
+            raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() "
+                             "returns the prompt")
         self.config = config
         self.model_name = model_name
         self.dataset = dataset
@@ -163,7 +164,9 @@ class AsyncRolloutLoop:
         """One advantage per rollout: rewards standardised within the group, 0 for NaN rewards."""
         return adv.compute_advantages(group.rewards)
 
-    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0) -> Rollout:
+    async def generate_one(
+        self, prompt: list[dict[str, Any]], tools: list[Callable], group_id: int = 0
+    ) -> Rollout:
         """One rollout: the multi-turn tool loop (one turn when there are no tools)."""
         return await run_tool_loop(
             prompt,
@@ -182,7 +185,8 @@ class AsyncRolloutLoop:
         """One sampling request with the config's sampling settings and a unique seed."""
         client, _ = await self._server()
         settings = self._request_settings
-        wants_candidates = self._server_load.wants_candidates(settings.truncated, settings.describe_truncation())
+        wants_candidates = self._server_load.wants_candidates(settings.truncated,
+                                                              settings.describe_truncation())
         params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
         context = CURRENT_ROLLOUT.get()
         try:
@@ -263,8 +267,10 @@ class AsyncRolloutLoop:
     async def _server(self) -> tuple[GenerationClient, ServerInfo]:
         """The generation client and server info, created on first use (custom hooks may never call it)."""
         client, info = await self._server_load.connect()
-        if info.has_metrics and self._poller is None:  # the vllm_* metrics are logged even when the cap cannot adapt
-            self._poller = self._spawn(self._server_load.poll_forever(lambda: self._admission.in_flight), "server-poller")
+        # the vllm_* metrics are logged even when the cap cannot adapt
+        if info.has_metrics and self._poller is None:
+            self._poller = self._spawn(self._server_load.poll_forever(lambda: self._admission.in_flight),
+                                       "server-poller")
         return client, info
 
     def _model_kwargs(self, context: RolloutContext | None) -> dict[str, Any]:
@@ -299,7 +305,8 @@ class AsyncRolloutLoop:
             await self._gate.admit(self.num_generations)
             for item in stream:
                 if self._last_position is not None and item.position >= self._last_position:
-                    logger.info("all %d prompts of the run were dispatched: no new rollouts will start", self._last_position)
+                    logger.info("all %d prompts of the run were dispatched: no new rollouts will start",
+                                self._last_position)
                     await self._gate.end_of_prompts()
                     return
                 if item.accepted:
@@ -314,7 +321,8 @@ class AsyncRolloutLoop:
             started = self._admission.on_group_started(self.num_generations)
             self._record(M.ROLLOUT_CONCURRENCY, self._admission.in_flight)
             self._record(M.ROLLOUT_CONCURRENCY_CAP, self._server_load.cap())
-            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started), f"group-{group_id}")
+            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started),
+                        f"group-{group_id}")
 
     # -- one group --------------------------------------------------------------------------------
 
@@ -394,7 +402,8 @@ class AsyncRolloutLoop:
     def _record_generation_metrics(self, rollouts: list[Rollout], reconciled: list[Any]) -> None:
         now = time.perf_counter()
         records = generation_records(
-            rollouts, reconciled, eos_token_ids=self.eos_token_ids, has_tools=self._has_tools, seconds=now - self._rate_mark
+            rollouts, reconciled, eos_token_ids=self.eos_token_ids, has_tools=self._has_tools,
+            seconds=now - self._rate_mark,
         )
         self._rate_mark = now
         for record in records:

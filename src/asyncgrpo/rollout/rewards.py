@@ -91,9 +91,10 @@ def check_reward_signatures(funcs: Sequence[Callable[..., Any]], columns: Sequen
                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)]
             if unmet:
                 raise TypeError(
-                    f"reward function {name!r} requires {unmet}, which no call passes: it gets prompts, completions, "
-                    f"completion_ids and the dataset's columns {sorted(set(passed) - set(RESERVED_COLUMNS))}; add "
-                    "the column to the dataset or give the parameter a default"
+                    f"reward function {name!r} requires {unmet}, which no call passes: it gets prompts, "
+                    "completions, completion_ids and the dataset's columns "
+                    f"{sorted(set(passed) - set(RESERVED_COLUMNS))}; add the column to the dataset or give "
+                    "the parameter a default"
                 )
 
 
@@ -103,7 +104,8 @@ def _is_async(func: Callable[..., Any]) -> bool:
 
 def _to_array(values: Any, name: str, n: int) -> np.ndarray:
     """Validate one function's return value and convert it; None -> NaN."""
-    if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
+    if isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__")
+                                                         and hasattr(values, "__iter__")):
         raise TypeError(
             f"reward function {name!r} returned {type(values).__name__}; it must return a list with one "
             f"float (or None) per completion"
@@ -144,8 +146,11 @@ async def _call_one(func: Callable[..., Any], name: str, kwargs: dict[str, Any])
     except Exception as exc:
         hint = ""
         if isinstance(exc, TypeError) and "keyword argument" in str(exc):  # a row's column it does not take
-            hint = "; reward functions are called with every dataset column as a keyword: end the signature with **kwargs"
-        raise RewardFunctionError(f"reward function {name!r} raised {type(exc).__name__}: {exc}{hint}") from exc
+            hint = ("; reward functions are called with every dataset column as a keyword: end the signature "
+                    "with **kwargs")
+        raise RewardFunctionError(
+            f"reward function {name!r} raised {type(exc).__name__}: {exc}{hint}"
+        ) from exc
 
 
 async def call_reward_funcs(
@@ -166,7 +171,8 @@ async def call_reward_funcs(
             f"({', '.join(RESERVED_COLUMNS)}); rename them, e.g. dataset.rename_column({clash[0]!r}, ...)"
         )
     kwargs = dict(reward_kwargs, prompts=prompts, completions=completions, completion_ids=completion_ids)
-    results = await asyncio.gather(*(_call_one(f, name, kwargs) for f, name in zip(funcs, names, strict=True)))
+    results = await asyncio.gather(*(_call_one(f, name, kwargs)
+                                     for f, name in zip(funcs, names, strict=True)))
     return {name: _to_array(values, name, n) for name, values in zip(names, results, strict=True)}
 
 

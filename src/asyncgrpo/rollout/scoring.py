@@ -155,7 +155,8 @@ class Scorer:
             completions_queue.put(entry)
         else:
             text = " | ".join(str(m.get("content", "")) for m in group.completions[0])
-            logger.info("group %d (position %d), reward %.3f: %s", group.group_id, pending.position, entry["reward"], text)
+            logger.info("group %d (position %d), reward %.3f: %s", group.group_id, pending.position,
+                        entry["reward"], text)
 
     def _record(self, name: str, value: float) -> None:
         self.channel.metrics.put(M.metric(name, value))
@@ -217,7 +218,8 @@ def reward_records(
 def group_samples(group: RolloutGroup, rollout_ids: Sequence[str], advantages: np.ndarray) -> list[Sample]:
     """The training samples of a kept group: every sequence of rollout i carries advantage i."""
     samples = []
-    for rollout_id, sequences, advantage in zip(rollout_ids, group.completions_sequences, advantages, strict=True):
+    for rollout_id, sequences, advantage in zip(rollout_ids, group.completions_sequences, advantages,
+                                                strict=True):
         for seq in sequences:
             samples.append(
                 Sample(

@@ -111,9 +111,9 @@ class ServerLoad:
         if not self._warned_candidates:
             self._warned_candidates = True
             logger.warning(
-                "%s truncate sampling, but the server at %s cannot return the candidate sets (needs vLLM >= 0.28 "
-                "with --return-sampling-mask --enable-scale-out): the trainer normalises over the full vocabulary "
-                "and importance ratios are biased",
+                "%s truncate sampling, but the server at %s cannot return the candidate sets (needs vLLM >= "
+                "0.28 with --return-sampling-mask --enable-scale-out): the trainer normalises over the full "
+                "vocabulary and importance ratios are biased",
                 settings, self.base_url,
             )
         return False
@@ -133,7 +133,8 @@ class ServerLoad:
             self.record(M.ROLLOUT_VLLM_QUEUED_REQUESTS, _nan(snapshot.num_requests_waiting))
             if snapshot.num_preemptions is not None:
                 if last_preemptions is not None:
-                    self.record(M.ROLLOUT_VLLM_PREEMPTION_COUNT, max(snapshot.num_preemptions - last_preemptions, 0))
+                    self.record(M.ROLLOUT_VLLM_PREEMPTION_COUNT,
+                                max(snapshot.num_preemptions - last_preemptions, 0))
                 last_preemptions = snapshot.num_preemptions
             if snapshot.prefix_cache_queries is not None and snapshot.prefix_cache_hits is not None:
                 prefix = (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits)
@@ -142,7 +143,8 @@ class ServerLoad:
                     self.record(M.ROLLOUT_VLLM_PREFIX_CACHE_HIT_FRAC, hit_frac)
                 last_prefix = prefix
             if snapshot.kv_cache_usage_frac is not None:
-                self._kv_cap.on_server_load(snapshot.kv_cache_usage_frac, int(snapshot.num_requests_waiting or 0))
+                self._kv_cap.on_server_load(snapshot.kv_cache_usage_frac,
+                                            int(snapshot.num_requests_waiting or 0))
             self.record(M.ROLLOUT_CONCURRENCY, in_flight())
             self.record(M.ROLLOUT_CONCURRENCY_CAP, self.cap())
 

@@ -82,16 +82,16 @@ def check_main_script(what: str, obj: Any) -> None:
     path = main_script()
     if path is None:
         raise TypeError(
-            f"{what} ({name}) is defined in an interactive session (a notebook, the Python prompt or a script read "
-            "from standard input), which the rollout process cannot import: it is a spawned process that imports "
-            f"what it is handed by module. Move {name} into a module file (e.g. rewards.py beside the notebook) and "
-            "import it from there"
+            f"{what} ({name}) is defined in an interactive session (a notebook, the Python prompt or a "
+            "script read from standard input), which the rollout process cannot import: it is a spawned "
+            f"process that imports what it is handed by module. Move {name} into a module file (e.g. "
+            "rewards.py beside the notebook) and import it from there"
         )
     if not _has_main_guard(path):
         raise RuntimeError(
-            f"{what} ({name}) is defined in {path}, which has no `if __name__ == \"__main__\":` block: the rollout "
-            "process imports that script to find it (it is spawned), and the script would start training again "
-            "there. Put the training code under `if __name__ == \"__main__\":`"
+            f"{what} ({name}) is defined in {path}, which has no `if __name__ == \"__main__\":` block: the "
+            "rollout process imports that script to find it (it is spawned), and the script would start "
+            "training again there. Put the training code under `if __name__ == \"__main__\":`"
         )
 
 

@@ -56,8 +56,9 @@ def _unreported_exit(exitcode: int) -> str:
             name = f"signal {-exitcode}"
         oom = " (SIGKILL from nobody you know of is most often the out-of-memory killer: see `dmesg`)"
         return f"was killed by {name}{oom if name == 'SIGKILL' else ''}."
-    return (f"exited with code {exitcode} before it could report an error: it failed while starting (importing "
-            "the modules of what it was handed) or outside its error handling; its traceback is in the output above.")
+    return (f"exited with code {exitcode} before it could report an error: it failed while starting "
+            "(importing the modules of what it was handed) or outside its error handling; its traceback is "
+            "in the output above.")
 
 
 def _scrubbed_environ_updates() -> dict[str, str | None]:
@@ -92,7 +93,8 @@ def run_rollout_process(
         exit_with_parent(parent_pid)
 
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     exit_code = 0
     reported: list[BaseException] = []
@@ -211,7 +213,8 @@ class RolloutWorker:
             if exitcode is None or (exitcode == 0 and self._stop_requested):
                 # failed_event without a message (should not happen) or a clean requested exit.
                 if exitcode is None:
-                    raise RuntimeError(f"The rollout process (pid {process.pid}) reported a failure without details.")
+                    raise RuntimeError(
+                        f"The rollout process (pid {process.pid}) reported a failure without details.")
                 return
             raise RuntimeError(f"The rollout process (pid {process.pid}) {_unreported_exit(exitcode)}")
         last_beat = max(self.channel.heartbeat.value, self._started_at)
@@ -219,8 +222,9 @@ class RolloutWorker:
         if age > self.heartbeat_timeout_s:
             raise TimeoutError(
                 f"The rollout process (pid {process.pid}) has not sent a heartbeat for {age:.0f} s "
-                f"(rollout_worker_timeout={self.heartbeat_timeout_s:g}): its event loop is blocked, e.g. by a loop "
-                "hook doing blocking work instead of awaiting it. Raise rollout_worker_timeout if this is expected."
+                f"(rollout_worker_timeout={self.heartbeat_timeout_s:g}): its event loop is blocked, e.g. by "
+                "a loop hook doing blocking work instead of awaiting it. Raise rollout_worker_timeout if "
+                "this is expected."
             )
 
     def stop(self, timeout: float = 30.0, *, terminate_timeout: float = 5.0) -> int | None:
@@ -233,7 +237,8 @@ class RolloutWorker:
         self.channel.stop_event.set()
         process.join(timeout)
         if process.is_alive():
-            logger.warning("rollout process (pid %d) ignored the stop request for %.0f s; terminating it", process.pid, timeout)
+            logger.warning("rollout process (pid %d) ignored the stop request for %.0f s; terminating it",
+                           process.pid, timeout)
             process.terminate()
             process.join(terminate_timeout)
         if process.is_alive():

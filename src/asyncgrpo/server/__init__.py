@@ -10,7 +10,8 @@ that asyncgrpo uses, over a continuous-batching engine with a paged KV cache.
                           profile; engine_requests (what the generation routes share), choices
     protocol.py           request validation (vLLM shapes)
     responses.py          response bodies, stream chunks and their log-probs (vLLM shapes)
-    chat.py               chat requests: messages and tools -> the chat template's prompt; tool calls parsed back
+    chat.py               chat requests: messages and tools -> the chat template's prompt; tool calls
+                          parsed back
     text_output.py        a sequence's text as its tokens arrive: incremental detokenization, stop strings
     engine.py             engine thread: commands, pause modes, delivery to the event loop; each step
                           launched before the previous one is recorded (--async-scheduling)

@@ -34,14 +34,16 @@ def attend(
         while mask.dim() < 4:
             mask = mask[None]
         if h == kvh or mask.shape[1] != 1:
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=h != kvh)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                  enable_gqa=h != kvh)
         # one mask for all heads: the query heads of a kv head become more queries of that head (SDPA's
         # kernels for an explicit mask take no grouped heads; it would fall back to its plain math)
         group = h // kvh
         if mask.shape[2] != 1:
-            mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * length, -1)
-        out = F.scaled_dot_product_attention(query.reshape(b, kvh, group * length, d), key, value, attn_mask=mask,
-                                             scale=scale)
+            mask = (mask[:, :, None].expand(-1, -1, group, -1, -1)
+                    .reshape(mask.shape[0], 1, group * length, -1))
+        out = F.scaled_dot_product_attention(query.reshape(b, kvh, group * length, d), key, value,
+                                             attn_mask=mask, scale=scale)
         return out.reshape(b, h, length, d)
     if h != kvh:
         key = key.repeat_interleave(h // kvh, dim=1)
@@ -72,7 +74,8 @@ def attention_variants(model: torch.nn.Module) -> set[tuple[bool, bool]]:
     """(has a sliding window, has a logit soft-cap) of each of the model's attention modules (those with
     a `layer_idx` and an `o_proj`): the decode attention variants its layers run."""
     return {(module_window(m) is not None, bool(getattr(m, "attn_logit_softcapping", None)))
-            for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
+            for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "o_proj")}
 
 
 def kv_window(model: torch.nn.Module, attention_layers: Sequence[int]) -> int | None:
@@ -86,10 +89,10 @@ def kv_window(model: torch.nn.Module, attention_layers: Sequence[int]) -> int | 
         return None
     if None in windows.values():
         if any(w is not None for w in windows.values()):
-            logger.info("some attention layers see the whole context: KV blocks are held for the whole sequence "
-                        "even where the sliding-window layers no longer read them")
+            logger.info("some attention layers see the whole context: KV blocks are held for the whole "
+                        "sequence even where the sliding-window layers no longer read them")
         return None
     window = max(windows.values())
-    logger.info("every attention layer has a sliding window of at most %d tokens: KV blocks behind it are freed",
-                window)
+    logger.info("every attention layer has a sliding window of at most %d tokens: KV blocks behind it "
+                "are freed", window)
     return window

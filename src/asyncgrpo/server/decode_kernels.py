@@ -121,9 +121,9 @@ def _triton_kernels():
         # the GROUP query heads of this kv head, padded to the dot's minimum of 16 rows
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=(g < GROUP)[:, None], other=0.0)
-        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + seq * stride_tb, kv_head * stride_kh, begin, end,
-                                stride_kb, stride_kt, scale, softcap, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
-                                SOFTCAP)
+        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + seq * stride_tb, kv_head * stride_kh, begin,
+                                end, stride_kb, stride_kt, scale, softcap, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
+                                TILE, IEEE, SOFTCAP)
         head_ok = (g < GROUP)[:, None]
         if not SPLIT:
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -185,9 +185,9 @@ def _triton_kernels():
         split_len = tl.cdiv(tl.cdiv(length, shared_slots), TILE) * TILE
         begin = split * split_len
         end = tl.minimum(length, begin + split_len)
-        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + leader * stride_tb, kv_head * stride_kh, begin, end,
-                                stride_kb, stride_kt, scale, softcap, ROWS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, IEEE,
-                                SOFTCAP)
+        m, l, acc = attend_span(q, k_ptr, v_ptr, tables_ptr + leader * stride_tb, kv_head * stride_kh, begin,
+                                end, stride_kb, stride_kt, scale, softcap, ROWS_PAD, HEAD_DIM, BLOCK_SIZE,
+                                TILE, IEEE, SOFTCAP)
         part = (seq * NUM_HEADS + heads) * num_slots + num_splits + split
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=ok[:, None])
         tl.store(stats_ptr + part * 2, m, mask=ok)
@@ -203,7 +203,8 @@ def _triton_kernels():
         HEAD_DIM: tl.constexpr,
     ):
         # the flash-decoding merge of a (sequence, head)'s partial results, SLOTS_TILE slots at a time
-        # (any number of slots, one compiled kernel): out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - max m)
+        # (any number of slots, one compiled kernel):
+        # out = sum_i w_i acc_i / sum_i w_i l_i, w_i = e^(m_i - max m)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         sp = tl.arange(0, SLOTS_TILE)
@@ -218,13 +219,15 @@ def _triton_kernels():
             m = tl.load(stats_ptr + part * 2, mask=ok, other=float("-inf"))
             l = tl.load(stats_ptr + part * 2 + 1, mask=ok, other=0.0)
             acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, axis=0))  # finite from the first tile on: own split 0 is never empty
+            # finite from the first tile on: own split 0 is never empty
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))
             weight = tl.exp(m - m_new)
             alpha = tl.exp(m_run - m_new)
             l_run = l_run * alpha + tl.sum(l * weight, axis=0)
             acc_run = acc_run * alpha + tl.sum(acc * weight[:, None], axis=0)
             m_run = m_new
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, (acc_run / l_run).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
+                 (acc_run / l_run).to(out_ptr.dtype.element_ty))
 
     return paged_decode_kernel, merge_splits_kernel, shared_prefix_kernel
 
@@ -290,7 +293,8 @@ def decode_attention_triton(
     assert d >= 16 and d & (d - 1) == 0, f"head_dim must be a power of two >= 16, got {d}"
     group = h // kvh
     tile = max(tile, 16)
-    assert window is None or (window >= 1 and shared is None), "a window of >= 1 token, without the shared pass"
+    assert window is None or (window >= 1 and shared is None), (
+        "a window of >= 1 token, without the shared pass")
     max_context = block_tables.shape[1] * block_size
     span = max_context if window is None else min(window, max_context)  # keys one sequence reads at most
     if num_splits is None:

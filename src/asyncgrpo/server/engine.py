@@ -5,7 +5,8 @@
     submit(seqs, sink) ----- command queue ----->   waiting queue
     pause/resume/abort/call -------------------->   applied between two steps
                                                     schedule -> launch -> (previous step) record
-    sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (streamed tokens, finished sequences)
+    sink(events) <--- loop.call_soon_threadsafe --- one delivery per step (streamed tokens,
+                                                    finished sequences)
 
 Only the engine thread touches sequences' mutable state while they run; a sink receives
 (sequence, first_new_index, end_index, finished) tuples after the lists were extended, so the loop

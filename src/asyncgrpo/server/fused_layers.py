@@ -15,9 +15,10 @@ fewer kernels:
 The concatenated weights are the storage of the modules' own parameters (these become views of
 them), so weight updates, which copy into the parameters in place, land there. A module gets the
 new forward only if, on random input, it computes the module's output as accurately as the module's
-own forward (`fused_norm.as_accurate`: both against the module run in float32); other definitions (a partial rotary
-embedding, another activation, a norm of another formula) keep their own. Without Triton (CPU) only the matmuls are merged; the norms and the rotary embedding run as
-the modules define them.
+own forward (`fused_norm.as_accurate`: both against the module run in float32); other definitions (a
+partial rotary embedding, another activation, a norm of another formula) keep their own. Without
+Triton (CPU) only the matmuls are merged; the norms and the rotary embedding run as the modules
+define them.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def norm_rope(
         assert k_pool.is_contiguous() and v_pool.is_contiguous() and k_pool.shape[-2:] == (num_kv, head_dim)
     if n:
         norm_rope_kernel[(n, num_q + num_kv)](
-            qkv, qkv.stride(0), norm_weights if norm_weights is not None else qkv, cos, sin, cos.stride(0), out,
-            eps, slots, k_pool, v_pool, NUM_Q=num_q, NUM_QK=num_q + num_kv, HEAD_DIM=head_dim,
+            qkv, qkv.stride(0), norm_weights if norm_weights is not None else qkv, cos, sin, cos.stride(0),
+            out, eps, slots, k_pool, v_pool, NUM_Q=num_q, NUM_QK=num_q + num_kv, HEAD_DIM=head_dim,
             HAS_NORM=norm_weights is not None, WRITE_CACHE=cache is not None,
         )
     return out[:, :num_q], out[:, num_q:]
@@ -144,7 +145,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, width // 2, dtype=gate_up.dtype, device=gate_up.device)
     if n:
         block = 1024
-        silu_mul_kernel[(n, -(-(width // 2) // block))](gate_up, gate_up.stride(0), out, width // 2, BLOCK=block)
+        silu_mul_kernel[(n, -(-(width // 2) // block))](gate_up, gate_up.stride(0), out, width // 2,
+                                                         BLOCK=block)
     return out
 
 
@@ -198,7 +200,8 @@ def _attention_forward(
         if meta is not None:
             cache = (meta.cache.k[module.layer_idx], meta.cache.v[module.layer_idx], meta.slot_mapping)
             kwargs["kv_written"] = True
-        q, k = norm_rope(qkv, fused.num_q, fused.num_kv, d, fused.norm_weights, fused.norm_eps, cos, sin, cache)
+        q, k = norm_rope(qkv, fused.num_q, fused.num_kv, d, fused.norm_weights, fused.norm_eps, cos, sin,
+                         cache)
     else:
         q = qkv[:, : fused.num_q * d].view(-1, fused.num_q, d)
         k = qkv[:, fused.num_q * d : (fused.num_q + fused.num_kv) * d].view(-1, fused.num_kv, d)
@@ -219,7 +222,9 @@ def _attention_forward(
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
-def _mlp_forward(module: torch.nn.Module, gate_up_weight: torch.Tensor, triton: bool, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(
+    module: torch.nn.Module, gate_up_weight: torch.Tensor, triton: bool, x: torch.Tensor
+) -> torch.Tensor:
     gate_up = F.linear(x, gate_up_weight)
     if module.joined_lora is not None:  # LoRA adapters of gate/up (server/lora.py)
         gate_up = module.joined_lora(x, gate_up)
@@ -318,7 +323,8 @@ def _checked(module: torch.nn.Module, attention: bool, fusion: _Fusion) -> bool:
             config._attn_implementation = "sdpa"
             try:
                 module(*inputs)
-            except ValueError:  # SDPA refuses one of the module's options (soft-capping): keep its own forward
+            except ValueError:
+                # SDPA refuses one of the module's options (soft-capping): keep its own forward
                 return False
         return as_accurate(module, fusion.forward, *inputs)
     finally:
@@ -355,8 +361,8 @@ def fuse_layers(model: torch.nn.Module, triton: bool) -> FusedLayers:
             except Exception as exc:
                 if not triton:
                     raise
-                logger.warning("the fused attention/MLP kernels do not run on this GPU (%s); only their matmuls "
-                               "are merged", exc)
+                logger.warning("the fused attention/MLP kernels do not run on this GPU (%s); only their "
+                               "matmuls are merged", exc)
                 triton = False
                 fusion = fuse(module, triton)
                 same = _checked(module, attention, fusion)

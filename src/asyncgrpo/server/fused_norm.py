@@ -125,5 +125,6 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
         else:
             kept.add(type(module).__name__)
     if kept:
-        logger.info("norm layers %s compute another function than rms_norm: they keep their own forward", kept)
+        logger.info("norm layers %s compute another function than rms_norm: they keep their own forward",
+                    kept)
     return fused

@@ -49,8 +49,10 @@ class PagedKVCache:
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         # a hybrid's recurrent layers (attention_layers leaves them out) keep no keys/values: empty pools
         keep = set(range(num_layers) if attention_layers is None else attention_layers)
-        self.k = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device) for i in range(num_layers)]
-        self.v = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device) for i in range(num_layers)]
+        self.k = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device)
+                  for i in range(num_layers)]
+        self.v = [torch.zeros(shape if i in keep else 0, dtype=dtype, device=device)
+                  for i in range(num_layers)]
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.block_size = block_size
@@ -101,7 +103,8 @@ def paged_attention_forward(
             backend = meta.backends[segment.kind][variant]
         except KeyError:
             raise RuntimeError(f"the execution plan has no backend for {segment.kind!r} segments of "
-                               f"layers with (window, soft-cap) {variant}: its probe saw no such layer") from None
+                               f"layers with (window, soft-cap) {variant}: its probe saw no such "
+                               "layer") from None
         parts.append(backend.forward(q[:, start:end], k[:, start:end], v[:, start:end], k_pool, v_pool,
                                      segment, scale, window, softcap))
         start = end

@@ -91,8 +91,8 @@ class Leases:
             return "nobody"
         now = self.clock()
         who = f"trainer {h.trainer_id}" if h.trainer_id else "a client without a trainer id"
-        return (f"{who} from {h.peer or 'an unknown address'} (its group was set up {now - h.since:.0f} s ago, "
-                f"last heard from {now - h.last_seen:.0f} s ago)")
+        return (f"{who} from {h.peer or 'an unknown address'} (its group was set up "
+                f"{now - h.since:.0f} s ago, last heard from {now - h.last_seen:.0f} s ago)")
 
     def seconds_left(self) -> float:
         """Until the holder's lease runs out without renewal."""

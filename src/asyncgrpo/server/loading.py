@@ -51,9 +51,9 @@ def _read_config(name: str, path: str):
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(
-            f"cannot serve {name!r}: it is not a local folder and could not be loaded from the Hugging Face hub "
-            f"({first}); pass the path of a folder that holds config.json and the weights, or a hub id that is "
-            "reachable (or cached, with HF_HUB_OFFLINE=1)"
+            f"cannot serve {name!r}: it is not a local folder and could not be loaded from the Hugging Face "
+            f"hub ({first}); pass the path of a folder that holds config.json and the weights, or a hub id "
+            "that is reachable (or cached, with HF_HUB_OFFLINE=1)"
         ) from exc
 
 
@@ -128,18 +128,20 @@ def prepare_model(model: torch.nn.Module, device: torch.device) -> FusedLayers:
     if num_recurrent:
         logger.info("%d Gated DeltaNet layers keep a per-sequence recurrent state", num_recurrent)
     fused = fuse_layers(model, triton=device.type == "cuda")
-    logger.info("%d attention and %d MLP blocks run fused (%d with Triton kernels)", fused.attention, fused.mlp,
-                fused.with_triton)
+    logger.info("%d attention and %d MLP blocks run fused (%d with Triton kernels)", fused.attention,
+                fused.mlp, fused.with_triton)
     if device.type == "cuda":
         logger.info("%d norm layers run as one kernel each", fuse_rms_norms(model))
     return fused
 
 
-def load_served_model(name: str, device: torch.device, dtype_name: str, max_model_len: int | None) -> ServedModel:
+def load_served_model(
+    name: str, device: torch.device, dtype_name: str, max_model_len: int | None
+) -> ServedModel:
     if max_model_len is not None and max_model_len < 1:
         raise ModelLoadError(
-            f"--max-model-len {max_model_len}: a sequence needs at least one token; pass a positive length, or "
-            "leave the flag out to use the model's max_position_embeddings"
+            f"--max-model-len {max_model_len}: a sequence needs at least one token; pass a positive length, "
+            "or leave the flag out to use the model's max_position_embeddings"
         )
     try:  # a .gguf file is converted here: what is wrong with it (or a missing package) is the user's to fix
         path = resolve_model_path(name)
@@ -150,7 +152,8 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
     if problem is not None:
         raise ModelLoadError(f"{name}: {problem}")
     text = config.get_text_config()
-    dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
+    dtype = resolve_dtype(dtype_name, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None),
+                          device)
     # a vision-language checkpoint whole (its names are what the trainer pushes), else a causal LM
     model = load_policy(name, dtype=dtype, init_kwargs=None, trust_remote_code=False).to(device).eval()
     logger.info("loaded %s from %s", type(model).__name__, path)
@@ -166,7 +169,8 @@ def load_served_model(name: str, device: torch.device, dtype_name: str, max_mode
             raise ModelLoadError(f"{name}: the config has no max_position_embeddings; pass --max-model-len")
         max_model_len = limit
     elif limit and max_model_len > limit:
-        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d", max_model_len, limit)
+        logger.warning("--max-model-len %d exceeds the model's max_position_embeddings %d", max_model_len,
+                       limit)
     heads = text.num_attention_heads
     eos, extra = _eos_ids(path, tokenizer)
     layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
@@ -208,9 +212,10 @@ def gpu_kv_budget_bytes(total_bytes: int, utilization: float, used_bytes: int, a
     budget = int(total_bytes * utilization) - used_bytes - activation_bytes
     if budget <= 0:
         raise ModelLoadError(
-            f"--gpu-memory-utilization {utilization} gives the server {total_bytes * utilization / 2**30:.2f} GiB of "
-            f"the GPU's {total_bytes / 2**30:.2f} GiB, but its weights take {used_bytes / 2**30:.2f} GiB and one step's "
-            f"activations ~{activation_bytes / 2**30:.2f} GiB: raise it, or lower --max-num-batched-tokens"
+            f"--gpu-memory-utilization {utilization} gives the server "
+            f"{total_bytes * utilization / 2**30:.2f} GiB of the GPU's {total_bytes / 2**30:.2f} GiB, but "
+            f"its weights take {used_bytes / 2**30:.2f} GiB and one step's activations "
+            f"~{activation_bytes / 2**30:.2f} GiB: raise it, or lower --max-num-batched-tokens"
         )
     return budget
 
@@ -227,8 +232,8 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
     process held before loading (`reserved_before`: a trainer's, for a server inside its process) is
     not the server's.
     """
-    per_token = PagedKVCache.bytes_per_token(len(served.attention_layers), served.num_kv_heads, served.head_dim,
-                                             served.dtype)
+    per_token = PagedKVCache.bytes_per_token(len(served.attention_layers), served.num_kv_heads,
+                                             served.head_dim, served.dtype)
     if gpu_memory_utilization is not None and (requested is not None or served.device.type != "cuda"):
         raise ModelLoadError(
             "--gpu-memory-utilization sizes the KV cache of a CUDA server: drop it (or --kv-cache-tokens), "
@@ -239,25 +244,27 @@ def kv_cache_tokens(requested: int | None, served: ServedModel, max_num_seqs: in
         if gpu_memory_utilization is not None:
             _, total = torch.cuda.mem_get_info(served.device)
             hidden = served.model.get_input_embeddings().embedding_dim
-            activations = step_activation_bytes(max_num_batched_tokens, max_num_seqs, hidden, served.vocab_size,
-                                                served.dtype.itemsize)
+            activations = step_activation_bytes(max_num_batched_tokens, max_num_seqs, hidden,
+                                                served.vocab_size, served.dtype.itemsize)
             budget = gpu_kv_budget_bytes(total, gpu_memory_utilization,
-                                         torch.cuda.memory_reserved(served.device) - reserved_before, activations)
+                                         torch.cuda.memory_reserved(served.device) - reserved_before,
+                                        activations)
         elif served.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(served.device)
             budget = int(0.8 * free)
         else:
             budget = int(0.3 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         # a hybrid's DeltaNet state: a slot per sequence, and the CUDA graphs' scratch slot
-        cap = max(budget - (max_num_seqs + 1) * RecurrentState.bytes_per_sequence(served.model), 0) // per_token
+        recurrent_bytes = (max_num_seqs + 1) * RecurrentState.bytes_per_sequence(served.model)
+        cap = max(budget - recurrent_bytes, 0) // per_token
         tokens = min(want, cap)
     else:
         tokens = requested
     tokens = tokens // block_size * block_size
     if tokens < served.max_model_len:
         raise ModelLoadError(
-            f"the KV cache holds {tokens} tokens, less than one sequence of max_model_len={served.max_model_len}: "
-            "raise --kv-cache-tokens or lower --max-model-len"
+            f"the KV cache holds {tokens} tokens, less than one sequence of "
+            f"max_model_len={served.max_model_len}: raise --kv-cache-tokens or lower --max-model-len"
         )
     logger.info("KV cache: %d tokens (%.2f GiB)", tokens, tokens * per_token / 2**30)
     return tokens

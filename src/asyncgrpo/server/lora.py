@@ -121,7 +121,8 @@ class ServedLora:
             self._mask = self._cols = None
             self._part_masks.clear()
 
-    def slot_onehot(self, token_slots: np.ndarray, first: int = 0, num_slots: int | None = None) -> np.ndarray:
+    def slot_onehot(self, token_slots: np.ndarray, first: int = 0,
+                    num_slots: int | None = None) -> np.ndarray:
         """[N, num_slots] float32: row n one-hot of token n's slot (slots counted from `first`; -1: a
         zero row); repeated over each slot's rank rows it is the M of the module docstring."""
         num_slots = self.max_loras - first if num_slots is None else num_slots
@@ -200,7 +201,8 @@ class JoinedDelta:
         if cols is None:
             return joined
         a, b = self.a, self.b
-        if cols != slice(0, self.rows):  # the slots in use, in every part's block (a gather: eager steps only)
+        # the slots in use, in every part's block (a gather: eager steps only)
+        if cols != slice(0, self.rows):
             n = len(self.outs)
             a = a.view(n, self.rows, -1)[:, cols].reshape(-1, a.shape[1])
             b = b.view(n, self.rows, -1)[:, cols].reshape(-1, b.shape[1])
@@ -268,7 +270,8 @@ class AdapterRegistry:
         out = []
         for holder in self.slots:
             if isinstance(holder, Adapter):
-                out.append(holder.name + (f" (unloaded, {holder.users} requests still running)" if holder.unloaded else ""))
+                out.append(holder.name + (f" (unloaded, {holder.users} requests still running)"
+                                          if holder.unloaded else ""))
             elif isinstance(holder, str):
                 out.append(f"{holder} (loading)")
         return out

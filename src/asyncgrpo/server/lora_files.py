@@ -65,8 +65,8 @@ def _check_config(config: dict, path: str, max_rank: int) -> None:
         problems.append(f"peft_type is {config.get('peft_type')!r}, not 'LORA'.")
     if config.get("modules_to_save"):
         problems.append(
-            f"Unsupported modules_to_save: {config['modules_to_save']} (the embedded server serves adapters of "
-            "linear layers only; train without modules_to_save)."
+            f"Unsupported modules_to_save: {config['modules_to_save']} (the embedded server serves adapters "
+            "of linear layers only; train without modules_to_save)."
         )
     if config.get("use_dora"):
         problems.append("DoRA is not supported (train with use_dora=False).")
@@ -75,15 +75,17 @@ def _check_config(config: dict, path: str, max_rank: int) -> None:
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() not in PLAIN_LORA_INITS:
         problems.append(
-            f"vLLM does not support init_lora_weights={init!r}: it also changes the base model's weights. Convert it "
-            "to a regular LoRA adapter with PEFT's path_initial_model_for_weight_conversion."
+            f"vLLM does not support init_lora_weights={init!r}: it also changes the base model's weights. "
+            "Convert it to a regular LoRA adapter with PEFT's path_initial_model_for_weight_conversion."
         )
-    for key, what in (("alora_invocation_tokens", "Activated LoRA (aLoRA)"), ("layer_replication", "layer_replication"),
+    for key, what in (("alora_invocation_tokens", "Activated LoRA (aLoRA)"),
+                      ("layer_replication", "layer_replication"),
                       ("use_bdlora", "block-diagonal LoRA (BD-LoRA)"), ("use_qalora", "QALoRA")):
         if config.get(key):
             problems.append(f"vLLM does not support {what}.")
     if config.get("target_parameters"):
-        problems.append(f"target_parameters {config['target_parameters']} (LoRA on raw parameters) is not supported.")
+        problems.append(f"target_parameters {config['target_parameters']} (LoRA on raw parameters) is not "
+                        "supported.")
     ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
     if max(ranks) > max_rank:
         allowed = max_lora_ranks_for(max(ranks))
@@ -105,7 +107,9 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_
     try:
         config = json.loads(config_path.read_text())
     except ValueError as exc:
-        raise AdapterLoadError(f"{config_path} is not valid JSON ({exc}); write it with save_pretrained") from exc
+        raise AdapterLoadError(
+            f"{config_path} is not valid JSON ({exc}); write it with save_pretrained"
+        ) from exc
     _check_config(config, path, max_rank)
     tensors_path = folder / "adapter_model.safetensors"
     if not tensors_path.is_file():
@@ -131,9 +135,9 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_
     if unexpected:
         expected = sorted({m.rsplit(".", 1)[-1] for m in targets})
         raise AdapterLoadError(
-            f"While loading {path}, expected target modules in {expected} but received {sorted(set(unexpected))}. "
-            "Please verify that the loaded LoRA module is correct (the embedded server applies adapters to the "
-            "linear layers of the served model's decoder)."
+            f"While loading {path}, expected target modules in {expected} but received "
+            f"{sorted(set(unexpected))}. Please verify that the loaded LoRA module is correct (the embedded "
+            "server applies adapters to the linear layers of the served model's decoder)."
         )
     if not pairs:
         raise AdapterLoadError(f"{path} doesn't contain tensors")
@@ -147,8 +151,8 @@ def read_adapter(name: str, path: str, targets: dict[str, tuple[int, int]], max_
         r = a.shape[0]
         if a.shape != (r, in_f) or b.shape != (out_f, r):
             raise AdapterLoadError(
-                f"{path}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected ({r}, {in_f}) "
-                f"and ({out_f}, {r}): was the adapter trained on another model?"
+                f"{path}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                f"({r}, {in_f}) and ({out_f}, {r}): was the adapter trained on another model?"
             )
         if r > max_rank:
             raise AdapterLoadError(f"LoRA rank {r} of {module} is greater than max_lora_rank {max_rank}.")

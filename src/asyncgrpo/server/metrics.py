@@ -5,7 +5,8 @@ Series (labels `model_name` = served name, `engine` = "0"):
     vllm:kv_cache_usage_perc                                gauge, a fraction 0..1
     vllm:num_preemptions_total                              counter (declared vllm:num_preemptions)
     vllm:prompt_tokens_total, vllm:generation_tokens_total  counters
-    vllm:prefix_cache_queries_total                         counter: prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_queries_total                         counter: prompt tokens looked up in the
+                                                            prefix cache
     vllm:prefix_cache_hits_total                            counter: of those, tokens found cached
     vllm:rl_weight_update_operation_duration_seconds        histogram, label `operation`
     vllm:rl_weight_update_operations_in_flight              gauge, label `operation`
@@ -35,7 +36,8 @@ class ServerMetrics:
         values = {"model_name": model_name, "engine": "0"}
         reg = self.registry
         self.running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", labels, registry=reg
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+            registry=reg,
         ).labels(**values)
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, registry=reg
@@ -53,11 +55,12 @@ class ServerMetrics:
             "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=reg
         ).labels(**values)
         self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", labels,
-            registry=reg,
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=reg,
         ).labels(**values)
         self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, registry=reg
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
+            registry=reg,
         ).labels(**values)
         self.max_batch = Gauge(
             "asyncgrpo:max_num_seqs_per_step",

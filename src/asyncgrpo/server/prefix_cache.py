@@ -111,7 +111,8 @@ class BlockPool:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._free = list(range(num_blocks - 1, -1, -1))  # unhashed, ref 0 (a stack: low ids first)
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # hashed, ref 0, LRU first
+        # hashed, ref 0, LRU first
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_free(self) -> int:

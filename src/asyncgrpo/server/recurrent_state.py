@@ -52,7 +52,9 @@ from asyncgrpo.modeling.deltanet.layer import (
 )
 from asyncgrpo.server.host_copy import to_device
 
-__all__ = ["STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward"]
+__all__ = [
+    "STEP_KWARG", "RecurrentState", "RecurrentStep", "serve_deltanet_layers", "served_deltanet_forward",
+]
 
 STEP_KWARG = "recurrent_step"  # the model-call keyword that carries a step's RecurrentStep to the layers
 
@@ -70,7 +72,8 @@ class RecurrentState:
             self.conv[layer.layer_idx] = torch.zeros(num_rows + 1, layer.conv_kernel_size - 1, layer.conv_dim,
                                                      dtype=dtype, device=device)
             self.delta[layer.layer_idx] = torch.zeros(num_rows + 1, layer.num_v_heads, layer.head_k_dim,
-                                                      layer.head_v_dim, dtype=torch.promote_types(dtype, torch.float32),
+                                                      layer.head_v_dim,
+                                                      dtype=torch.promote_types(dtype, torch.float32),
                                                       device=device)
         self.device = device
 
@@ -177,7 +180,8 @@ class RecurrentStep:
         if self._prefill_plan is None:
             lens = np.array(self.prefill_lens, dtype=np.int64)
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-            self._prefill_plan = ChunkPlan.build(np.full(lens.size, -1), starts, lens, device=self.rows.device)
+            self._prefill_plan = ChunkPlan.build(np.full(lens.size, -1), starts, lens,
+                                                 device=self.rows.device)
         return self._prefill_plan
 
 
@@ -185,23 +189,27 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return to_device(np.ascontiguousarray(array, dtype=np.int64), device)
 
 
-def served_deltanet_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+def served_deltanet_forward(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, step: RecurrentStep
+) -> torch.Tensor:
     """The layer's forward over one flat step, hidden_states [1, T, hidden] -> [1, T, hidden], reading
     and updating the running sequences' slots of `step.state`."""
     num_tokens = hidden_states.shape[1]
     if hidden_states.shape[0] != 1 or num_tokens != step.num_tokens:
-        raise ValueError(f"the server step has {step.num_tokens} tokens, the layer got hidden states of shape "
-                         f"{tuple(hidden_states.shape[:2])}")
+        raise ValueError(f"the server step has {step.num_tokens} tokens, the layer got hidden states of "
+                         f"shape {tuple(hidden_states.shape[:2])}")
     state, idx, nd = step.state, layer.layer_idx, step.num_decode
     mixed, z, b, a = deltanet_projections(layer, hidden_states[0])
     plan = step.conv_plan(layer.conv_kernel_size)
     windows = state.conv[idx]
     channels = mixed.shape[1]
     carried = step.carried_rows()
-    source = torch.cat([mixed, windows[carried].reshape(-1, channels).to(mixed.dtype), mixed.new_zeros(1, channels)])
+    source = torch.cat([mixed, windows[carried].reshape(-1, channels).to(mixed.dtype),
+                        mixed.new_zeros(1, channels)])
     gathered = source[plan.index]
     windows[step.rows] = gathered[plan.window_index].to(windows.dtype)
-    mixed = causal_conv1d_at(gathered, plan.keep, layer.conv1d.weight[:, 0], layer.conv1d.bias, layer.activation)
+    mixed = causal_conv1d_at(gathered, plan.keep, layer.conv1d.weight[:, 0], layer.conv1d.bias,
+                             layer.activation)
 
     query, key, value, g, beta = delta_rule_inputs(layer, mixed, b, a)
     query, key = normalized_query_key(query, key, value.shape[-2])
@@ -230,19 +238,22 @@ def serve_deltanet_layers(model: torch.nn.Module, expected: int) -> int:
     not run: refused). Returns the number of layers."""
     layers = deltanet_layers(model)
     if len(layers) != expected:
-        raise ValueError(f"the config declares {expected} linear-attention layers but {len(layers)} are Gated "
-                         "DeltaNet layers the embedded server runs (those of Qwen3.5, Qwen3.5-MoE and Qwen3-Next); "
-                         "serve this model with vLLM")
+        raise ValueError(f"the config declares {expected} linear-attention layers but {len(layers)} are "
+                         "Gated DeltaNet layers the embedded server runs (those of Qwen3.5, Qwen3.5-MoE and "
+                         "Qwen3-Next); serve this model with vLLM")
     for layer in layers:
         if not (hasattr(layer, "in_proj_qkvz") or hasattr(layer, "in_proj_qkv")):
-            raise ValueError(f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz (Qwen3-Next) "
-                             "projections; this transformers version lays the layer out differently from the one the "
-                             "embedded server was verified with (transformers >= 5.15)")
+            raise ValueError(f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz "
+                             "(Qwen3-Next) projections; this transformers version lays the layer out "
+                             "differently from the one the embedded server was verified with "
+                             "(transformers >= 5.15)")
         layer.forward = functools.partial(_forward, layer, layer.forward)
     return len(layers)
 
 
-def _forward(layer: torch.nn.Module, own_forward, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def _forward(
+    layer: torch.nn.Module, own_forward, hidden_states: torch.Tensor, *args, **kwargs
+) -> torch.Tensor:
     """A server step's forward when the model call carries a RecurrentStep; else the layer's own
     (a plain forward of the served model: the load-time self-check's reference)."""
     step = kwargs.pop(STEP_KWARG, None)

@@ -99,7 +99,8 @@ class ModelRunner:
         buffers (CUDA graphs), built with the same plan. recurrent: a hybrid's DeltaNet state. lora: the
         served LoRA adapters."""
         assert graphs is None or graphs.plan is plan, "the graphs replay steps laid out by the runner's plan"
-        assert graphs is None or graphs.recurrent is recurrent, "the graphs carry the runner's recurrent state"
+        assert graphs is None or graphs.recurrent is recurrent, (
+            "the graphs carry the runner's recurrent state")
         assert graphs is None or graphs.lora is lora, "the graphs add the deltas of the runner's adapters"
         self.model = model
         self.cache = cache
@@ -124,7 +125,8 @@ class ModelRunner:
     def needs_known_tokens(self, seqs: list[Sequence]) -> bool:
         """Whether a step over some of `seqs` may need the ids of pending tokens on the host (a repetition
         penalty reads every token of its sequence): the step in flight must be recorded first."""
-        return bool(self.params.penalised.any()) and any(s.pending and self.params.penalised[s.row] for s in seqs)
+        return bool(self.params.penalised.any()) and any(
+            s.pending and self.params.penalised[s.row] for s in seqs)
 
     @torch.inference_mode()
     def launch(self, decode: list[Sequence], prefill: list[Sequence]) -> LaunchedStep:
@@ -214,7 +216,8 @@ class ModelRunner:
             flat[0].index_copy_(0, *pending)
         num_decode = 0 if dec is None else len(dec.token_ids)
         ends = num_decode + np.cumsum(prefill_lens, dtype=np.int64) - 1
-        sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool, count=len(prefill))
+        sampled = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), dtype=bool,
+                              count=len(prefill))
         last = np.concatenate([np.arange(num_decode), ends[sampled]])
         prefill_rows = np.fromiter((s.row for s in prefill), np.int64, len(prefill))
         meta = self.plan.attention(
@@ -234,7 +237,8 @@ class ModelRunner:
         adapters = contextlib.nullcontext()
         if self.lora is not None:  # each token's adapter slot: its sequence's
             slots = self.params.lora_slot
-            adapters = self.lora.step(np.concatenate([slots[decode_rows], np.repeat(slots[prefill_rows], prefill_lens)]))
+            adapters = self.lora.step(
+                np.concatenate([slots[decode_rows], np.repeat(slots[prefill_rows], prefill_lens)]))
         with adapters:
             out = self.model(
                 input_ids=flat[0][None],
@@ -288,7 +292,8 @@ class ModelRunner:
             seen = torch.zeros_like(logits, dtype=torch.bool)
             index = to_device(np.array([rows_idx, cols], dtype=np.int64), self.device)
             seen[index[0], index[1]] = True
-            penalty = to_device(np.array([s.params.repetition_penalty for s in seqs], np.float32), self.device)
+            penalty = to_device(np.array([s.params.repetition_penalty for s in seqs], np.float32),
+                                self.device)
             logits = apply_repetition_penalty(logits, seen, penalty)
         rows_idx, cols = [], []
         for i in np.flatnonzero(positions < self.params.min_tokens[rows]).tolist():

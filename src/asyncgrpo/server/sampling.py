@@ -300,7 +300,9 @@ def sorted_candidates(
     return keep
 
 
-def _draw(cand_ids: torch.Tensor, cand_lp: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _draw(
+    cand_ids: torch.Tensor, cand_lp: torch.Tensor, greedy: torch.Tensor, batch: SamplingBatch
+) -> torch.Tensor:
     """Column [B, 1] of the drawn token among the candidates (cand_ids [B, C] or [C], log-probs [B, C]):
     the seeded exponential race, or the first best column for greedy rows."""
     u = hashed_uniform(batch.row_hashes, batch.token_hashes[cand_ids])

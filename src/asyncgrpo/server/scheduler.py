@@ -206,7 +206,8 @@ class Scheduler:
         if not self.pool.enable_caching:
             return []
         usable = (seq.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable, seq.hash_root)
+        hashes = extend_block_hashes(seq.block_hashes, seq.all_tokens(), self.block_size, usable,
+                                     seq.hash_root)
         if self.window is None:
             return self.pool.match(hashes[:usable])
         n, tail = self.pool.match_tail(hashes[:usable], self._hit_tail)
@@ -286,6 +287,7 @@ class Scheduler:
             self.running.append(seq)
             prefill.append(seq)
         # the attention takes prompts from token 0 first, then the chunks after cached tokens shortest first
-        prefill.sort(key=lambda s: (s.prefill_start > 0, s.prefill_end - s.prefill_start if s.prefill_start else 0))
+        prefill.sort(key=lambda s: (s.prefill_start > 0,
+                                    s.prefill_end - s.prefill_start if s.prefill_start else 0))
         sampled = decode + [s for s in prefill if s.prefill_end == s.num_tokens]
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted, sampled=sampled)

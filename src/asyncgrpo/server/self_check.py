@@ -63,7 +63,8 @@ def _prompt(vocab_size: int) -> list[int]:
 def _engine_run(runner: ModelRunner, scheduler: Scheduler, prompt: list[int]) -> Sequence:
     params = SeqParams(
         temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=NUM_DECODE + 1, min_tokens=0,
-        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=TOP_K, want_mask=False,
+        stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=TOP_K,
+        want_mask=False,
     )
     seq = Sequence(-2, "self-check", 0, prompt, params, max_model_len=1 << 30)
     scheduler.add(seq)
@@ -118,11 +119,11 @@ def check_engine(
         where = "the prefill" if step == 0 else f"decode step {step}"
         raise SelfCheckError(
             f"{name}: the embedded server's engine does not compute what the model computes: over a "
-            f"{PROMPT_LEN}-token prompt and {len(seq.output) - 1} decode steps its log-probs differ from the model's own "
-            f"forward by up to {worst:.3g} (worst at {where}; {dtype} allows {tolerance:g}). Serving it would sample "
-            "from a distribution the trainer does not know. This model's architecture (or one of its settings, "
-            "e.g. sliding-window attention or attention soft-capping) is not supported by the embedded server: "
-            "serve it with vLLM"
+            f"{PROMPT_LEN}-token prompt and {len(seq.output) - 1} decode steps its log-probs differ from the "
+            f"model's own forward by up to {worst:.3g} (worst at {where}; {dtype} allows {tolerance:g}). "
+            "Serving it would sample from a distribution the trainer does not know. This model's "
+            "architecture (or one of its settings, e.g. sliding-window attention or attention soft-capping) "
+            "is not supported by the embedded server: serve it with vLLM"
         )
     logger.info("self-check passed: engine and model log-probs agree within %.2g (%s allows %g, %d compared)",
                 worst, dtype, tolerance, len(engine))

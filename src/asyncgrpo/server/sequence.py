@@ -95,7 +95,8 @@ class Sequence:
         """A pending token reaches max_tokens or max_model_len: the sequence ends with it, whatever it is
         (so no later step computes it)."""
         return self.pending > 0 and (
-            len(self.output) + self.pending >= self.params.max_tokens or self.num_tokens >= self.max_model_len)
+            len(self.output) + self.pending >= self.params.max_tokens
+            or self.num_tokens >= self.max_model_len)
 
     def launch(self, sample_index: int) -> None:
         """A launched step samples this sequence's next token (row `sample_index` of its output)."""

@@ -119,8 +119,9 @@ def exit_with_parent(parent_pid: int, interval_s: float = 1.0, grace_s: float = 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`asyncgrpo serve`'s flags (`asyncgrpo.cli_args`; see its help for each), frozen: the only form they take
-    below the command line. None where the flag's default depends on the device or the model."""
+    """`asyncgrpo serve`'s flags (`asyncgrpo.cli_args`; see its help for each), frozen: the only form
+    they take below the command line. None where the flag's default depends on the device or the
+    model."""
 
     model: str
     host: str = "127.0.0.1"
@@ -177,10 +178,12 @@ class ServeConfig:
     def engine(self, device: torch.device, kv_tokens: int) -> EngineConfig:
         """The engine's config on `device`, with a KV cache of `kv_tokens` tokens."""
         return EngineConfig(
-            name=self.model, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.batched_tokens(device),
+            name=self.model, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.batched_tokens(device),
             kv_cache_tokens=kv_tokens, admission_interval=self.admission_interval,
             enforce_eager=self.enforce_eager,
-            async_scheduling=device.type == "cuda" if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                              else self.async_scheduling),
             prompt_attention=self.prompt_attention, enable_prefix_caching=self.enable_prefix_caching,
             enable_lora=self.enable_lora, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
         )
@@ -258,7 +261,9 @@ def check_port_free(host: str, port: int) -> None:
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
-        raise ModelLoadError(cannot_listen(host, port, f"no address found for that name ({exc.strerror})")) from exc
+        raise ModelLoadError(
+            cannot_listen(host, port, f"no address found for that name ({exc.strerror})")
+        ) from exc
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -275,13 +280,13 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def cannot_listen(host: str, port: int, why: str) -> str:
-    return (f"cannot listen on {host}:{port}: {why}; pass --host 127.0.0.1 (this machine only), 0.0.0.0 (every "
-            "interface) or an address of one of this machine's network interfaces")
+    return (f"cannot listen on {host}:{port}: {why}; pass --host 127.0.0.1 (this machine only), 0.0.0.0 "
+            "(every interface) or an address of one of this machine's network interfaces")
 
 
 def port_in_use(host: str, port: int) -> str:
-    return (f"cannot listen on {host}:{port}: another process already does (another `asyncgrpo serve` or vLLM?); "
-            "stop it, or pass another --port")
+    return (f"cannot listen on {host}:{port}: another process already does (another `asyncgrpo serve` or "
+            "vLLM?); stop it, or pass another --port")
 
 
 # the interpreter's switch interval while a server runs inside this process (Python's default: 5 ms). Every
@@ -327,7 +332,8 @@ class ServerThread:
         self.server = build_server(self.config)
         self.server.transfer.in_process = True
         if self.server.served.device.type == "cuda":
-            torch.cuda.synchronize(self.server.served.device)  # start-up work done before another stream reads it
+            # start-up work done before another stream reads it
+            torch.cuda.synchronize(self.server.served.device)
             # the highest priority the GPU offers: a decode step's few small kernels go before the blocks of
             # the trainer's long ones still waiting for a multiprocessor, so that generation (which the
             # trainer waits for when it is behind) keeps its pace while the trainer fills the GPU around it

@@ -132,7 +132,8 @@ class StepGraphs:
         self._full = False  # MAX_GRAPHS reached (and said so)
         self.num_captures = 0  # graphs captured so far and the seconds it took (/server_info reports them: a
         self.capture_s = 0.0  # capture mid-run stalls the step that meets a new shape)
-        self.captures_deferred = 0  # steps of a new shape run eagerly while a trainer in this process computed
+        # steps of a new shape run eagerly while a trainer in this process computed
+        self.captures_deferred = 0
         self._pools: dict[str, object] = {}  # one memory pool per kind of graph (forward, sample)
         self._capture_stream: torch.cuda.Stream | None = None  # warm-ups and captures (see _capture)
         self._scratch_slot = cache.scratch_block * cache.block_size
@@ -221,7 +222,8 @@ class StepGraphs:
         if key not in self._graphs:
             if len(self._graphs) >= MAX_GRAPHS:
                 if not self._full:
-                    logger.info("%d CUDA graphs captured; steps of shapes not met yet run eagerly", MAX_GRAPHS)
+                    logger.info("%d CUDA graphs captured; steps of shapes not met yet run eagerly",
+                                MAX_GRAPHS)
                     self._full = True
                 return fn()
             with capture_window() as free:

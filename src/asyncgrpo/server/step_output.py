@@ -71,7 +71,8 @@ class LaunchedStep:
         self._on_wait = on_wait
 
     @classmethod
-    def queue(cls, packed: torch.Tensor, plan: SamplingPlan, on_wait: Callable[[float], None]) -> LaunchedStep:
+    def queue(cls, packed: torch.Tensor, plan: SamplingPlan,
+              on_wait: Callable[[float], None]) -> LaunchedStep:
         """Queue the device->host copy of a step's packed output (into pinned memory on CUDA, so that
         queueing it does not wait for the device)."""
         if packed.device.type != "cuda":

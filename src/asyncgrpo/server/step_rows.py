@@ -31,7 +31,8 @@ class StepRows:
     seq_rows: np.ndarray  # [B] its sequence's scheduler row (the slot of its DeltaNet state, its LoRA slot)
     shared: SharedPrefixes | None = None  # groups whose first blocks are the same (read once each)
     sample_rows: np.ndarray | None = None  # rows whose logits are sampled, in order (None: every row)
-    lora_slots: np.ndarray | None = None  # each row's LoRA slot (-1: the base model; None: no adapters served)
+    # each row's LoRA slot (-1: the base model; None: no adapters served)
+    lora_slots: np.ndarray | None = None
 
     @property
     def kv_tokens(self) -> int:
@@ -43,14 +44,16 @@ class StepRows:
 
 
 def decode_inputs(
-    last_tokens: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, block_table: np.ndarray, block_size: int
+    last_tokens: np.ndarray, num_tokens: np.ndarray, rows: np.ndarray, block_table: np.ndarray,
+    block_size: int,
 ) -> StepRows:
     """Inputs of decode sequences from their last token, length (incl. that token) and block-table row."""
     positions = num_tokens - 1
     num_blocks = -(-int(num_tokens.max()) // block_size)
     tables = block_table[rows, :num_blocks]
     blocks = tables[np.arange(len(rows)), positions // block_size]
-    return StepRows(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables, rows)
+    return StepRows(last_tokens, positions, blocks * block_size + positions % block_size, num_tokens, tables,
+                    rows)
 
 
 def prompt_rows(
@@ -73,7 +76,8 @@ def prompt_rows(
     tables = np.repeat(seq_tables, lens, axis=0)
     seq_rows = np.repeat(chunk_rows, lens)
     slots = tables[np.arange(len(positions)), positions // block_size] * block_size + positions % block_size
-    ids = np.concatenate([np.asarray(s.all_tokens()[s.prefill_start : s.prefill_end], np.int64) for s in prefill])
+    ids = np.concatenate([np.asarray(s.all_tokens()[s.prefill_start : s.prefill_end], np.int64)
+                          for s in prefill])
     ends = np.fromiter((s.prefill_end == s.num_tokens for s in prefill), bool, len(prefill))
     sample_rows = np.concatenate([np.arange(nd), nd + np.cumsum(lens)[ends] - 1])
     shared = rows_sharing(lens.tolist(), starts.tolist(), seq_tables, block_size, members, null_block)

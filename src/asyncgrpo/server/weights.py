@@ -51,7 +51,8 @@ class WeightLoader:
             if not isinstance(dtype, torch.dtype):
                 problems.append(f"{name}: unknown dtype name {dtype_name!r}")
             elif dtype != param.dtype:
-                problems.append(f"{name}: dtype {dtype_name} but the server holds {param.dtype} (send the serving dtype)")
+                problems.append(f"{name}: dtype {dtype_name} but the server holds {param.dtype} (send the "
+                                "serving dtype)")
             if list(shape) != list(param.shape):
                 problems.append(f"{name}: shape {list(shape)} but the server holds {list(param.shape)}")
         if problems:
@@ -108,13 +109,14 @@ class WeightTransfer:
         if self.in_process and init_info.get("backend") != "ipc":
             raise WeightTransferError(
                 "this server runs inside the trainer's process, which cannot also be the other rank of a "
-                f"{'gloo' if self.device.type == 'cpu' else 'NCCL'} group: it takes weights over CUDA IPC only (trainer "
-                "and server on one GPU); put the trainer on the server's GPU, or start the server as its own "
-                "process (asyncgrpo serve)")
+                f"{'gloo' if self.device.type == 'cpu' else 'NCCL'} group: it takes weights over CUDA IPC "
+                "only (trainer and server on one GPU); put the trainer on the server's GPU, or start the "
+                "server as its own process (asyncgrpo serve)")
         if init_info.get("backend") == "ipc":  # the trainer shares this GPU (asyncgrpo.sync.ipc)
             if self.device.type != "cuda":
                 raise WeightTransferError(
-                    f"the ipc weight-transfer backend needs a CUDA server; this one runs on {self.device}: use gloo"
+                    f"the ipc weight-transfer backend needs a CUDA server; this one runs on {self.device}: "
+                    "use gloo"
                 )
             from asyncgrpo.sync.ipc import IpcReceiver
 
@@ -149,7 +151,8 @@ class WeightTransfer:
                 raise WeightTransferError("update_info needs the lists names, dtype_names and shapes")
             if not names and not dtypes and not shapes:
                 if self._last_info is None:
-                    raise WeightTransferError("empty update_info reuses the previous metadata, but there is none")
+                    raise WeightTransferError(
+                        "empty update_info reuses the previous metadata, but there is none")
                 names, dtypes, shapes = (self._last_info[k] for k in ("names", "dtype_names", "shapes"))
             self.loader.check(names, dtypes, shapes)
             self._last_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}

@@ -17,7 +17,8 @@ import torch
 def tensor_digest(tensor: torch.Tensor) -> str:
     """`"bfloat16:[1024, 512]:<sha256 hex>"` of the tensor's bytes (copied to the host)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    return f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}:{hashlib.sha256(data).hexdigest()}"
+    return (f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}:"
+            f"{hashlib.sha256(data).hexdigest()}")
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

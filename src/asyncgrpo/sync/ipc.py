@@ -128,7 +128,8 @@ def share_buffer(buffer: torch.Tensor) -> IpcBuffer:
     for key in [k for k, ref in _EXPORTED.items() if ref() is None]:
         del _EXPORTED[key]
     _EXPORTED[handle] = weakref.ref(buffer)
-    return IpcBuffer(gpu_uuid(buffer.device), handle, size, offset, ref_handle, ref_offset, event_handle, event_sync)
+    return IpcBuffer(gpu_uuid(buffer.device), handle, size, offset, ref_handle, ref_offset, event_handle,
+                     event_sync)
 
 
 def open_buffer(shared: IpcBuffer, device: torch.device) -> torch.Tensor:
@@ -183,7 +184,8 @@ def parse_embedded_update(update_info: Any) -> tuple[list[TensorMeta], IpcBuffer
     rest = {k: v for k, v in update_info.items() if k != "ipc_buffer"}
     metas = metas_from_update_info(rest)
     if not metas:
-        raise ValueError("Invalid update_info: the ipc backend needs every chunk's names (no reuse of earlier ones)")
+        raise ValueError(
+            "Invalid update_info: the ipc backend needs every chunk's names (no reuse of earlier ones)")
     return metas, IpcBuffer.from_json(update_info["ipc_buffer"])
 
 
@@ -200,22 +202,25 @@ class IpcReceiver:
         self._opened: tuple[bytes, torch.Tensor] | None = None
 
     def init(self, init_info: Any) -> None:
-        if not isinstance(init_info, dict) or set(init_info) - {"backend", "packed"} or init_info.get("packed", True) is not True:
+        if (not isinstance(init_info, dict) or set(init_info) - {"backend", "packed"}
+                or init_info.get("packed", True) is not True):
             raise ValueError(
-                f"Invalid init_info: the ipc backend takes {{'backend': 'ipc', 'packed': true}}, got {init_info!r}"
+                "Invalid init_info: the ipc backend takes {'backend': 'ipc', 'packed': true}, "
+                f"got {init_info!r}"
             )
 
     def receive(self, update_info: Any) -> Iterator[tuple[str, torch.Tensor]]:
         metas, shared = parse_embedded_update(update_info)
         if shared.device_uuid != self.uuid:
             raise ValueError(
-                f"the trainer's buffer is on GPU {shared.device_uuid}, this server runs on GPU {self.uuid}: CUDA IPC "
-                "works on one GPU only; the trainer must use NCCL for another GPU"
+                f"the trainer's buffer is on GPU {shared.device_uuid}, this server runs on GPU {self.uuid}: "
+                "CUDA IPC works on one GPU only; the trainer must use NCCL for another GPU"
             )
         nbytes = sum(m.nbytes for m in metas)
         if nbytes > shared.storage_size_bytes:
             raise ValueError(
-                f"Invalid update_info: the chunk needs {nbytes} bytes, the shared buffer holds {shared.storage_size_bytes}"
+                f"Invalid update_info: the chunk needs {nbytes} bytes, the shared buffer holds "
+                f"{shared.storage_size_bytes}"
             )
         if self._opened is None or self._opened[0] != shared.storage_handle:
             self._opened = (shared.storage_handle, open_buffer(shared, self.device))
@@ -224,7 +229,8 @@ class IpcReceiver:
         for m in metas:
             offsets.append(t)
             t += m.nbytes
-        return self._yield_then_sync(list(zip([m.name for m in metas], unpack(buffer[:nbytes], metas, offsets))))
+        return self._yield_then_sync(
+            list(zip([m.name for m in metas], unpack(buffer[:nbytes], metas, offsets))))
 
     def _yield_then_sync(self, items: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         yield from items

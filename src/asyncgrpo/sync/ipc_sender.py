@@ -93,7 +93,8 @@ class IpcSender:
                 info = vllm_update_info(chunk_metas, buffer)
             await self._client.update_weights(info)
         if next(it, None) is not None:
-            raise ValueError(f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors")
+            raise ValueError(
+                f"weight update: the tensor iterator yields more than the {len(metas)} announced tensors")
         await self._client.finish_weight_update(version)
         torch.cuda.ipc_collect()  # release what the server let go of
         transfer_s = time.monotonic() - t0

@@ -163,10 +163,10 @@ class NcclCommunicator:
         thread.join(timeout_s)
         if thread.is_alive():
             raise TimeoutError(
-                f"ncclCommInitRank (rank {rank} of {world_size}) did not complete within {timeout_s:.0f}s: not "
-                "every rank joined. Check that the server accepted init_weight_transfer_engine, that it was started "
-                "with --weight-transfer-config, that NCCL versions match and NCCL_* variables agree, and that the "
-                "hosts can reach each other (NCCL_SOCKET_IFNAME)"
+                f"ncclCommInitRank (rank {rank} of {world_size}) did not complete within {timeout_s:.0f}s: "
+                "not every rank joined. Check that the server accepted init_weight_transfer_engine, that it "
+                "was started with --weight-transfer-config, that NCCL versions match and NCCL_* variables "
+                "agree, and that the hosts can reach each other (NCCL_SOCKET_IFNAME)"
             )
         if "error" in outcome:
             raise outcome["error"]  # type: ignore[misc]

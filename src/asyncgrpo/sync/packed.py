@@ -171,9 +171,9 @@ def check_tensor(meta: TensorMeta, name: str, tensor: torch.Tensor) -> None:
     """The tensor handed to the sender must be what the metadata announced."""
     if name != meta.name or tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
         raise ValueError(
-            f"weight update tensor mismatch: announced {meta.name!r} {dtype_name(meta.dtype)} {list(meta.shape)}, "
-            f"got {name!r} {tensor.dtype} {list(tensor.shape)}; the tensor iterator must yield exactly the "
-            "announced metadata, in order"
+            f"weight update tensor mismatch: announced {meta.name!r} {dtype_name(meta.dtype)} "
+            f"{list(meta.shape)}, got {name!r} {tensor.dtype} {list(tensor.shape)}; the tensor iterator must "
+            "yield exactly the announced metadata, in order"
         )
 
 

@@ -52,8 +52,8 @@ class WeightReceiver:
         rank = config.rank_offset + self.worker_index
         if rank >= config.world_size:
             raise ValueError(
-                f"Invalid init_info: rank_offset {config.rank_offset} + worker {self.worker_index} does not fit in "
-                f"world_size {config.world_size}"
+                f"Invalid init_info: rank_offset {config.rank_offset} + worker {self.worker_index} does not "
+                f"fit in world_size {config.world_size}"
             )
         if self._comm is not None:
             raise RuntimeError(

@@ -92,7 +92,8 @@ class WeightSender:
             info = self._client.info or await self._client.detect()
             if info.dialect < (0, 30, 0):
                 raise RuntimeError(
-                    f"server version {info.version} has no NCCL unique-id rendezvous (vLLM >= 0.30); upgrade vLLM"
+                    f"server version {info.version} has no NCCL unique-id rendezvous (vLLM >= 0.30); "
+                    "upgrade vLLM"
                 )
             uid = get_unique_id(load_nccl())
             config = TransferInit(
@@ -252,8 +253,8 @@ class WeightSender:
                     await asyncio.wait({sent}, timeout=self.timeout_s)
                 if not sent.done():
                     raise TimeoutError(
-                        f"broadcasting weights stalled for {self.timeout_s:.0f}s; raise `vllm_server_timeout` if the "
-                        "transfer is just slow"
+                        f"broadcasting weights stalled for {self.timeout_s:.0f}s; raise "
+                        "`vllm_server_timeout` if the transfer is just slow"
                     )
                 sent.result()
                 num_chunks += 1

@@ -86,12 +86,14 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool, output_dir: st
         return str(path)
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
-        raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a directory; pass a checkpoint-N folder")
+        raise ValueError(
+            f"resume_from_checkpoint={str(path)!r} is not a directory; pass a checkpoint-N folder")
     missing = missing_files(path)
     if missing:
         raise ValueError(
-            f"the checkpoint {path} is incomplete (no {' or '.join(missing)}: it was being written when a run "
-            "stopped); pass an earlier checkpoint, or resume_from_checkpoint=True to take the latest complete one"
+            f"the checkpoint {path} is incomplete (no {' or '.join(missing)}: it was being written when a "
+            "run stopped); pass an earlier checkpoint, or resume_from_checkpoint=True to take the latest "
+            "complete one"
         )
     return str(path)
 
@@ -153,9 +155,10 @@ def staged_checkpoint(
         if is_out_of_space(exc, staging_run):
             raise CheckpointDiskFullError(
                 errno.ENOSPC,
-                f"no space left on device while writing checkpoint to {final} ({_free_bytes(run_dir) / 2**20:.0f} "
-                "MiB free there): free some space or point output_dir at a larger disk, and keep fewer "
-                "checkpoints with save_total_limit; the partial checkpoint was removed, earlier ones are intact",
+                f"no space left on device while writing checkpoint to {final} "
+                f"({_free_bytes(run_dir) / 2**20:.0f} MiB free there): free some space or point output_dir "
+                "at a larger disk, and keep fewer checkpoints with save_total_limit; the partial checkpoint "
+                "was removed, earlier ones are intact",
             ) from exc
         raise
 
@@ -182,7 +185,8 @@ class StagedCheckpoints:
         run_dir = self._get_output_dir(trial=trial)
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         main = self.is_world_process_zero()
-        with staged_checkpoint(run_dir, folder, is_main=main, barrier=self.accelerator.wait_for_everyone) as staging:
+        with staged_checkpoint(run_dir, folder, is_main=main,
+                               barrier=self.accelerator.wait_for_everyone) as staging:
             self._checkpoint_staging = staging
             try:
                 super()._save_checkpoint(model, trial)

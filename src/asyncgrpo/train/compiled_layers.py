@@ -53,13 +53,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not layers and isinstance(getattr(body, "layers", None), torch.nn.ModuleList):
         layers = list(body.layers)
     if not layers:
-        raise ValueError(f"{type(base).__name__} exposes no decoder layers to compile (neither `_no_split_modules` "
-                         "nor a `layers` list); set torch_compile=False")
+        raise ValueError(f"{type(base).__name__} exposes no decoder layers to compile (neither "
+                         "`_no_split_modules` nor a `layers` list); set torch_compile=False")
     return layers
 
 
-def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "inductor", mode: str | None = None,
-                           dynamic: bool | None = True, activation_memory_budget: float | None = None) -> int:
+def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "inductor",
+                           mode: str | None = None, dynamic: bool | None = True,
+                           activation_memory_budget: float | None = None) -> int:
     """Compile every decoder layer in place and prebuild each row's masks before the layers run;
     returns the number of layers compiled. Call once, after `enable_tree_attention`.
     `activation_memory_budget` (0, 1]: the partitioner's budget, set for the whole process (the layers'
@@ -84,9 +85,10 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
                 mask.prebuild(windows)
 
         setattr(body, _PREBUILD_HOOK, body.register_forward_pre_hook(prebuild, with_kwargs=True))
-    logger.info("compiled %d decoder layers of %s (backend %s, mode %s, dynamic row length%s); masks of windows %s "
-                "are built before the layers", len(layers), type(base).__name__, backend, mode,
-                "" if activation_memory_budget is None else f", activation memory budget {activation_memory_budget}",
+    logger.info("compiled %d decoder layers of %s (backend %s, mode %s, dynamic row length%s); masks of "
+                "windows %s are built before the layers", len(layers), type(base).__name__, backend, mode,
+                "" if activation_memory_budget is None
+                else f", activation memory budget {activation_memory_budget}",
                 windows)
     return len(layers)
 
@@ -99,16 +101,16 @@ def flex_backend_options(backend: str, device: torch.device | str) -> dict | Non
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         where = f"trains on {device}" if device.type != "cuda" else "has no CUDA device"
-        raise ValueError(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and this process "
-                         f"{where}: set flex_attention_backend='triton'")
+        raise ValueError(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and this "
+                         f"process {where}: set flex_attention_backend='triton'")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        raise ValueError(f"flex_attention_backend={backend!r}: FlashAttention-4 runs on Hopper or Blackwell GPUs "
-                         f"(compute capability 9.0 or later), and {torch.cuda.get_device_name(device)} is "
-                         f"{major}.{minor}: set flex_attention_backend='triton'")
+        raise ValueError(f"flex_attention_backend={backend!r}: FlashAttention-4 runs on Hopper or Blackwell "
+                         f"GPUs (compute capability 9.0 or later), and {torch.cuda.get_device_name(device)} "
+                         f"is {major}.{minor}: set flex_attention_backend='triton'")
     try:
         import flash_attn.cute  # noqa: F401 -- FlexAttention imports it when it lowers the FLASH backend
     except ImportError as exc:
-        raise ImportError(f"flex_attention_backend={backend!r} needs the flash-attn-4 package ({exc}): pip install "
-                          "flash-attn-4, or set flex_attention_backend='triton'") from None
+        raise ImportError(f"flex_attention_backend={backend!r} needs the flash-attn-4 package ({exc}): pip "
+                          "install flash-attn-4, or set flex_attention_backend='triton'") from None
     return {"BACKEND": "FLASH"}

@@ -35,5 +35,6 @@ def print_completions(entries: list[dict[str, Any]], *, step: int, limit: int | 
     for e in entries:
         prompt = (e["prompt"] or [{}])[-1].get("content", "")
         completion = "\n".join(str(m.get("content") or m.get("tool_calls") or "") for m in e["completion"])
-        table.add_row(prompt, completion, f"{e['reward']:.3f}", f"{e['advantage']:+.3f}", str(e["model_version"]))
+        table.add_row(prompt, completion, f"{e['reward']:.3f}", f"{e['advantage']:+.3f}",
+                      str(e["model_version"]))
     Console().print(table)

@@ -52,7 +52,8 @@ def all_reduce_loss_stats(stats: LossStats) -> LossStats:
     """Loss statistics summed (and min/max-ed) over all processes, in place."""
     if rank_and_world_size()[1] == 1:
         return stats
-    for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN), (stats.maxs, dist.ReduceOp.MAX)):
+    for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN),
+                       (stats.maxs, dist.ReduceOp.MAX)):
         for value in values.values():
             dist.all_reduce(value, op=op)
     return stats

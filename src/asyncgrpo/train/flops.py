@@ -77,7 +77,8 @@ class FlopModel:
     def for_config(cls, config, layer_params: int) -> FlopModel | None:
         """The FLOP model of a (text) config whose decoder layers hold `layer_params` (active) parameters;
         None where it does not apply (see the module docstring)."""
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        layer_types = list(getattr(config, "layer_types", None)
+                           or ["full_attention"] * config.num_hidden_layers)
         if set(layer_types) - {"full_attention", "linear_attention"}:
             return None  # sliding-window or other mixing layers
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
@@ -92,7 +93,8 @@ class FlopModel:
             layer_params=layer_params,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
-            attention_per_pair=12 * layer_types.count("full_attention") * config.num_attention_heads * head_dim,
+            attention_per_pair=(12 * layer_types.count("full_attention") * config.num_attention_heads
+                                * head_dim),
             recurrent_per_token=recurrent,
         )
 

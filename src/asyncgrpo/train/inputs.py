@@ -42,10 +42,11 @@ def reward_func_list(reward_funcs: Callable | list[Callable] | None) -> list[Cal
         reward_funcs = []
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     for i, fn in enumerate(funcs):
-        if not callable(fn) or isinstance(fn, torch.nn.Module):  # a model is callable, but not with rewards' keywords
+        # a model is callable, but not with rewards' keywords
+        if not callable(fn) or isinstance(fn, torch.nn.Module):
             raise TypeError(
-                f"reward_funcs[{i}] is a {type(fn).__name__}, not a reward function; reward models given as ids or "
-                "PreTrainedModels are not supported: wrap the model behind a picklable reward function"
+                f"reward_funcs[{i}] is a {type(fn).__name__}, not a reward function; reward models given as "
+                "ids or PreTrainedModels are not supported: wrap the model behind a picklable reward function"
             )
     return funcs
 
@@ -60,14 +61,17 @@ def check_prompt_source(
     """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them.
     `rollout_reward`: the loop's rollouts carry a reward of their own (`Rollout.reward`)."""
     if not reward_funcs and environment_factory is None and not rollout_reward:
-        raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class defines get_reward")
+        raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class "
+                         "defines get_reward")
     if train_dataset is None:
         if environment_factory is None or isinstance(environment_factory, dict):
             raise ValueError(
-                "`train_dataset` is required unless a single `environment_factory` provides the prompts from reset()"
+                "`train_dataset` is required unless a single `environment_factory` provides the prompts "
+                "from reset()"
             )
         if max_steps <= 0:
-            raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no epoch to count")
+            raise ValueError("without a `train_dataset`, set `max_steps` in AsyncGRPOConfig: there is no "
+                             "epoch to count")
         check_reward_signatures(reward_funcs, [])  # no row: prompts, completions, completion_ids only
         return
     check_reward_signatures(reward_funcs, getattr(train_dataset, "column_names", None))

@@ -113,9 +113,13 @@ def forward_chunks(h, weight, bias, target_ids, safe_topk, temperature, scale, s
         x = F.linear(h[start:stop].to(weight.dtype), weight, bias)
         lse_c, entropy[start:stop] = stats(x, scale, temperature, softcap)
         lse[start:stop] = lse_c
-        target_lp[start:stop] = processed_at(x, target_ids[start:stop, None], scale, temperature, softcap)[:, 0] - lse_c
+        target_lp[start:stop] = (
+            processed_at(x, target_ids[start:stop, None], scale, temperature, softcap)[:, 0] - lse_c
+        )
         if safe_topk.shape[1]:
-            topk_lp[start:stop] = processed_at(x, safe_topk[start:stop], scale, temperature, softcap) - lse_c[:, None]
+            topk_lp[start:stop] = (
+                processed_at(x, safe_topk[start:stop], scale, temperature, softcap) - lse_c[:, None]
+            )
 
 
 def backward_chunks(h, weight, bias, target_ids, safe_topk, lse, grad_row, grad_target, grad_topk,

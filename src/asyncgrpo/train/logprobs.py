@@ -13,9 +13,11 @@ Definitions (DESIGN.md section 4), for a trained token n predicted by packed pos
     log pi~(v) = log pi(v) - logsumexp_{u in S} log pi(u) = z_v - logsumexp_{u in S} z_u
 
 `scale` is the model's own logit multiplier (Cohere's `logit_scale`, 1 / Granite's `logits_scaling`,
-1 elsewhere: `asyncgrpo.train.model_setup.logit_processing`), and `S` is the server's candidate set after top-k / top-p (the whole vocabulary when none is given,
-for the row or for one token -- an empty CSR range --, then `pi~ = pi`). Top-K tokens outside `S` (probability zero under `pi~`) and pad entries (id -1) get
-`-inf`. The entropy is that of `pi` (temperature-scaled, full vocabulary) and carries no gradient.
+1 elsewhere: `asyncgrpo.train.model_setup.logit_processing`), and `S` is the server's candidate set
+after top-k / top-p (the whole vocabulary when none is given, for the row or for one token -- an
+empty CSR range --, then `pi~ = pi`). Top-K tokens outside `S` (probability zero under `pi~`) and
+pad entries (id -1) get `-inf`. The entropy is that of `pi` (temperature-scaled, full vocabulary)
+and carries no gradient.
 
 Memory: full-vocabulary logits are never built for the whole row. The N trained positions are
 selected first and processed `chunk_size` rows at a time; a custom autograd function keeps only the
@@ -227,8 +229,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         with torch.autocast(device_type=device.type, enabled=False):
             if ctx.fused:
                 epilogue.backward_chunks(h, weight, bias, target_ids, safe_topk, lse, grad_row, grad_target,
-                                         grad_topk, temperature, scale, softcap, ctx.chunk_size, grad_h, grad_w,
-                                         grad_b)
+                                         grad_topk, temperature, scale, softcap, ctx.chunk_size, grad_h,
+                                         grad_w, grad_b)
             for start in range(0, 0 if ctx.fused else n, ctx.chunk_size):  # the plain path
                 stop = min(start + ctx.chunk_size, n)
                 x = _raw_logits(h[start:stop], weight, bias, scale)
@@ -371,7 +373,8 @@ def token_logprobs_reference(
     )
     n, vocab_size = target_ids.shape[0], lm_head_weight.shape[0]
     z = _process(
-        _raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias, logit_scale), temperature, logit_softcapping
+        _raw_logits(hidden[pred_index], lm_head_weight, lm_head_bias, logit_scale), temperature,
+        logit_softcapping,
     )
     log_pi = torch.log_softmax(z, dim=-1)
     entropy = -(log_pi.exp() * log_pi).sum(dim=-1).detach()

@@ -396,5 +396,6 @@ def loss_metrics(stats: LossStats) -> dict[str, float]:
     if "entropy/sum" in s:
         metrics[M.ENTROPY] = mean("entropy/sum")
     if "aux_loss/sum" in s:  # per micro-batch, not per token
-        metrics[M.AUX_LOSS] = s["aux_loss/sum"] / s["aux_loss/count"] if s["aux_loss/count"] > 0 else float("nan")
+        metrics[M.AUX_LOSS] = (s["aux_loss/sum"] / s["aux_loss/count"] if s["aux_loss/count"] > 0
+                               else float("nan"))
     return metrics

@@ -68,11 +68,11 @@ class NonFiniteGuard:
         norm_value = float(norm.item()) if norm.numel() == 1 else math.nan
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteStepError(
-                f"{self.consecutive} optimizer steps in a row (the last one step {step}) had a non-finite loss "
-                f"or gradient (grad_norm {norm_value}); each was skipped and no weights were pushed, so the model "
-                "is still the one of the last finite step. Usual causes: a learning rate too high, fp16 "
-                "overflow (use bf16 or float32), or extreme advantages from a custom compute_advantages; "
-                "resume from the last checkpoint after fixing it"
+                f"{self.consecutive} optimizer steps in a row (the last one step {step}) had a non-finite "
+                f"loss or gradient (grad_norm {norm_value}); each was skipped and no weights were pushed, so "
+                "the model is still the one of the last finite step. Usual causes: a learning rate too high, "
+                "fp16 overflow (use bf16 or float32), or extreme advantages from a custom "
+                "compute_advantages; resume from the last checkpoint after fixing it"
             )
         logger.warning(
             "step %d: non-finite loss or gradient (grad_norm %s): skipped the optimizer step and the weight "

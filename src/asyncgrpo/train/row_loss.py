@@ -37,7 +37,8 @@ class LossSettings:
     num_processes: int
     logit_scale: float
     logit_softcapping: float | None
-    fused_logprob_head: bool = False  # torch_compile: the head's elementwise work compiled (train/logprob_epilogue.py)
+    # torch_compile: the head's elementwise work compiled (train/logprob_epilogue.py)
+    fused_logprob_head: bool = False
 
     @classmethod
     def from_config(

@@ -25,7 +25,8 @@ def token_budget(requested: int | None, info: ServerInfo) -> int:
     if requested is not None:
         return int(requested)
     if info.max_model_len is None:
-        raise ValueError("token_budget is None and the server did not report max_model_len: set `token_budget`")
+        raise ValueError(
+            "token_budget is None and the server did not report max_model_len: set `token_budget`")
     return int(info.max_model_len)
 
 
@@ -34,7 +35,9 @@ def serving_dtype(info: ServerInfo) -> torch.dtype:
     return TORCH_DTYPES.get(dtype_name(info.dtype), torch.float32)
 
 
-def warn_server_mismatches(matmul_dtype: torch.dtype, max_completion_length: int | None, info: ServerInfo) -> None:
+def warn_server_mismatches(
+    matmul_dtype: torch.dtype, max_completion_length: int | None, info: ServerInfo
+) -> None:
     """What the server serves that the run's settings do not expect: each a warning with the fix.
     matmul_dtype: the precision of the trainer's matmuls (`training_dtype`), not its weights': float32
     weights under bf16 autocast multiply in bfloat16, as a bfloat16 server does."""
@@ -57,11 +60,12 @@ def warn_dtype_mismatch(matmul_dtype: torch.dtype, info: ServerInfo) -> None:
 def warn_short_context(max_completion_length: int | None, info: ServerInfo) -> None:
     """A completion cannot be longer than the server's context less its prompt: say so when the config
     asks for more than the whole context (the server then cuts completions short, as finished by length)."""
-    if max_completion_length is not None and info.max_model_len is not None and max_completion_length >= info.max_model_len:
+    if (max_completion_length is not None and info.max_model_len is not None
+            and max_completion_length >= info.max_model_len):
         logger.warning(
-            "max_completion_length=%d is not below the server's max_model_len=%d: a completion ends where prompt + "
-            "completion fill the context, so completions are shorter than asked (and cut, counted in "
-            "completions/clipped_ratio); lower max_completion_length or start the server with a larger "
+            "max_completion_length=%d is not below the server's max_model_len=%d: a completion ends where "
+            "prompt + completion fill the context, so completions are shorter than asked (and cut, counted "
+            "in completions/clipped_ratio); lower max_completion_length or start the server with a larger "
             "--max-model-len", max_completion_length, info.max_model_len,
         )
 

@@ -31,8 +31,8 @@ def sigterm_stops_training() -> Iterator[None]:
 
     def stop(signum, frame) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
-        logger.warning("SIGTERM: stopping training (the rollout process, the server's hold); send it again to "
-                       "kill at once")
+        logger.warning("SIGTERM: stopping training (the rollout process, the server's hold); send it again "
+                       "to kill at once")
         raise SystemExit(EXIT_CODE)
 
     signal.signal(signal.SIGTERM, stop)

@@ -43,7 +43,8 @@ class PreparedPolicy:
     model_id: str
     tokenizer: PreTrainedTokenizerBase
     flop_model: FlopModel | None  # of the base model: adapters are not the model's FLOPs
-    flex_options: dict | None  # FlexAttention's kernel_options for the tree attention (flex_attention_backend)
+    # FlexAttention's kernel_options for the tree attention (flex_attention_backend)
+    flex_options: dict | None
     router_aux_loss_coef: float
     logit_processing: dict[str, float | None]
 
@@ -65,7 +66,8 @@ def prepare_policy_and_tokenizer(
 
     if processing_class is None:
         revision = (args.model_init_kwargs or {}).get("revision")
-        processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code, revision=revision)
+        processing_class = load_tokenizer(model_id, trust_remote_code=args.trust_remote_code,
+                                          revision=revision)
 
     # the tool loop renders the growing conversation each turn: its template must keep earlier
     # turns unchanged (known families are switched to a bundled training template)
@@ -79,7 +81,8 @@ def prepare_policy_and_tokenizer(
     if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
         compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode,
                                activation_memory_budget=args.activation_memory_budget)
-    return PreparedPolicy(model, model_id, processing_class, flop_model, flex_options, aux_loss_coef, logit_proc)
+    return PreparedPolicy(model, model_id, processing_class, flop_model, flex_options, aux_loss_coef,
+                          logit_proc)
 
 
 def fit_accelerator(accelerator: Any, args: AsyncGRPOConfig, *, is_fsdp_enabled: bool) -> None:

@@ -49,9 +49,12 @@ class StepTotals:
     attention_pairs: int = 0
     samples: int = 0
     groups: set[int] = field(default_factory=set)
-    row_stats: list[dict[str, float]] = field(default_factory=list)  # the batcher's batch/* metrics, per micro-batch
+    # the batcher's batch/* metrics, per micro-batch
+    row_stats: list[dict[str, float]] = field(default_factory=list)
 
-    def add_micro_batch(self, row, samples, row_stats: dict[str, float], *, fwd_s: float, fwd_bwd_s: float) -> None:
+    def add_micro_batch(
+        self, row, samples, row_stats: dict[str, float], *, fwd_s: float, fwd_bwd_s: float
+    ) -> None:
         """Account one micro-batch of this process: its packed `row` of `samples`."""
         self.micro_batches += 1
         self.fwd_s += fwd_s
@@ -78,8 +81,8 @@ class StepTotals:
         dist.all_gather_object(every, mine)
         total = StepTotals(started_at=self.started_at, optimizer_started=self.optimizer_started,
                            row_stats=self.row_stats)
-        for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions", "attention_pairs",
-                     "samples"):
+        for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions",
+                     "attention_pairs", "samples"):
             setattr(total, name, sum(r[name] for r in every))
         for name in ("optimizer_s", "wait_s", "fwd_s", "fwd_bwd_s"):
             setattr(total, name, max(r[name] for r in every))
@@ -143,7 +146,8 @@ class TrainerMetrics:
     """
 
     def __init__(self, flop_model: FlopModel | None) -> None:
-        self.window = MetricsWindow()  # the one sink: this module's records, the batcher's, the rollout process's
+        # the one sink: this module's records, the batcher's, the rollout process's
+        self.window = MetricsWindow()
         self.step = StepTotals()  # the optimizer step in progress, this process's share
         self.flop_model = flop_model
         self.peak_flops: float | None = None  # the device's, known once train() has the training dtype
@@ -155,7 +159,8 @@ class TrainerMetrics:
     ) -> None:
         """Account one micro-batch of this process: its `inputs` packed as `row`, and its loss statistics."""
         self.step.add_micro_batch(row, inputs.samples, inputs.stats, fwd_s=fwd_s, fwd_bwd_s=fwd_bwd_s)
-        self.loss_stats = loss_stats if self.loss_stats is None else merge_loss_stats(self.loss_stats, loss_stats)
+        self.loss_stats = (loss_stats if self.loss_stats is None
+                           else merge_loss_stats(self.loss_stats, loss_stats))
 
     def end_step(self, *, skipped: bool) -> StepTotals:
         """The step's totals over all processes (every rank must call this, in step); the next step starts.
@@ -167,7 +172,8 @@ class TrainerMetrics:
     def record_step(self, totals: StepTotals, sync_s: dict[str, float], *, num_processes: int) -> None:
         """The step's batch/* and perf/* records (`sync_s`: the weight sync's timings, empty without one)."""
         totals.record_into(
-            self.window, sync_s, flop_model=self.flop_model, peak_flops=self.peak_flops, num_processes=num_processes,
+            self.window, sync_s, flop_model=self.flop_model, peak_flops=self.peak_flops,
+            num_processes=num_processes,
         )
         self.window.end_step()
         self.num_tokens_forwarded += totals.forwarded_tokens
