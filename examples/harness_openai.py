@@ -33,7 +33,8 @@ MAX_TURNS = 8
 INCREMENT = {"type": "function", "function": {
     "name": "increment", "description": "Increment the internal counter.",
     "parameters": {"type": "object", "required": ["step"],
-                   "properties": {"step": {"type": "integer", "description": "Value to add to the counter."}}},
+                   "properties": {"step": {"type": "integer",
+                                           "description": "Value to add to the counter."}}},
     "return": {"type": "integer", "description": "The updated counter value."}}}
 
 
@@ -64,7 +65,8 @@ async def counter_agent(run: HarnessRun) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train; returns the Trainer's log history."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=at_least(1), default=30)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--output-dir", default="asyncgrpo-harness")

@@ -364,7 +364,8 @@ class AsyncGRPOConfig(TrainingArguments):
     # -- harness training --------------------------------------------------------------------------
     harness_timeout: float = field(
         default=600.0,
-        metadata={"help": "Seconds one harness run may take before it is stopped and counted (harness/timeout_count)."},
+        metadata={"help": "Seconds one harness run may take before it is stopped and counted "
+                  "(harness/timeout_count)."},
     )
     max_concurrent_harnesses: int | None = field(
         default=None,

@@ -253,7 +253,8 @@ def validate(args: AsyncGRPOConfig) -> None:
     _require(args.harness_timeout > 0, f"harness_timeout={args.harness_timeout} must be > 0 seconds")
     _require(
         args.max_concurrent_harnesses is None or args.max_concurrent_harnesses >= 1,
-        f"max_concurrent_harnesses={args.max_concurrent_harnesses} must be >= 1, or None to use max_concurrent_rollouts",
+        f"max_concurrent_harnesses={args.max_concurrent_harnesses} must be >= 1, or None to use "
+        "max_concurrent_rollouts",
     )
     _require(
         args.num_completions_to_print is None or args.num_completions_to_print >= 0,

@@ -88,7 +88,7 @@ ENV_RESET_S = "env/reset_s"
 ENV_REWARD_S = "env/reward_s"
 
 # -- harnesses (HarnessAsyncGRPOTrainer): one 0/1 item per harness run, so a window without a failure logs 0
-HARNESS_FAILED_COUNT = "harness/failed_count"  # the harness raised, returned a bad value or its command failed
+HARNESS_FAILED_COUNT = "harness/failed_count"  # it raised, returned a bad value or its command failed
 HARNESS_TIMEOUT_COUNT = "harness/timeout_count"  # still running after harness_timeout
 HARNESS_NO_CALL_COUNT = "harness/no_call_count"  # ended without calling the model
 HARNESS_CALLS_MEAN = "harness/calls_mean"  # model calls per harness run

@@ -52,8 +52,9 @@ async def _with_proxy(server, tokenizer, harness_body, settings=None):
     await client.start()
 
     async def forward(path, body, session):
-        upstream, asked, _ = harness_calls.upstream_body(path, body, settings=settings, seed=len(session.calls) + 7,
-                                                         model=MODEL)
+        upstream, asked, _ = harness_calls.upstream_body(
+            path, body, settings=settings, seed=len(session.calls) + 7, model=MODEL
+        )
         status, reply = await client.openai_request(path, upstream)
         if status >= 400:
             return status, reply
@@ -126,7 +127,8 @@ def test_proxy_records_the_exact_token_ids_and_sampler_logprobs_and_strips_them(
 def test_a_harness_that_asks_for_logprobs_gets_text_tokens_and_its_own_top_k(server, tokenizer):
     async def harness(session):
         sdk = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
-        return await sdk.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True, top_logprobs=2)
+        return await sdk.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True,
+                                                 top_logprobs=2)
 
     session, reply = asyncio.run(_with_proxy(server, tokenizer, harness))
     turn = session.calls[0].turns[0]
@@ -140,7 +142,8 @@ def test_completions_route_and_streaming_are_recorded_too(server, tokenizer):
     async def harness(session):
         sdk = openai.AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
         text = await sdk.completions.create(model=MODEL, prompt="12 + 30 =", max_tokens=5)
-        chunks = [c async for c in await sdk.chat.completions.create(model=MODEL, messages=QUESTION, stream=True)]
+        stream = await sdk.chat.completions.create(model=MODEL, messages=QUESTION, stream=True)
+        chunks = [c async for c in stream]
         return text, chunks
 
     session, (text, chunks) = asyncio.run(_with_proxy(server, tokenizer, harness))
@@ -182,7 +185,8 @@ def test_wrong_key_and_closed_sessions_are_refused(server, tokenizer):
 
 
 def _run(harness, timeout_s=5.0):
-    run = HarnessRun(base_url="http://127.0.0.1:1/v1", api_key="k", model=MODEL, prompt=QUESTION, row={"a": 1})
+    run = HarnessRun(base_url="http://127.0.0.1:1/v1", api_key="k", model=MODEL, prompt=QUESTION,
+                     row={"a": 1})
     return asyncio.run(run_harness(harness, run, timeout_s=timeout_s, executor=None))
 
 
@@ -222,7 +226,8 @@ def test_a_command_gets_its_endpoint_and_task_and_reports_its_reward(tmp_path):
     """))
     assert _run(HarnessCommand((sys.executable, str(script)))).reward == 2.5
     outcome = _run(HarnessCommand((sys.executable, str(script), "fail")))
-    assert outcome.failure == FAILED and "status 3" in outcome.detail and "the agent gave up" in outcome.detail
+    assert outcome.failure == FAILED and "status 3" in outcome.detail
+    assert "the agent gave up" in outcome.detail
     outcome = _run(HarnessCommand((sys.executable, str(script), "hang")), timeout_s=1.0)
     assert outcome.failure == TIMEOUT and "killed" in outcome.detail
     assert _run(HarnessCommand(("/nonexistent/agent",))).failure == FAILED
@@ -232,8 +237,9 @@ def test_upstream_body_uses_the_trainers_sampling_and_reports_what_it_replaced()
     settings = _settings()
     body = {"messages": QUESTION, "temperature": 0.2, "top_p": 1.0, "logit_bias": {"5": 3}, "max_tokens": 500,
             "model": "gpt-4o"}
-    out, asked, overridden = harness_calls.upstream_body(harness_calls.CHAT_PATH, body, settings=settings, seed=3,
-                                                         model=MODEL)
+    out, asked, overridden = harness_calls.upstream_body(
+        harness_calls.CHAT_PATH, body, settings=settings, seed=3, model=MODEL
+    )
     assert overridden == {"temperature": 0.2, "logit_bias": {"5": 3}}
     assert out["temperature"] == 1.0 and "logit_bias" not in out and out["max_tokens"] == 12
     assert out["model"] == MODEL and out["seed"] == 3 and out["return_token_ids"] and out["top_logprobs"] == 9

@@ -63,7 +63,8 @@ async def sdk_agent(run):
 
 
 def flaky_agent(run):
-    """A sync agent whose rollouts, by their id, raise, hang past harness_timeout, skip the model or answer."""
+    """A sync agent whose rollouts, by their id, raise, hang past harness_timeout, skip the model or
+    answer."""
     kind = int(run.rollout_id, 16) % 8
     if kind == 0:
         raise RuntimeError("the agent crashed")
@@ -114,13 +115,15 @@ def test_an_sdk_agent_trains_the_model_with_the_usual_metrics(tmp_path, server):
     logs = _logged(trainer)
     assert len(logs) == 2
     keys = set().union(*logs)
-    for name in ("loss", "reward", "num_tokens", "sampling/importance_sampling_ratio/mean", "sample/staleness_max",
-                 "batch/packing_ratio", "rollout/fork_frac", "rollout/turns_mean", "perf/weight_sync_s",
-                 "harness/calls_mean", "harness/failed_count", "harness/timeout_count", "harness/no_call_count"):
+    for name in ("loss", "reward", "num_tokens", "sampling/importance_sampling_ratio/mean",
+                 "sample/staleness_max", "batch/packing_ratio", "rollout/fork_frac", "rollout/turns_mean",
+                 "perf/weight_sync_s", "harness/calls_mean", "harness/failed_count", "harness/timeout_count",
+                 "harness/no_call_count"):
         assert name in keys, f"{name} missing from {sorted(keys)}"
     assert all(entry["harness/failed_count"] == 0 and entry["harness/no_call_count"] == 0 for entry in logs)
     assert max(entry["rollout/turns_mean"] for entry in logs) == 2.0
-    assert max(entry["rollout/fork_frac"] for entry in logs) == 1.0  # the second call did not extend the first
+    # the second call did not extend the first
+    assert max(entry["rollout/fork_frac"] for entry in logs) == 1.0
     # the importance ratios stay near 1: the recorded log-probs are the sampler's for the trained tokens
     assert all(0.5 < entry["sampling/importance_sampling_ratio/mean"] < 2.0 for entry in logs)
 
@@ -159,4 +162,5 @@ def test_truncated_sampling_and_bad_harnesses_are_refused_at_construction(tmp_pa
         HarnessAsyncGRPOTrainer(model=MODEL, harness=sdk_agent, train_dataset=_dataset(4),
                                 args=_config(tmp_path, server, top_k=5))
     with pytest.raises(TypeError, match="harness must be"):
-        HarnessAsyncGRPOTrainer(model=MODEL, harness=42, train_dataset=_dataset(4), args=_config(tmp_path, server))
+        HarnessAsyncGRPOTrainer(model=MODEL, harness=42, train_dataset=_dataset(4),
+                                args=_config(tmp_path, server))

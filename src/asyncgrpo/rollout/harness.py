@@ -113,8 +113,8 @@ def as_harness(harness: Any) -> Harness:
     if callable(harness):
         return harness
     raise TypeError(
-        f"harness must be a callable taking a HarnessRun (sync or async), a command (a string, a list of strings "
-        f"or a HarnessCommand), got {type(harness).__name__}"
+        f"harness must be a callable taking a HarnessRun (sync or async), a command (a string, a list of "
+        f"strings or a HarnessCommand), got {type(harness).__name__}"
     )
 
 
@@ -128,7 +128,9 @@ class HarnessOutcome:
     detail: str = ""
 
 
-async def run_harness(harness: Harness, run: HarnessRun, *, timeout_s: float, executor: Executor | None) -> HarnessOutcome:
+async def run_harness(
+    harness: Harness, run: HarnessRun, *, timeout_s: float, executor: Executor | None
+) -> HarnessOutcome:
     """Run `harness` once for `run`, at most `timeout_s` seconds; never raises but for cancellation."""
     try:
         if isinstance(harness, HarnessCommand):
@@ -157,10 +159,11 @@ def _reward_outcome(value: Any, how: str) -> HarnessOutcome:
     if value is None:
         return HarnessOutcome()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return HarnessOutcome(failure=FAILED, detail=f"{how} {value!r} ({type(value).__name__}); a harness gives a "
-                                                     "float reward, or None to leave scoring to reward_funcs")
+        return HarnessOutcome(failure=FAILED, detail=f"{how} {value!r} ({type(value).__name__}); a harness "
+                              "gives a float reward, or None to leave scoring to reward_funcs")
     if not math.isfinite(value):
-        return HarnessOutcome(failure=FAILED, detail=f"{how} the reward {value}; rewards must be finite (or None)")
+        return HarnessOutcome(failure=FAILED,
+                              detail=f"{how} the reward {value}; rewards must be finite (or None)")
     return HarnessOutcome(reward=float(value))
 
 
@@ -184,7 +187,8 @@ async def _run_command(command: HarnessCommand, run: HarnessRun, timeout_s: floa
                 await asyncio.wait_for(process.wait(), 5.0)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return HarnessOutcome(failure=TIMEOUT, detail=f"still running after harness_timeout={timeout_s:g} s; killed")
+            return HarnessOutcome(failure=TIMEOUT,
+                                  detail=f"still running after harness_timeout={timeout_s:g} s; killed")
         if process.returncode != 0:
             tail = stderr.decode("utf-8", errors="replace").strip()[-_STDERR_TAIL:]
             return HarnessOutcome(failure=FAILED, detail=f"exited with status {process.returncode}"
@@ -195,8 +199,8 @@ async def _run_command(command: HarnessCommand, run: HarnessRun, timeout_s: floa
         try:
             value = float(text)
         except ValueError:
-            return HarnessOutcome(failure=FAILED, detail=f"wrote {text[:200]!r} to ASYNCGRPO_REWARD_FILE; write a "
-                                                         "number (or nothing)")
+            return HarnessOutcome(failure=FAILED, detail=f"wrote {text[:200]!r} to ASYNCGRPO_REWARD_FILE; "
+                                  "write a number (or nothing)")
         return _reward_outcome(value, "wrote")
     finally:
         with contextlib.suppress(OSError):

@@ -118,7 +118,8 @@ def _differs(given: Any, value: Any, name: str) -> bool:
 
 def _token_id(token: str) -> int:
     if not token.startswith(TOKEN_ID_PREFIX):
-        raise ValueError(f"expected a token as {TOKEN_ID_PREFIX}N (return_tokens_as_token_ids), got {token!r}")
+        raise ValueError(f"expected a token as {TOKEN_ID_PREFIX}N (return_tokens_as_token_ids), "
+                         f"got {token!r}")
     return int(token[len(TOKEN_ID_PREFIX):])
 
 
@@ -137,8 +138,8 @@ def recorded_turns(path: str, reply: Mapping[str, Any], *, num_logprobs: int) ->
         output_ids = choice.get("token_ids")
         if prompt_ids is None or output_ids is None:
             raise ValueError(
-                f"{path}: the server's reply has no token ids (return_token_ids); the recording proxy needs a server "
-                "that returns them: the embedded server, or vLLM >= 0.10"
+                f"{path}: the server's reply has no token ids (return_token_ids); the recording proxy "
+                "needs a server that returns them: the embedded server, or vLLM >= 0.10"
             )
         logprobs, top = _choice_logprobs(path, choice.get("logprobs"), len(output_ids))
         turns.append(TurnRecord(
@@ -170,7 +171,9 @@ def _choice_logprobs(path: str, logprobs: Any, n: int) -> tuple[list[float], lis
     return values, top
 
 
-def harness_view(path: str, reply: Mapping[str, Any], asked: Asked, decode: Callable[[int], str]) -> dict[str, Any]:
+def harness_view(
+    path: str, reply: Mapping[str, Any], asked: Asked, decode: Callable[[int], str]
+) -> dict[str, Any]:
     """`reply` as the harness should see it: log-probs, token ids and id-form tokens only where it asked
     for them (`decode(token_id)` gives a token's text). `reply` itself is not modified."""
     view = copy.deepcopy(dict(reply))
@@ -187,9 +190,13 @@ def harness_view(path: str, reply: Mapping[str, Any], asked: Asked, decode: Call
     return view
 
 
-def _trim_logprobs(path: str, logprobs: dict[str, Any], asked: Asked, decode: Callable[[int], str]) -> dict[str, Any]:
+def _trim_logprobs(
+    path: str, logprobs: dict[str, Any], asked: Asked, decode: Callable[[int], str]
+) -> dict[str, Any]:
     def token(text: str) -> str:
-        return text if asked.tokens_as_ids or not text.startswith(TOKEN_ID_PREFIX) else decode(_token_id(text))
+        if asked.tokens_as_ids or not text.startswith(TOKEN_ID_PREFIX):
+            return text
+        return decode(_token_id(text))
 
     k = asked.top_logprobs
     if path == CHAT_PATH:
@@ -199,7 +206,8 @@ def _trim_logprobs(path: str, logprobs: dict[str, Any], asked: Asked, decode: Ca
                 text = token(item["token"])
                 return {**item, "token": text, "bytes": list(text.encode("utf-8", errors="replace"))}
 
-            content.append({**part(entry), "top_logprobs": [part(t) for t in (entry.get("top_logprobs") or [])[:k]]})
+            top = [part(t) for t in (entry.get("top_logprobs") or [])[:k]]
+            content.append({**part(entry), "top_logprobs": top})
         return {**logprobs, "content": content}
     tokens = [token(t) for t in logprobs.get("tokens") or []]
     top = [None if entry is None else {token(t): lp for t, lp in list(entry.items())[:k]}

@@ -65,7 +65,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         _, info = await self._server()
         self._proxy = RecordingProxy(self._forward, model=info.model_name)
         await self._proxy.start()
-        self._slots = asyncio.Semaphore(int(self.config.max_concurrent_harnesses or self.max_concurrent_rollouts))
+        limit = self.config.max_concurrent_harnesses or self.max_concurrent_rollouts
+        self._slots = asyncio.Semaphore(int(limit))
 
     async def close(self) -> None:
         if self._proxy is not None:
@@ -79,7 +80,7 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list, group_id: int = 0) -> Rollout:
         context = CURRENT_ROLLOUT.get()
         rollout_id = uuid.uuid4().hex
-        assert self._slots is not None and self._proxy is not None, "setup() starts the proxy before any rollout"
+        assert self._slots is not None and self._proxy is not None, "setup() starts the proxy before rollouts"
         async with self._slots:
             session = self._proxy.open(context)
             run = HarnessRun(
@@ -104,8 +105,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         self._record(M.HARNESS_CALLS_MEAN, len(calls))
         where = f"group {group_id}, rollout {rollout_id[:8]}"
         if failure is not None:
-            logger.warning("harness %s %s (%s); the rollout is left out of its group's advantages and counted in "
-                           "%s", _name(self.harness), detail, where, _COUNTS[failure])
+            logger.warning("harness %s %s (%s); the rollout is left out of its group's advantages and "
+                           "counted in %s", _name(self.harness), detail, where, _COUNTS[failure])
             return Rollout(completion=[dict(m) for m in _EMPTY_COMPLETION], completion_ids=[], turns=[],
                            rollout_id=rollout_id)
         turns = [turn for call in calls for turn in call.turns]
@@ -118,7 +119,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             rollout_id=rollout_id,
         )
 
-    async def _forward(self, path: str, body: dict[str, Any], session: ProxySession) -> tuple[int, dict[str, Any]]:
+    async def _forward(
+        self, path: str, body: dict[str, Any], session: ProxySession
+    ) -> tuple[int, dict[str, Any]]:
         """One call of a harness: to the server with the trainer's sampling, recorded into `session`."""
         client, info = await self._server()
         context = session.context
@@ -127,7 +130,9 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         session.num_requests += 1
         model = self._model_kwargs(context).get("model", info.model_name)
         settings = self._request_settings
-        upstream, asked, overridden = harness_calls.upstream_body(path, body, settings=settings, seed=seed, model=model)
+        upstream, asked, overridden = harness_calls.upstream_body(
+            path, body, settings=settings, seed=seed, model=model
+        )
         self._warn_overrides(overridden)
         status, reply = await client.openai_request(path, upstream)
         if status >= 400:
@@ -148,8 +153,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             settings = self._request_settings
             logger.warning(
                 "a harness asked for %s; the recording proxy samples with the trainer's settings instead "
-                "(temperature=%g, top_p=%g, top_k=%d, min_p=%g, no penalties or logit_bias), which the loss assumes. "
-                "Set them in AsyncGRPOConfig to change them (said once per field)",
+                "(temperature=%g, top_p=%g, top_k=%d, min_p=%g, no penalties or logit_bias), which the loss "
+                "assumes. Set them in AsyncGRPOConfig to change them (said once per field)",
                 ", ".join(f"{k}={overridden[k]!r}" for k in new), settings.temperature, settings.top_p,
                 settings.top_k, settings.min_p,
             )
@@ -179,7 +184,8 @@ def recorded_completion(call: RecordedCall) -> list[dict[str, Any]]:
 
 
 def _template_form(message: dict[str, Any]) -> dict[str, Any]:
-    """A message with its tool calls' arguments as objects, as the other trainers' reward functions see them."""
+    """A message with its tool calls' arguments as objects, as the other trainers' reward functions see
+    them."""
     message = dict(message)
     if message.get("tool_calls"):
         try:

@@ -59,7 +59,7 @@ class ProxySession:
     calls: list[RecordedCall] = field(default_factory=list)
     open: bool = True
     num_requests: int = 0  # calls received, answered or not (each one's seed differs)
-    server_error: BaseException | None = None  # the first failure that was not the harness's (the run's to raise)
+    server_error: BaseException | None = None  # the first failure not the harness's (the run's to raise)
 
     @property
     def api_key(self) -> str:
@@ -106,7 +106,8 @@ class RecordingProxy:
         """A new session (a fresh key and base URL) for one rollout."""
         assert self.port is not None, "RecordingProxy.start() must be awaited before open()"
         key = secrets.token_hex(16)
-        session = ProxySession(key, f"http://{self.host}:{self.port}{SESSION_PREFIX}/{key}/v1", self.model, context)
+        base_url = f"http://{self.host}:{self.port}{SESSION_PREFIX}/{key}/v1"
+        session = ProxySession(key, base_url, self.model, context)
         self._sessions[key] = session
         return session
 
@@ -142,7 +143,8 @@ class RecordingProxy:
             return session
         path = "/v1/" + request.match_info["route"]
         if path not in ROUTES:
-            return _error(404, f"{path} is not served to harnesses; they may call {', '.join(ROUTES)}", "NotFoundError")
+            return _error(404, f"{path} is not served to harnesses; they may call {', '.join(ROUTES)}",
+                          "NotFoundError")
         try:
             body = await request.json()
         except ValueError:
@@ -169,7 +171,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
                              status=status)
 
 
-async def _as_events(request: web.Request, path: str, reply: dict[str, Any], *, include_usage: bool) -> web.StreamResponse:
+async def _as_events(
+    request: web.Request, path: str, reply: dict[str, Any], *, include_usage: bool
+) -> web.StreamResponse:
     """A whole reply as the stream of chunks a streaming request gets (vLLM's chunk shapes)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -193,7 +197,8 @@ async def _as_events(request: web.Request, path: str, reply: dict[str, Any], *, 
                 item[extra] = choice[extra]
         await response.write(f"data: {json.dumps({**base, 'choices': [item]})}\n\n".encode())
     if include_usage:
-        await response.write(f"data: {json.dumps({**base, 'choices': [], 'usage': reply.get('usage')})}\n\n".encode())
+        usage = {**base, "choices": [], "usage": reply.get("usage")}
+        await response.write(f"data: {json.dumps(usage)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

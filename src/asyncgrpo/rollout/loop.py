@@ -335,7 +335,8 @@ class AsyncRolloutLoop:
         try:
             results = await asyncio.gather(
                 *(
-                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version, row=row), group_id)
+                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version, row=row),
+                                      group_id)
                     for i in range(self.num_generations)
                 )
             )

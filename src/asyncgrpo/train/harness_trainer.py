@@ -74,16 +74,17 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.harness = as_harness(harness)
         if args is not None and isinstance(args, AsyncGRPOConfig) and args.sampling_is_truncated:
             raise ValueError(
-                f"HarnessAsyncGRPOTrainer samples through the OpenAI routes, which return no candidate sets to "
-                f"renormalise over: top_k={args.top_k}, top_p={args.top_p}, min_p={args.min_p} would bias every "
-                "importance ratio; leave top_k=0, top_p=1.0 and min_p=None"
+                f"HarnessAsyncGRPOTrainer samples through the OpenAI routes, which return no candidate sets "
+                f"to renormalise over: top_k={args.top_k}, top_p={args.top_p}, min_p={args.min_p} would bias "
+                "every importance ratio; leave top_k=0, top_p=1.0 and min_p=None"
             )
         if train_dataset is None:
-            raise ValueError("HarnessAsyncGRPOTrainer needs a `train_dataset`: its `prompt` column is each harness "
-                             "run's task")
+            raise ValueError("HarnessAsyncGRPOTrainer needs a `train_dataset`: its `prompt` column is each "
+                             "harness run's task")
         super().__init__(
             model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, peft_config=peft_config,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+            peft_config=peft_config,
         )
 
     def _extra_loop_kwargs(self) -> dict[str, Any]:

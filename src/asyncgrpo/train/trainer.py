@@ -218,7 +218,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
-             "environment_factory": self.environment_factory, "config": self.args, **self._extra_loop_kwargs()},
+             "environment_factory": self.environment_factory, "config": self.args,
+             **self._extra_loop_kwargs()},
         )
 
     def _extra_loop_kwargs(self) -> dict[str, Any]:
