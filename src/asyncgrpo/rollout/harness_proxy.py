@@ -90,7 +90,9 @@ class RecordingProxy:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post(SESSION_PREFIX + "/{key}/v1/{route:.+}", self._post)
         app.router.add_get(SESSION_PREFIX + "/{key}/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a harness that hangs up (cancelled at its timeout) cancels its call's wait;
+        # shutdown_timeout: a sync harness still running after the run must not hold the shutdown
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
