@@ -51,16 +51,32 @@ async def _with_proxy(server, tokenizer, harness_body, settings=None):
     client = GenerationClient(server.url, timeout_s=60, api_key=None)
     await client.start()
 
-    async def forward(path, body, session):
+    async def forward(path, body, session, emit):
         upstream, asked, _ = harness_calls.upstream_body(
             path, body, settings=settings, seed=len(session.calls) + 7, model=MODEL
         )
-        status, reply = await client.openai_request(path, upstream)
-        if status >= 400:
-            return status, reply
+        def decode(t):
+            return tokenizer.decode([t])
+
+        if emit is None:
+            status, reply = await client.openai_request(path, upstream)
+            if status >= 400:
+                return status, reply
+        else:
+            gathered = harness_calls.StreamedReply(path)
+
+            async def on_chunk(chunk):
+                gathered.add(chunk)
+                if chunk.get("choices") or harness_calls.wants_usage_chunk(body):
+                    await emit(harness_calls.harness_view(path, chunk, asked, decode))
+
+            status, error = await client.openai_stream(path, harness_calls.stream_body(upstream), on_chunk)
+            if status >= 400:
+                return status, error
+            reply = gathered.reply()
         turns = harness_calls.recorded_turns(path, reply, num_logprobs=settings.num_logprobs)
         session.calls.append(RecordedCall(path, upstream, reply, turns))
-        return status, harness_calls.harness_view(path, reply, asked, lambda t: tokenizer.decode([t]))
+        return status, None if emit is not None else harness_calls.harness_view(path, reply, asked, decode)
 
     proxy = RecordingProxy(forward, model=MODEL)
     await proxy.start()
@@ -154,7 +170,15 @@ def test_completions_route_and_streaming_are_recorded_too(server, tokenizer):
     assert text.choices[0].text == session.calls[0].reply["choices"][0]["text"]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == session.calls[1].reply["choices"][0]["message"]["content"]
-    assert len(second.output_ids) > 0
+    assert len(chunks) > 2  # chunk by chunk, as the server sent them
+    # the streamed call recorded exactly what the token-in route samples for its prompt and seed
+    same = _generate(server, second.prompt_ids, seed=8)
+    assert list(same.token_ids) == second.output_ids
+    assert same.logprobs == pytest.approx(second.output_log_probs, abs=1e-4)
+    assert all(len(top) == 8 for top in second.output_sampler_logprobs)
+    # and the harness got no log-probs or token ids it did not ask for
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    assert all("token_ids" not in c.choices[0].model_dump() for c in chunks if c.choices)
 
 
 def test_wrong_key_and_closed_sessions_are_refused(server, tokenizer):
@@ -248,7 +272,7 @@ def test_upstream_body_uses_the_trainers_sampling_and_reports_what_it_replaced()
 
 
 def test_a_server_failure_is_kept_for_the_rollout_not_taken_for_the_harnesss():
-    async def forward(path, body, session):
+    async def forward(path, body, session, emit):
         raise ConnectionError("the inference server at http://127.0.0.1:1 does not answer")
 
     async def go():

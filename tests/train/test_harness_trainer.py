@@ -55,11 +55,13 @@ def _logged(trainer) -> list[dict]:
 
 
 async def sdk_agent(run):
-    """Asks, then asks the task again from scratch (the history is rewritten: a fork); reward_funcs score the
-    last answer."""
+    """Asks, then asks the task again from scratch, streamed (the history is rewritten: a fork);
+    reward_funcs score the last answer."""
     client = openai.AsyncOpenAI(base_url=run.base_url, api_key=run.api_key, max_retries=0)
     await client.chat.completions.create(model=run.model, messages=run.prompt)
-    await client.chat.completions.create(model=run.model, messages=run.prompt)
+    stream = await client.chat.completions.create(model=run.model, messages=run.prompt, stream=True)
+    async for _ in stream:  # streamed: recorded all the same
+        pass
 
 
 def flaky_agent(run):

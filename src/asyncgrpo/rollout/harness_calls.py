@@ -3,9 +3,12 @@ what the harness gets back.
 
     harness body --upstream_body--> the server's body: the config's sampling settings, a seed of the run's,
                                     the served model, capped max_tokens, and token ids and log-probs asked for
+                                    (`stream_body` for a streamed call)
     server reply --recorded_turns--> one TurnRecord per choice: prompt ids, output ids, sampler log-probs,
                                     the sampler's top-K (score centering)
                  --harness_view----> the reply without what the harness did not ask for
+    streamed chunks --harness_view--> each chunk likewise, as it comes
+                    --StreamedReply--> the whole reply, recorded as above
 
 Both OpenAI routes go through here (`/v1/chat/completions`, `/v1/completions`), in vLLM's shapes: token
 ids come from vLLM's `return_token_ids`, top log-probs keyed by id from `return_tokens_as_token_ids`.
@@ -97,6 +100,8 @@ def upstream_body(
     out["max_tokens"] = cap
     out["model"] = model
     out["seed"] = seed
+    out.pop("stream", None)  # a stream is asked for by the caller, with the usage chunk (`stream_body`)
+    out.pop("stream_options", None)
     out["return_token_ids"] = True
     out["return_tokens_as_token_ids"] = True
     # one more top log-prob than the trainer's top-K: the sampled token is listed first (vLLM)
@@ -107,6 +112,16 @@ def upstream_body(
     else:
         out["logprobs"] = max(top, 1)
     return out, asked, overridden
+
+
+def stream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """`upstream_body`'s result for a streamed call: the server streams it and ends with the usage chunk."""
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def wants_usage_chunk(body: Mapping[str, Any]) -> bool:
+    """Whether a harness's streaming request asked for the usage chunk."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def _differs(given: Any, value: Any, name: str) -> bool:
@@ -213,3 +228,71 @@ def _trim_logprobs(
     top = [None if entry is None else {token(t): lp for t, lp in list(entry.items())[:k]}
            for entry in logprobs.get("top_logprobs") or []]
     return {**logprobs, "tokens": tokens, "top_logprobs": top}
+
+
+class StreamedReply:
+    """The chunks of a streamed reply gathered into the shape of a whole one (what `recorded_turns` and the
+    completion for reward functions read): per choice its token ids, log-probs, text, tool calls and finish
+    reason; the prompt ids."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._top: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+
+    def add(self, chunk: Mapping[str, Any]) -> None:
+        for key in ("id", "created", "model", "usage"):
+            if chunk.get(key) is not None:
+                self._top[key] = chunk[key]
+        if chunk.get("prompt_token_ids") is not None:
+            self._top["prompt_token_ids"] = chunk["prompt_token_ids"]
+        for part in chunk.get("choices") or []:
+            choice = self._choices.setdefault(int(part.get("index", 0)), {"token_ids": [], "text": "",
+                                                                          "logprobs": [], "tool_calls": {}})
+            choice["token_ids"] += part.get("token_ids") or []
+            if part.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = part["prompt_token_ids"]
+            if part.get("finish_reason") is not None:
+                choice["finish_reason"] = part["finish_reason"]
+            logprobs = part.get("logprobs") or {}
+            if self.path == CHAT_PATH:
+                choice["logprobs"] += logprobs.get("content") or []
+                delta = part.get("delta") or {}
+                choice["text"] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:  # whole, or in pieces by index (vLLM)
+                    held = choice["tool_calls"].setdefault(int(call.get("index", 0)), {"function": {}})
+                    for key in ("id", "type"):
+                        if call.get(key):
+                            held[key] = call[key]
+                    function = call.get("function") or {}
+                    if function.get("name"):
+                        held["function"]["name"] = function["name"]
+                    held["function"]["arguments"] = held["function"].get("arguments", "") + (
+                        function.get("arguments") or "")
+            else:
+                choice["text"] += part.get("text") or ""
+                choice["logprobs"] += list(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
+                                               logprobs.get("top_logprobs") or [], strict=False))
+
+    def reply(self) -> dict[str, Any]:
+        """The gathered reply, as the server would have answered the call unstreamed."""
+        choices = []
+        for index, c in sorted(self._choices.items()):
+            choice: dict[str, Any] = {"index": index, "token_ids": c["token_ids"],
+                                      "finish_reason": c.get("finish_reason")}
+            if "prompt_token_ids" in c:
+                choice["prompt_token_ids"] = c["prompt_token_ids"]
+            if self.path == CHAT_PATH:
+                message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+                if c["tool_calls"]:
+                    message["tool_calls"] = [{"type": "function", **call}
+                                             for _, call in sorted(c["tool_calls"].items())]
+                choice["message"] = message
+                choice["logprobs"] = {"content": c["logprobs"]}
+            else:
+                tokens, values, top = (list(x) for x in zip(*c["logprobs"], strict=True)) if c["logprobs"] \
+                    else ([], [], [])
+                choice["text"] = c["text"]
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": values, "top_logprobs": top}
+            choices.append(choice)
+        return {**self._top, "choices": choices}

@@ -30,7 +30,7 @@ from asyncgrpo.data.tool_calls import calls_from_wire
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout import harness_calls
 from asyncgrpo.rollout.harness import FAILED, NO_CALL, TIMEOUT, HarnessRun, as_harness, run_harness
-from asyncgrpo.rollout.harness_proxy import ProxySession, RecordedCall, RecordingProxy
+from asyncgrpo.rollout.harness_proxy import Emit, ProxySession, RecordedCall, RecordingProxy
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.requests import CURRENT_ROLLOUT, request_seed
 from asyncgrpo.types import Rollout, RolloutGroup
@@ -120,9 +120,10 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         )
 
     async def _forward(
-        self, path: str, body: dict[str, Any], session: ProxySession
-    ) -> tuple[int, dict[str, Any]]:
-        """One call of a harness: to the server with the trainer's sampling, recorded into `session`."""
+        self, path: str, body: dict[str, Any], session: ProxySession, emit: Emit | None
+    ) -> tuple[int, Any]:
+        """One call of a harness: to the server with the trainer's sampling, recorded into `session`;
+        streamed to the harness chunk by chunk when `emit` is given."""
         client, info = await self._server()
         context = session.context
         position, index = (context.position, context.rollout_index) if context is not None else (-1, 0)
@@ -134,13 +135,29 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
             path, body, settings=settings, seed=seed, model=model
         )
         self._warn_overrides(overridden)
-        status, reply = await client.openai_request(path, upstream)
-        if status >= 400:
-            return status, reply
+        if emit is None:
+            status, reply = await client.openai_request(path, upstream)
+            if status >= 400:
+                return status, reply
+        else:
+            gathered = harness_calls.StreamedReply(path)
+            usage_chunk = harness_calls.wants_usage_chunk(body)
+
+            async def on_chunk(chunk: dict[str, Any]) -> None:
+                gathered.add(chunk)
+                if chunk.get("choices") or usage_chunk:
+                    await emit(harness_calls.harness_view(path, chunk, asked, self._decode_token))
+
+            status, error = await client.openai_stream(path, harness_calls.stream_body(upstream), on_chunk)
+            if status >= 400:
+                return status, error
+            reply = gathered.reply()
         if not session.open:  # the rollout ended while the call ran: nothing recorded
             return 410, {"error": {"message": "this harness session is over", "type": "Gone", "code": 410}}
         turns = harness_calls.recorded_turns(path, reply, num_logprobs=settings.num_logprobs)
         session.calls.append(RecordedCall(path, upstream, reply, turns))
+        if emit is not None:
+            return status, None
         return status, harness_calls.harness_view(path, reply, asked, self._decode_token)
 
     def _decode_token(self, token_id: int) -> str:

@@ -13,9 +13,8 @@ the error replies. It binds 127.0.0.1 on a free port, in the rollout process's e
 is kept in `session.server_error`, for the rollout to raise once its harness ends: it stops the run as
 in any rollout, instead of passing for a harness failure.
 
-Streaming requests (`stream: true`) are answered with the whole reply as server-sent events (one chunk
-per choice, then `[DONE]`): the tokens reach the harness at the end of the call rather than as they are
-sampled, which changes nothing that is recorded.
+Streaming requests (`stream: true`) are streamed: each chunk reaches the harness as the server sends it
+(without what it did not ask for), then `[DONE]`; the chunks are recorded as one reply.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncgrpo.rollout.harness_calls import CHAT_PATH, ROUTES, HarnessRequestError
+from asyncgrpo.rollout.harness_calls import ROUTES, HarnessRequestError
 from asyncgrpo.types import TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -66,15 +65,18 @@ class ProxySession:
         return self.key
 
 
-Forward = Callable[[str, dict[str, Any], ProxySession], Awaitable[tuple[int, dict[str, Any]]]]
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+Forward = Callable[[str, dict[str, Any], ProxySession, "Emit | None"], Awaitable[tuple[int, Any]]]
 
 
 class RecordingProxy:
     """The harnesses' HTTP endpoint. `start()` and `close()` in the event loop that serves it.
 
     Args:
-        forward: `forward(path, body, session) -> (status, reply)`: sends a harness's request on, records
-            it into `session` and returns what the harness gets. A `HarnessRequestError` becomes a 400.
+        forward: `forward(path, body, session, emit) -> (status, reply)`: sends a harness's request on,
+            records it into `session` and returns what the harness gets; for a streaming request (`emit`
+            given) it awaits `emit(chunk)` per chunk instead and returns (status, None), or a 4xx's reply
+            before any chunk. A `HarnessRequestError` becomes a 400.
         model: The model name `/v1/models` lists (harnesses may send any name; `forward` picks the model).
     """
 
@@ -153,54 +155,60 @@ class RecordingProxy:
             return _error(400, "the request body is not JSON", "BadRequestError")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "BadRequestError")
-        stream = bool(body.pop("stream", False))
-        stream_options = body.pop("stream_options", None) or {}
-        try:
-            status, reply = await self.forward(path, body, session)
-        except HarnessRequestError as exc:
-            return _error(400, str(exc), "BadRequestError")
-        except Exception as exc:  # noqa: BLE001 -- the server's failure, not the harness's: its rollout raises it
-            if session.server_error is None:
-                session.server_error = exc
-            return _error(502, f"the inference server failed: {exc}", "APIError")
-        if status >= 400 or not stream:
+        if not body.get("stream"):
+            try:
+                status, reply = await self.forward(path, body, session, None)
+            except HarnessRequestError as exc:
+                return _error(400, str(exc), "BadRequestError")
+            except Exception as exc:  # noqa: BLE001 -- the server's failure, not the harness's: its rollout raises it
+                return self._server_failed(session, exc)
             return web.json_response(reply, status=status)
-        return await _as_events(request, path, reply, include_usage=bool(stream_options.get("include_usage")))
+        return await self._stream(request, path, body, session)
+
+    async def _stream(self, request: web.Request, path: str, body: dict[str, Any],
+                      session: ProxySession) -> web.StreamResponse:
+        """A streaming call: each chunk goes to the harness as the server sends it, then `[DONE]`."""
+        response: web.StreamResponse | None = None
+
+        async def emit(chunk: dict[str, Any]) -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        try:
+            status, reply = await self.forward(path, body, session, emit)
+        except HarnessRequestError as exc:
+            if response is None:
+                return _error(400, str(exc), "BadRequestError")
+            await response.write(b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n")
+            await response.write_eof()
+            return response
+        except Exception as exc:  # noqa: BLE001 -- the server's failure, not the harness's: its rollout raises it
+            if response is None:
+                return self._server_failed(session, exc)
+            self._server_failed(session, exc)
+            error = {"error": {"message": f"the inference server failed: {exc}", "code": 502}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await response.write_eof()
+            return response
+        if response is None and status >= 400:
+            return web.json_response(reply, status=status)
+        if response is None:
+            await emit({"choices": []})  # no chunk at all: still a stream
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _server_failed(session: ProxySession, exc: BaseException) -> web.Response:
+        if session.server_error is None:
+            session.server_error = exc
+        return _error(502, f"the inference server failed: {exc}", "APIError")
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
                              status=status)
-
-
-async def _as_events(
-    request: web.Request, path: str, reply: dict[str, Any], *, include_usage: bool
-) -> web.StreamResponse:
-    """A whole reply as the stream of chunks a streaming request gets (vLLM's chunk shapes)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    chat = path == CHAT_PATH
-    base = {k: reply.get(k) for k in ("id", "created", "model")}
-    base["object"] = "chat.completion.chunk" if chat else "text_completion"
-    for choice in reply.get("choices") or []:
-        if chat:
-            message = choice.get("message") or {}
-            delta = {"role": "assistant", "content": message.get("content")}
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            if message.get("reasoning") is not None:
-                delta["reasoning"] = message["reasoning"]
-            item = {"index": choice.get("index", 0), "delta": delta, "logprobs": choice.get("logprobs"),
-                    "finish_reason": choice.get("finish_reason")}
-        else:
-            item = {k: choice.get(k) for k in ("index", "text", "logprobs", "finish_reason", "stop_reason")}
-        for extra in ("token_ids", "prompt_token_ids"):
-            if extra in choice:
-                item[extra] = choice[extra]
-        await response.write(f"data: {json.dumps({**base, 'choices': [item]})}\n\n".encode())
-    if include_usage:
-        usage = {**base, "choices": [], "usage": reply.get("usage")}
-        await response.write(f"data: {json.dumps(usage)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
