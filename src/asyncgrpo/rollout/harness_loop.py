@@ -78,6 +78,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         return adv.compute_advantages(group.rewards)
 
     async def generate_one(self, prompt: list[dict[str, Any]], tools: list, group_id: int = 0) -> Rollout:
+        """One harness run on a session of its own: its recorded turns and reward, or (a failure, counted and
+        warned about) a rollout with nothing to train."""
         context = CURRENT_ROLLOUT.get()
         rollout_id = uuid.uuid4().hex
         assert self._slots is not None and self._proxy is not None, "setup() starts the proxy before rollouts"
