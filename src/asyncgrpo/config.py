@@ -109,7 +109,8 @@ class AsyncGRPOConfig(TrainingArguments):
 
     Parameters that control the inference server:
         vllm_server_base_url (`str`, defaults to "http://localhost:8000"): Base URL of the vLLM (or
-            embedded) server used for generation.
+            embedded) server used for generation: one http(s) URL; a comma-joined list or a malformed
+            URL is refused at construction (several servers come in a later release).
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.
@@ -279,7 +280,10 @@ class AsyncGRPOConfig(TrainingArguments):
     # -- inference server --------------------------------------------------------------------------
     vllm_server_base_url: str = field(
         default="http://localhost:8000",
-        metadata={"help": "Base URL of the vLLM (or embedded) server used for generation."},
+        metadata={
+            "help": "Base URL of the vLLM (or embedded) server used for generation: one http(s) URL (a "
+            "comma-joined list or a malformed URL is refused)."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
