@@ -40,6 +40,7 @@ from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
+from asyncgrpo.rollout.generate import EnvironmentFactory
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
@@ -102,7 +103,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
         tools: list[Callable] | None = None,
-        environment_factory: Callable | dict[str, Callable] | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
     ) -> None:
         check_not_in_rollout_process()
         args = check_args(args)
