@@ -7,7 +7,9 @@ gradient updates overlap.
     from asyncgrpo import AsyncGRPOTrainer, AsyncGRPOConfig, AsyncRolloutLoop, Rollout
 
 The reference's submodule paths work too: `asyncgrpo.async_grpo_trainer`, `asyncgrpo.async_grpo_config`
-and `asyncgrpo.async_rollout_worker` (TurnRecord, RolloutGroup, TrainingSequence).
+and `asyncgrpo.async_rollout_worker` (TurnRecord, RolloutGroup, TrainingSequence), and TRL 1.18's stable
+ones: `asyncgrpo.trainer.async_grpo_trainer`, `asyncgrpo.trainer.async_grpo_config` and
+`asyncgrpo.generation.async_vllm_client` (AsyncVLLMClient).
 """
 
 from __future__ import annotations
