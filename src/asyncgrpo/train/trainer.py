@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from asyncgrpo import metrics as M
 from asyncgrpo.capture_gate import device_work
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
@@ -41,6 +42,7 @@ from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.generate import EnvironmentFactory
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
@@ -179,6 +181,11 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             if self._server is None:  # another rank: rank 0 sends; it takes part in a sharded model's gathers
                 self.weights = make_transport(None, info, self.model, WeightSettings.from_config(args))
             self._token_budget = token_budget(args.token_budget, info)
+            self._metrics.window.declare_counts(M.count_metrics(  # logged as 0 in windows without events
+                tool_names=[callable_name(t) for t in self.tools],
+                has_tools=bool(self.tools) or self.environment_factory is not None,
+                server_has_metrics=info.has_metrics,
+            ))
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             # the server serves exactly the weights being trained
