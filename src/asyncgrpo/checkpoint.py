@@ -2,15 +2,16 @@
 
 Saved beside every checkpoint:
 
-    {"trained_position": <int>, "model_version": <int>, "trained_above": [<int>, ...]}
+    {"trained_position": <int>, "model_version": <int>, "trained_above": [<int>, ...], "num_tokens": <int>}
 
 `trained_position` is the index of the first prompt (in the rollout process's prompt stream,
 epoch * len(dataset) + index in that epoch's order) not yet trained: the trained position, not the
 generator's, so that nothing generated-but-untrained is skipped on resume. `trained_above` lists the
 prompts above it that are already trained (they finished out of order; at most a few steps' worth):
 the resumed rollout skips them, so every prompt is trained exactly once per epoch. `model_version` is
-the number of weight syncs so far; versions keep increasing across a resume. A file without
-`trained_above` (an older version) reads as an empty list.
+the number of weight syncs so far; versions keep increasing across a resume. `num_tokens` is the
+logged `num_tokens` (tokens forwarded so far, every process): a resumed run goes on counting from it.
+A file without `trained_above` or `num_tokens` (an older version) reads as an empty list and 0.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ class RolloutState:
     trained_position: int = 0
     model_version: int = 0
     trained_above: tuple[int, ...] = ()
+    num_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("trained_position", "model_version"):
+        for name in ("trained_position", "model_version", "num_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"RolloutState.{name} must be a non-negative int, got {value!r}")
@@ -71,7 +73,7 @@ class RolloutState:
         try:
             return cls(
                 trained_position=data["trained_position"], model_version=data["model_version"],
-                trained_above=tuple(above),
+                trained_above=tuple(above), num_tokens=data.get("num_tokens", 0),
             )
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None

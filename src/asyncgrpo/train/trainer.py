@@ -169,6 +169,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
             )
         start_position, self.model_version = resumed.trained_position, WeightVersion(resumed.model_version)
+        self._metrics.num_tokens_forwarded = resumed.num_tokens  # num_tokens goes on counting
         user_max_steps = args.max_steps
         try:
             matmul_dtype = training_dtype(
@@ -369,7 +370,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         progress = self._progress
         if progress is None:
             return None
-        return RolloutState(progress.trained_position, int(self.model_version), progress.trained_above)
+        return RolloutState(progress.trained_position, int(self.model_version), progress.trained_above,
+                            num_tokens=self._metrics.num_tokens_forwarded)
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
