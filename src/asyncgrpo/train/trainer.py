@@ -42,12 +42,12 @@ from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
 from asyncgrpo.rollout.generate import EnvironmentFactory
-from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
 from asyncgrpo.train.completions_table import print_completions
-from asyncgrpo.train.distributed import broadcast_from_rank0
+from asyncgrpo.train.distributed import broadcast_from_rank0, timed_barrier
 from asyncgrpo.train.flops import peak_flops
 from asyncgrpo.train.inputs import (
     check_args,
@@ -377,13 +377,17 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
 
     def _after_optimizer_step(self) -> None:
         args = self.args
-        step_totals = self._metrics.end_step(skipped=self._step_skipped)
+        syncs = self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped
+        # the processes line up before a sync (rank 0 pauses the server only once all are there): the wait
+        # is perf/weight_sync_barrier_s
+        barrier_s = timed_barrier() if syncs else 0.0
+        step_totals = self._metrics.end_step(skipped=self._step_skipped, sync_barrier_s=barrier_s)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
             self._rollout.publish(
                 token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness)
             )
         sync_s: dict[str, float] = {}
-        if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
+        if syncs:
             # every rank; the server serves the next version before the rollout process hears of it
             version = self.model_version.next()
             sync_s = self.weights.push(self.model, version)
