@@ -155,7 +155,9 @@ class AsyncGRPOConfig(TrainingArguments):
             with the rollouts' length). The embedded server still drops its prefix cache at every push;
             vLLM keeps a stale one until its blocks are freed.
         rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
-            heartbeat after which the trainer considers it hung and fails.
+            heartbeat after which the trainer considers it hung and fails. Also the longest the trainer
+            waits while every group or sample that arrives is dropped (e.g. a reward that is NaN for every
+            completion): then it fails with the drop counts and their causes instead of waiting forever.
 
     Parameters that control logging:
         log_completions (`bool`, defaults to False): Log a sample of (prompt, completion) pairs every
@@ -354,7 +356,10 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     rollout_worker_timeout: float = field(
         default=300.0,
-        metadata={"help": "Seconds without a rollout-process heartbeat before the trainer fails."},
+        metadata={
+            "help": "Seconds without a rollout-process heartbeat before the trainer fails; also the longest "
+            "wait while everything that arrives is dropped (then it fails naming the drops and their causes)."
+        },
     )
 
     # -- logging -----------------------------------------------------------------------------------

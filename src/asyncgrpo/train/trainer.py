@@ -268,6 +268,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             max_staleness=self.args.max_staleness,
             token_budget=self._token_budget,
             total_positions=total_positions,
+            # a run whose every group or sample is dropped stops instead of waiting forever
+            no_sample_timeout_s=float(self.args.rollout_worker_timeout),
         )
 
     def _shutdown(self) -> None:
