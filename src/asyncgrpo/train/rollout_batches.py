@@ -148,6 +148,7 @@ class RolloutBatches:
         total_positions: int | None,
         poll_s: float = 0.5,
         no_sample_timeout_s: float | None = None,
+        resumed_samples: list[QueuedSample] = (),
     ) -> None:
         self.channel = channel
         self.batcher = batcher
@@ -177,6 +178,10 @@ class RolloutBatches:
         self.notice_after_s = 30.0
         self._out_of_prompts = False  # the rollout process sent its final RolloutIdle
         self._finished = False
+        # a resumed run: the untrained samples of prompts partly trained at the checkpoint come first, with
+        # their markers; the rollout process skips those prompts (its empty markers for them are ignored)
+        self._resumed_positions: set[int] = set()
+        self._resumed_items: list[Any] = _with_markers(list(resumed_samples))
 
     # -- rank 0: the queue side -------------------------------------------------------------------
 
@@ -187,6 +192,9 @@ class RolloutBatches:
     def _take(self, item: Any) -> None:
         if isinstance(item, RolloutIdle):
             self._on_idle(item)
+            return
+        if isinstance(item, GroupFinished) and item.position in self._resumed_positions:
+            self._resumed_positions.discard(item.position)  # the rollout process skipped it: taken already
             return
         if isinstance(item, GroupFinished):
             for record in item.records:
@@ -288,6 +296,11 @@ class RolloutBatches:
 
     def _next_micro_batch(self) -> Any | None:
         """Block until a micro-batch is closed; None when the run has nothing more to train."""
+        if self._resumed_items:
+            items, self._resumed_items = self._resumed_items, []
+            for item in items:
+                self._take(item)
+            self._resumed_positions = {it.position for it in items if isinstance(it, GroupFinished)}
         waiting_since = time.monotonic()
         next_notice = waiting_since + self.notice_after_s
         # only time spent waiting counts toward the drought (not the steps trained in between)
@@ -322,6 +335,32 @@ class RolloutBatches:
                     break
                 self._take(item)
         return self._ready.pop(0)
+
+    def pending_samples(self, wait_s: float = 10.0) -> list[QueuedSample]:
+        """For a checkpoint: the untrained samples of the partly trained prompts (some of their samples
+        trained, the rest still here or in the queue). The queue is read until each such prompt's marker
+        came (its samples precede it), at most `wait_s`; a prompt whose marker does not come in time is
+        left out, and generated again after a resume."""
+        deadline = time.monotonic() + wait_s
+        while self.progress.awaiting_marker and time.monotonic() < deadline:
+            try:
+                item = self.channel.samples.get(timeout=0.1)
+            except queue_lib.Empty:
+                item = None
+            if item is None:
+                self.check_health()
+            else:
+                self._take(item)
+        missing = self.progress.awaiting_marker
+        if missing:
+            logger.warning(
+                "checkpoint: the rest of the samples of prompts %s did not arrive within %.0f s; a run "
+                "resumed from this checkpoint generates them again (their trained samples are then trained "
+                "twice)",
+                sorted(missing), wait_s,
+            )
+        partly = self.progress.partly_trained - missing
+        return [item for item in self._meta.values() if item.position in partly]
 
     def _check_trainable_samples(self) -> None:
         """Raise when the rollout process dropped everything it produced for `no_sample_timeout_s` of waiting
@@ -399,6 +438,18 @@ class RolloutBatches:
             )
             for row in items_per_row
         ]
+
+
+def _with_markers(samples: list[QueuedSample]) -> list[Any]:
+    """Resumed samples, each prompt's followed by its marker (as the rollout process sends them)."""
+    items: list[Any] = []
+    by_position: dict[int, list[QueuedSample]] = {}
+    for item in samples:
+        by_position.setdefault(item.position, []).append(item)
+    for position, group in sorted(by_position.items()):
+        items += group
+        items.append(GroupFinished(position, group[0].row_index, len(group)))
+    return items
 
 
 def _qsize(q: Any) -> int:

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 
 from asyncgrpo import metrics as M
 from asyncgrpo.capture_gate import device_work
-from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_pending, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
@@ -161,13 +161,15 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
-        resumed = RolloutState()
+        resumed, resumed_samples = RolloutState(), []
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
             resumed = read_rollout_state(resume_from_checkpoint)
             assert resumed is not None, (
                 f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
             )
+            # the untrained samples of prompts partly trained at the checkpoint: trained, not generated again
+            resumed_samples = read_rollout_pending(resume_from_checkpoint)
         start_position, self.model_version = resumed.trained_position, WeightVersion(resumed.model_version)
         self._metrics.num_tokens_forwarded = resumed.num_tokens  # num_tokens goes on counting
         user_max_steps = args.max_steps
@@ -191,8 +193,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             # the server serves exactly the weights being trained
             self.weights.push(self.model, self.model_version)
-            if self._server is not None:
-                self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
+            if self._server is not None:  # the rollout process sees the user's max_steps
+                self._start_rollout(info, resumed, skip={it.position for it in resumed_samples})
             if args.max_steps <= 0:
                 if total_positions is None:
                     raise ValueError(
@@ -200,7 +202,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                     )
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
-            self._batches = self._make_batches(total_positions, start_position)
+            self._batches = self._make_batches(total_positions, start_position, resumed_samples)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             args.max_steps = user_max_steps
@@ -229,7 +231,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
              "environment_factory": self.environment_factory, "config": self.args},
         )
 
-    def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
+    def _start_rollout(self, info: Any, resumed: RolloutState, skip: set[int]) -> None:
+        """`skip`: positions whose remaining samples the checkpoint kept (not generated again)."""
         args = self.args
         loop_kwargs = {
             "config": args,
@@ -241,7 +244,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "tools": self.tools,
             "environment_factory": self.environment_factory,
             "dataset_start_index": resumed.trained_position,
-            "dataset_skip_positions": resumed.trained_above,
+            "dataset_skip_positions": sorted(set(resumed.trained_above) | skip),
             # adapter-only LoRA: rollouts ask for the adapter version they started under
             "lora_name": self.weights.lora_name,
             # (train() pushed them): tokens of a restarted server's own are asked again
@@ -254,7 +257,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self._rollout = RolloutProcess(self.loop_cls, loop_kwargs, initial_allowance=initial,
                                        model_version=self.model_version, log_completions=args.log_completions)
 
-    def _make_batches(self, total_positions: int | None, start_position: int) -> RolloutBatches:
+    def _make_batches(self, total_positions: int | None, start_position: int,
+                      resumed_samples: list) -> RolloutBatches:
         self._progress = TrainedPrompts(start_position)
         batcher = TokenBudgetBatcher(token_budget=self._token_budget, num_processes=self.args.world_size)
         return RolloutBatches(
@@ -270,6 +274,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             total_positions=total_positions,
             # a run whose every group or sample is dropped stops instead of waiting forever
             no_sample_timeout_s=float(self.args.rollout_worker_timeout),
+            resumed_samples=resumed_samples if self._rollout is not None else [],
         )
 
     def _shutdown(self) -> None:
@@ -366,6 +371,11 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 )
         logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
+
+    def _rollout_pending(self) -> list:
+        if self._batches is None or self._rollout is None:  # rank 0 owns the queue
+            return []
+        return self._batches.pending_samples()
 
     def _rollout_state(self) -> RolloutState | None:
         """What `StagedCheckpoints` writes beside the Trainer's checkpoint (rank 0, once training started)."""
