@@ -7,8 +7,10 @@ gradient updates overlap.
     from asyncgrpo import AsyncGRPOTrainer, AsyncGRPOConfig, AsyncRolloutLoop, Rollout
 
 The reference's submodule paths work too: `asyncgrpo.async_grpo_trainer`, `asyncgrpo.async_grpo_config`
-and `asyncgrpo.async_rollout_worker` (TurnRecord, RolloutGroup, TrainingSequence). Agents that live in
-their own program train with `HarnessAsyncGRPOTrainer` (docs/harness.md).
+and `asyncgrpo.async_rollout_worker` (TurnRecord, RolloutGroup, TrainingSequence), and TRL 1.18's stable
+ones: `asyncgrpo.trainer.async_grpo_trainer`, `asyncgrpo.trainer.async_grpo_config` and
+`asyncgrpo.generation.async_vllm_client` (AsyncVLLMClient). Agents that live in their own program train
+with `HarnessAsyncGRPOTrainer` (docs/harness.md).
 """
 
 from __future__ import annotations
