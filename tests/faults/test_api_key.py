@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 from asyncgrpo.server.app import ROUTES, UNGUARDED_PATHS
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 DEEP = 100_000
 

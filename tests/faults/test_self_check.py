@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from fault_helpers import TINY
 
 from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.attention_math import kv_window

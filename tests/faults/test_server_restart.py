@@ -13,9 +13,8 @@ import time
 
 import pytest
 import torch
-from conftest import call
 from datasets import Dataset
-from fault_helpers import MODEL, short_run_config, spread_reward
+from fault_helpers import MODEL, call, short_run_config, spread_reward
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weights.collective import CollectiveTransport

@@ -9,7 +9,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 
 def _dead_port() -> int:

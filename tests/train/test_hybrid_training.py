@@ -8,10 +8,15 @@ import asyncio
 import json
 import math
 import os
+import sys
 import urllib.request
+from pathlib import Path
 
 import torch
-from test_hybrid_server import save_hybrid_vision_language  # tests/integration is on the path
+
+# the checkpoint of tests/server/test_hybrid_server.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from test_hybrid_server import save_hybrid_vision_language
 from transformers import AutoModelForImageTextToText
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer

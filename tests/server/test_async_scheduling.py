@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_prefix_caching import BS, MAX_LEN, VOCAB, tiny_qwen3
+from test_scheduler_prefix_caching import BS, MAX_LEN, VOCAB, tiny_qwen3
 
 from asyncgrpo.server.attention.base import PlanFlags
 from asyncgrpo.server.attention.plan import resolve_plan

@@ -1,12 +1,13 @@
 """AsyncGRPOTrainer on two processes (torchrun, gloo, CPU) against the embedded server.
 
-The ranks run tests/integration/train_job.py, which trains the bundled tiny model for a few steps and
+The ranks run tests/train/train_job.py, which trains the bundled tiny model for a few steps and
 writes what each rank saw; the test reads both files.
 
 On CPU the processes are data-parallel replicas (DDP): accelerate enables its FSDP plugin only on
 accelerators, whatever `fsdp` says. The FSDP2 paths (DTensor gathers for the weight sync, the forward
-through the sharded root, the gradient normalisation) run on CPU in tests/unit/test_sharded_weights.py
-with `fully_shard` over gloo, and through the Trainer in tests/gpu/test_fsdp_sync.py.
+through the sharded root, the gradient normalisation) run on CPU in
+tests/train/weights/test_sharded_weights.py with `fully_shard` over gloo, and through the Trainer in
+tests/gpu/test_fsdp_sync.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
+from support.torchrun_job import run_torchrun
 from test_trainer import server  # noqa: F401  (the module-scoped embedded server)
-from torchrun_job import run_torchrun
 
 JOB = Path(__file__).with_name("train_job.py")
 NUM_STEPS = 2

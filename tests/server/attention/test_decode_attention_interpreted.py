@@ -3,7 +3,7 @@ in float64: sliding windows, logit soft-caps, splits, GQA and the shared-prefix 
 Triton is not importable (PyTorch's CPU wheels lack it); to run them there:
 
     pip install --target /tmp/triton-site triton==3.6.0 'numpy<2.4'
-    PYTHONPATH=/tmp/triton-site:src pytest -q tests/unit/test_decode_attention_interpreted.py
+    PYTHONPATH=/tmp/triton-site:src pytest -q tests/server/attention/test_decode_attention_interpreted.py
 """
 
 from __future__ import annotations

@@ -6,11 +6,16 @@ probe (`toy_layout.py`), which the plan and the model runner pick up with no oth
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_prefix_caching import BS, Harness, _assert_same, _prompt, tiny_qwen3
+
+# the harness of tests/server/test_scheduler_prefix_caching.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "server"))
+from test_scheduler_prefix_caching import BS, Harness, _assert_same, _prompt, tiny_qwen3
 from toy_layout import LINE, ONE_TOKEN, OneTokenBackend
 
 from asyncgrpo.server.attention import plan as plan_module

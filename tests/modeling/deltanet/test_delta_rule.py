@@ -3,10 +3,16 @@ token recurrence along each segment's root-to-segment path, in float64: outputs,
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from test_recurrent import l2, plain_delta_rule, random_inputs  # tests/unit is on the path
+
+# the delta-rule reference of tests/packing/test_recurrent.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packing"))
+from test_recurrent import l2, plain_delta_rule, random_inputs
 
 from asyncgrpo.modeling.deltanet.delta_rule import (
     ChunkPlan,

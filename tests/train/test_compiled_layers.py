@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch._dynamo.utils
-from test_tree_attention import grpo_like_samples, tiny_model, unpacked_logprobs  # tests/unit is on the path
+
+# the tiny models of tests/packing/test_tree_attention.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packing"))
+from test_tree_attention import grpo_like_samples, tiny_model, unpacked_logprobs
 
 from asyncgrpo.packing import pack_row
 from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context

@@ -12,7 +12,7 @@ from asyncgrpo.train.weights.adapters import choose_lora_sync
 
 peft = pytest.importorskip("peft")
 URL = "http://127.0.0.1:8000"
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm" / "protocol-0.33.0.json"
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "vllm" / "protocol-0.33.0.json"
 
 
 def choose(lora, max_staleness=4, sharded=False, **peft_kwargs):

@@ -1,8 +1,8 @@
-"""The torchrun training script of the several-process tests (tests/integration/test_multiprocess.py on
+"""The torchrun training script of the several-process tests (tests/train/test_multiprocess.py on
 CPU, tests/gpu/test_fsdp_sync.py on GPUs): every rank trains the bundled tiny model on arithmetic for a
 few steps against a running server, then writes what it saw to `<out>/rank<r>.json`.
 
-    python -m torch.distributed.run --nproc_per_node N tests/integration/train_job.py URL OUT [CONFIG_JSON]
+    python -m torch.distributed.run --nproc_per_node N tests/train/train_job.py URL OUT [CONFIG_JSON]
 
 CONFIG_JSON overrides the AsyncGRPOConfig below (the short-run settings of test_trainer.py). It needs
 only the package's runtime (no `datasets`, no math-verify): the dataset is a list of rows and the

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_tree_deltanet import HYBRIDS, tiny_hybrid  # tests/unit is on the path (pytest's rootdir imports)
+# the tiny hybrids of tests/packing/test_tree_deltanet.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packing"))
+from test_tree_deltanet import HYBRIDS, tiny_hybrid
 
 from asyncgrpo.modeling.deltanet.layer import deltanet_layers
 from asyncgrpo.server.attention.plan import GraphKey, resolve_plan

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import torch
 from datasets import Dataset
 
 pytest.importorskip("gguf")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the GGUF writer of the unit tests
 
 from gguf_files import TINY_CHAT, write_gguf
 

@@ -1,6 +1,6 @@
 """A tiny random Mixture-of-Experts model (qwen3_moe) trains against the embedded server on CPU, with
 its router's load-balancing loss added and logged as `aux_loss` (the exact loss is checked in
-tests/unit/test_router_aux_loss.py)."""
+tests/train/test_router_aux_loss.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The serving benchmarks run end to end on CPU with the bundled tiny model (tiny sizes), so that the
-GPU runs they are made for find them working: `pytest -m slow tests/integration/test_bench_smoke.py` before
+GPU runs they are made for find them working: `pytest -m slow tests/bench/test_bench_smoke.py` before
 a GPU session (about 100 s on 2 cores, outside the default suite's 15 minutes)."""
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ _EXTRA: dict[str, dict] = {
     "granite": {"logits_scaling": 4.0},  # the model divides its logits by this
     "cohere2": dict(_SLIDING, logit_scale=0.25),  # the model multiplies its logits by this
 }
-# Gated DeltaNet hybrids: one linear-attention and one full-attention layer (tests/unit/test_tree_deltanet.py
-# covers them in depth: float64, long segments, gradients, vision-language checkpoints)
+# Gated DeltaNet hybrids: one linear-attention and one full-attention layer
+# (tests/packing/test_tree_deltanet.py covers them in depth: float64, long segments, gradients,
+# vision-language checkpoints)
 _DELTANET = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
              "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"]}
 _HYBRID_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,

@@ -8,7 +8,7 @@ Log-probs, top-K lists and candidate sets are checked against the Hugging Face m
 on prompt + generated tokens with a plain per-position loop.
 
 On a GPU machine the same suite checks the CUDA engine (paged attention, decode CUDA graphs) against
-the CPU reference: `ASYNCGRPO_TEST_SERVER_DEVICE=cuda pytest tests/integration/test_server.py`
+the CPU reference: `ASYNCGRPO_TEST_SERVER_DEVICE=cuda pytest tests/server/test_server.py`
 (fp32 on both sides; `ASYNCGRPO_TEST_SERVER_EAGER=1` adds `--enforce-eager`).
 """
 

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from torchrun_job import run_torchrun
+from support.torchrun_job import run_torchrun
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsdp_step.py"
 

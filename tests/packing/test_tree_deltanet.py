@@ -12,7 +12,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_recurrent import plain_delta_rule  # tests/unit is on the path (pytest's rootdir imports)
+from test_recurrent import plain_delta_rule  # the same folder is on the path (pytest's prepend imports)
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
