@@ -15,6 +15,8 @@ import torch
 
 from asyncgrpo.launch import EmbeddedServer
 
+pytestmark = pytest.mark.process
+
 LINUX_PROC = Path("/proc/self/stat").exists()
 
 # a launcher that starts a server, reports its pid and then waits to be killed

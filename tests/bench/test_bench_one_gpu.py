@@ -114,6 +114,7 @@ def _stand_in_mps_control(tmp_path: Path, monkeypatch) -> Path:
     return calls
 
 
+@pytest.mark.process  # runs a stand-in nvidia-cuda-mps-control
 def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
     """A stand-in control program records how it is called (the real one needs an NVIDIA driver)."""
     import os
@@ -130,6 +131,7 @@ def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
     assert started.startswith("args=-d pipe=") and stopped.endswith("stdin=quit")
 
 
+@pytest.mark.process  # runs a stand-in nvidia-cuda-mps-control
 def test_mps_whose_clients_cannot_compute_stops_the_daemon_and_says_what_to_do(tmp_path, monkeypatch):
     """The probe, a one-kernel CUDA computation in a child process, fails here (no GPU) as it would
     where MPS clients cannot run: the daemon is stopped and the run refused before any work starts."""

@@ -7,7 +7,10 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from support.torchrun_job import run_torchrun
+
+pytestmark = pytest.mark.process
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsdp_step.py"
 

@@ -7,6 +7,10 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_suite.sh"
 
 

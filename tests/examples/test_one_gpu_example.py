@@ -13,6 +13,8 @@ import pytest
 
 from asyncgrpo.tasks import arithmetic
 
+pytestmark = pytest.mark.process
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

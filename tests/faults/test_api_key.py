@@ -11,6 +11,8 @@ from fault_helpers import TINY, call
 
 from asyncgrpo.server.app import ROUTES, UNGUARDED_PATHS
 
+pytestmark = pytest.mark.process
+
 KEY = "k-3f9a1c"
 
 

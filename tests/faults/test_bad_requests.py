@@ -9,6 +9,8 @@ import sys
 import pytest
 from fault_helpers import TINY, call
 
+pytestmark = pytest.mark.process
+
 DEEP = 100_000
 
 

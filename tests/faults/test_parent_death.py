@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.process
+
 SCRIPT = Path(__file__).with_name("train_until_killed.py")
 PROBE = Path(__file__).with_name("orphan_probe.py")
 

@@ -18,6 +18,8 @@ from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.self_check import SelfCheckError, check_engine
 
+pytestmark = pytest.mark.engine
+
 CPU = torch.device("cpu")
 
 

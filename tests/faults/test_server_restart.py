@@ -25,6 +25,8 @@ from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.weights.gather import weights_for_server
 
+pytestmark = pytest.mark.process
+
 PARAMS = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=0)
 
 

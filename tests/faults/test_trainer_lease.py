@@ -17,6 +17,8 @@ from fault_helpers import TINY, call
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weights.collective import CollectiveTransport
 
+pytestmark = pytest.mark.process
+
 LEASE_S = 2.0
 
 

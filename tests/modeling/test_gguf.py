@@ -28,6 +28,8 @@ from transformers import AutoConfig, GenerationConfig
 from asyncgrpo.modeling.gguf import cache_dir, supported_architectures
 from asyncgrpo.modeling.load import load_causal_lm, load_tokenizer, model_folder_problem, resolve_model_path
 
+pytestmark = pytest.mark.process
+
 CPU = torch.device("cpu")
 TEXT = "hello world, 12+34=46 the quick brown fox <|im_end|> <think> 7"
 

@@ -24,6 +24,8 @@ from asyncgrpo.modeling.load import load_causal_lm, load_tokenizer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
 
+pytestmark = pytest.mark.process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

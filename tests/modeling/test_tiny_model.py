@@ -13,6 +13,8 @@ import asyncgrpo
 from asyncgrpo.modeling import load
 from asyncgrpo.tasks import arithmetic, counter
 
+pytestmark = pytest.mark.process
+
 TINY = "asyncgrpo/tiny-chat"
 
 

@@ -25,6 +25,8 @@ from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.rollout_batches import MicroBatchInput
 from asyncgrpo.train.weights.gather import server_weight_metas, weights_for_server
 
+pytestmark = pytest.mark.engine
+
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 _TEXT = {"vocab_size": 491, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,

@@ -25,6 +25,8 @@ from asyncgrpo.packing.attention import (
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.model_setup import hidden_states_and_head, logit_processing
 
+pytestmark = pytest.mark.engine
+
 VOCAB = 96
 WINDOW = 6  # shorter than the samples, so sliding layers really slide
 

@@ -27,6 +27,8 @@ from asyncgrpo.packing.attention import (
 )
 from asyncgrpo.train.model_setup import hidden_states_and_head
 
+pytestmark = pytest.mark.engine
+
 VOCAB = 96
 _TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,

@@ -21,11 +21,12 @@ import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop  # the seed's import line
 from asyncgrpo import metrics as M
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import load_tokenizer, resolve_model_path
 from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.tasks import arithmetic, counter
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = os.environ.get("ASYNCGRPO_TEST_MODEL", "asyncgrpo/tiny-chat")
@@ -80,15 +81,14 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 # -- fixtures and the trainer's side ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture
+def server(embedded_server):
+    """The pool's plain server of MODEL: these tests only generate, so they share it."""
     try:
         resolve_model_path(MODEL)
     except FileNotFoundError as exc:
         pytest.skip(f"{exc} (or set ASYNCGRPO_TEST_MODEL to a local chat model)")
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(MODEL, log_path=log) as s:
-        yield s
+    return embedded_server(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from asyncgrpo.rollout.spawn_inputs import check_picklable, check_spawn_inputs
 from asyncgrpo.rollout.worker import RolloutWorker
 from asyncgrpo.types import Rollout, TurnRecord
 
+pytestmark = pytest.mark.process
+
 
 def length_reward(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]

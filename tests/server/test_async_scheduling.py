@@ -26,6 +26,8 @@ from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def model():

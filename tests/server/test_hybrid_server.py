@@ -24,6 +24,8 @@ from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.deltanet.layer import deltanet_layers
 from asyncgrpo.modeling.load import BUNDLED_MODELS
 
+pytestmark = pytest.mark.process
+
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
 MEDIA = {"image_token_id": 491, "video_token_id": 492, "vision_start_token_id": 493, "vision_end_token_id": 494}
 _TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,

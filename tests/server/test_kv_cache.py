@@ -17,6 +17,8 @@ from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.step_graphs import StepGraphs, batch_bucket, block_bucket
 from asyncgrpo.server.step_rows import decode_inputs
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module", params=["own forwards", "fused layers"])
 def models(request):

@@ -22,6 +22,8 @@ from transformers.models.qwen3 import modeling_qwen3
 from asyncgrpo.server.fused_layers import FusedLayers, fuse_layers
 from asyncgrpo.server.loading import load_served_model
 
+pytestmark = pytest.mark.engine
+
 SHAPE = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2}
 

@@ -16,6 +16,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from asyncgrpo.server.loading import load_served_model, prepare_model
 
+pytestmark = pytest.mark.engine
+
 CPU = torch.device("cpu")
 
 

@@ -17,6 +17,8 @@ from asyncgrpo.server.fused_layers import fuse_layers
 from asyncgrpo.server.lora import AdapterRegistry, ServedLora
 from asyncgrpo.server.lora_files import AdapterLoadError, AdapterNotFound, read_adapter
 
+pytestmark = pytest.mark.engine
+
 peft = pytest.importorskip("peft")
 
 

@@ -24,6 +24,8 @@ import torch
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import resolve_model_path
 
+pytestmark = pytest.mark.process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")
 

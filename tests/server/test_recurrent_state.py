@@ -33,6 +33,8 @@ from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 from asyncgrpo.server.weights import WeightLoader
 
+pytestmark = pytest.mark.engine
+
 MAX_LEN = 256
 CPU = torch.device("cpu")
 

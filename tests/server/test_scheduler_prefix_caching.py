@@ -24,6 +24,8 @@ from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
+pytestmark = pytest.mark.engine
+
 MAX_LEN = 256
 BS = 16
 VOCAB = 101

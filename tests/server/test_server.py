@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "protocol-0.33.0.json"

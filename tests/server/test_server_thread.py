@@ -28,6 +28,8 @@ from asyncgrpo.server.serve import IN_PROCESS_SWITCH_INTERVAL_S, ServeConfig, Se
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weights.choose import full_weight_transport
 
+pytestmark = pytest.mark.process
+
 
 def test_a_server_thread_serves_refuses_collectives_and_stops():
     port = free_port()

@@ -31,6 +31,8 @@ from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import SeqParams, Sequence
 
+pytestmark = pytest.mark.engine
+
 VOCAB, WINDOW, BS = 97, 8, 4
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,

@@ -15,6 +15,8 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from asyncgrpo.launch import EmbeddedServer
 
+pytestmark = pytest.mark.process
+
 VOCAB, WINDOW = 97, 8
 
 

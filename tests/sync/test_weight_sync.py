@@ -26,6 +26,8 @@ from asyncgrpo.generation.protocol import SamplingParams
 from asyncgrpo.sync.receiver import WeightReceiver
 from asyncgrpo.sync.sender import WeightSender, WeightTransferError
 
+pytestmark = pytest.mark.process
+
 # --------------------------------------------------------------------------------------------------
 # 1. sender <-> receiver through a minimal HTTP peer
 # --------------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_at
 from asyncgrpo.train.compiled_layers import compile_decoder_layers, decoder_layers, flex_backend_options
 from asyncgrpo.train.logprobs import token_logprobs
 
+pytestmark = pytest.mark.engine
+
 
 def _train_model(compiled_backend: str | None):
     model = tiny_model("qwen3")  # one sliding-window and one full-attention layer

@@ -14,6 +14,8 @@ from asyncgrpo.packing.tree import Sample, pack_row
 from asyncgrpo.train.flops import FlopModel, peak_flops
 from asyncgrpo.train.step_metrics import StepTotals
 
+pytestmark = pytest.mark.engine
+
 H, I, L, HEADS, KV, HD, V = 32, 64, 2, 4, 2, 8, 97
 
 

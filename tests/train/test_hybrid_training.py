@@ -12,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 # the checkpoint of tests/server/test_hybrid_server.py
@@ -24,6 +25,8 @@ from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.train.weights.gather import weights_for_server
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -16,6 +17,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import load_tokenizer, resolve_model_path
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOKENIZER = "asyncgrpo/tiny-chat"

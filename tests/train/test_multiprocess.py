@@ -16,14 +16,22 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from support.torchrun_job import run_torchrun
-from test_trainer import server  # noqa: F401  (the module-scoped embedded server)
+
+pytestmark = pytest.mark.process
 
 JOB = Path(__file__).with_name("train_job.py")
 NUM_STEPS = 2
 
 
-def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, server):  # noqa: F811
+@pytest.fixture
+def server(embedded_server):
+    """The server tests/train/test_trainer.py trains against (the pool's, for tests that push weights)."""
+    return embedded_server("asyncgrpo/tiny-chat", purpose="trained")
+
+
+def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, server):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     config = {"max_steps": NUM_STEPS}
     proc = run_torchrun(
@@ -56,7 +64,7 @@ def step_sums(ranks: list[dict], step: int) -> dict:
     }
 
 
-def test_step_metrics_and_token_allowance_count_every_process(tmp_path, server):  # noqa: F811
+def test_step_metrics_and_token_allowance_count_every_process(tmp_path, server):
     """batch/*_per_step, num_tokens and the allowance are sums over both ranks' rows (not rank 0's x 2)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     config = {"max_steps": NUM_STEPS, "max_staleness": 2}

@@ -18,6 +18,8 @@ from asyncgrpo.train.loss import loss_metrics, policy_loss
 from asyncgrpo.train.model_setup import router_aux_loss_coef
 from asyncgrpo.train.rollout_batches import MicroBatchInput
 
+pytestmark = pytest.mark.engine
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOKENIZER = "asyncgrpo/tiny-chat"
 VOCAB = 491  # the bundled tokenizer's

@@ -12,19 +12,19 @@ import torch
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "asyncgrpo/tiny-chat"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(MODEL, log_path=log) as s:
-        yield s
+@pytest.fixture
+def server(embedded_server):
+    """The pool's plain server for tests that push weights (tests/train/test_multiprocess.py shares it)."""
+    return embedded_server(MODEL, purpose="trained")
 
 
 def _config(tmp_path, server, cls=AsyncGRPOConfig, **overrides) -> AsyncGRPOConfig:

@@ -20,6 +20,8 @@ from asyncgrpo.train.weights.base import FullWeights, OtherRank
 from asyncgrpo.train.weights.gather import server_weight_metas, weights_for_server
 from asyncgrpo.types import WeightVersion, adapter_name_template
 
+pytestmark = pytest.mark.engine
+
 
 class RecordingTransport(FullWeights):
     """A full-weight transport that keeps what it was sent (checksums per label); fails when told to."""

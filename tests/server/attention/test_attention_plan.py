@@ -37,6 +37,8 @@ from asyncgrpo.server.attention.rows import ContinuedRows
 from asyncgrpo.server.attention.shared_prefix import GatherSharedDecode
 from asyncgrpo.server.kv_cache import PagedKVCache
 
+pytestmark = pytest.mark.engine
+
 CPU = torch.device("cpu")
 PLAIN, WINDOWED, CAPPED = (False, False), (True, False), (False, True)
 

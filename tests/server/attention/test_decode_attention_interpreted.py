@@ -18,6 +18,8 @@ import torch
 from asyncgrpo.server.attention import decode as da
 from asyncgrpo.server.attention.shared_prefix import find_shared_prefixes
 
+pytestmark = pytest.mark.engine
+
 # Triton reads TRITON_INTERPRET when it is imported: set here on a machine without CUDA (where no compiled
 # kernel can run anyway); with CUDA only when asked for (TRITON_INTERPRET=1), the GPU tests compile theirs
 if not torch.cuda.is_available() and "triton" not in sys.modules:

@@ -26,6 +26,8 @@ from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.weights.adapters import AdapterSync, AdapterSyncError, write_adapter
 
+pytestmark = pytest.mark.process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft")
 
@@ -327,11 +329,11 @@ def test_a_server_with_too_little_lora_room_stops_training_at_start_with_the_res
     assert "Restart it with --enable-lora --max-lora-rank 16 --max-loras 4 " in message
 
 
-@pytest.fixture(scope="module")
-def plain_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("plain") / "server.log"
-    with EmbeddedServer(TINY, log_path=log, extra_args=["--dtype", "float32", "--max-model-len", "256"]) as s:
-        yield s
+@pytest.fixture
+def plain_server(embedded_server):
+    """A server without LoRA: the pool's plain one for tests that push weights (tests/train/test_trainer.py
+    trains against it too; the tiny model serves in float32 on CPU, as `--dtype float32` asked here before)."""
+    return embedded_server(TINY, purpose="trained")
 
 
 def test_without_lora_on_the_server_training_falls_back_to_merged_sync(plain_server, tmp_path, caplog):

@@ -26,7 +26,7 @@ from asyncgrpo.launch import free_port
 VOCAB = 96
 BUCKET_BYTES = 3000
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
