@@ -186,5 +186,5 @@ def pytest_terminal_summary(terminalreporter):
         f"{tier} {_TIER_COUNTS.get(tier, 0)}" for tier in (*TIERS, "gpu")))
     pooled = f" ({_POOL[0].num_starts} from the pool)" if _POOL else ""
     terminalreporter.write_line(
-        f"child processes started by pytest: {CHILDREN.num_processes}; embedded servers: "
+        f"child processes started by pytest: {CHILDREN.num_processes}; `asyncgrpo serve` runs: "
         f"{CHILDREN.num_servers}{pooled}")
