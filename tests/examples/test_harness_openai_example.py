@@ -11,6 +11,8 @@ import pytest
 
 from asyncgrpo.modeling.load import resolve_model_path
 
+pytestmark = pytest.mark.process
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, call
+from fault_helpers import TINY, call
+
+pytestmark = pytest.mark.process
 
 LEASE_S = 3.0
 TRAINER_TIMEOUT_S = 4.0

@@ -13,6 +13,8 @@ from fault_helpers import MODEL, short_run_config
 from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.tasks import arithmetic
 
+pytestmark = pytest.mark.process
+
 TIMEOUT_S = 20.0  # above the rollout process start-up on a busy CPU (the heartbeat shares this knob)
 
 

@@ -18,6 +18,8 @@ from train_until_straddle import NUM_PROMPTS, straddle_config
 from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.tasks import arithmetic
 
+pytestmark = pytest.mark.process
+
 NUM_GENERATIONS = 4  # short_run_config's; one sample per single-turn rollout
 
 

@@ -17,22 +17,22 @@ import pytest
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.client import GenerationClient
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import load_tokenizer
 from asyncgrpo.rollout import harness_calls
 from asyncgrpo.rollout.harness import FAILED, TIMEOUT, HarnessCommand, HarnessRun, run_harness
 from asyncgrpo.rollout.harness_proxy import RecordedCall, RecordingProxy
 from asyncgrpo.rollout.requests import RequestSettings
 
+pytestmark = pytest.mark.process
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "asyncgrpo/tiny-chat"
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedServer(MODEL) as server:
-        yield server
+@pytest.fixture
+def server(embedded_server):
+    return embedded_server(MODEL)
 
 
 @pytest.fixture(scope="module")

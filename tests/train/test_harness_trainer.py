@@ -19,20 +19,19 @@ import torch
 from datasets import Dataset
 
 from asyncgrpo import AsyncGRPOConfig, HarnessAsyncGRPOTrainer, HarnessCommand
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "asyncgrpo/tiny-chat"
 AGENT = Path(__file__).with_name("harness_agent.py")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(MODEL, log_path=log) as s:
-        yield s
+@pytest.fixture
+def server(embedded_server):
+    return embedded_server(MODEL, purpose="trained")  # the trainers push weights into it
 
 
 def _config(tmp_path, server, **overrides) -> AsyncGRPOConfig:
