@@ -54,3 +54,15 @@ def test_the_seed_count_metrics_are_declared_for_a_trainer():
     assert M.TOOLS_UNKNOWN_NAME_COUNT not in bare  # tools/* only when the trainer has tools
     assert M.ROLLOUT_VLLM_PREEMPTION_COUNT not in bare  # not measured without the server's /metrics
     assert M.SAMPLE_DROPPED_STALE_COUNT in bare
+    assert not set(M.HARNESS_COUNTS) & set(bare)  # harness/* only for a HarnessAsyncGRPOTrainer
+
+
+def test_the_harness_counts_are_declared_for_a_harness_trainer():
+    from asyncgrpo.train.harness_trainer import HarnessAsyncGRPOTrainer
+    from asyncgrpo.train.trainer import AsyncGRPOTrainer
+
+    names = M.count_metrics(tool_names=[], has_tools=False, server_has_metrics=False, has_harness=True)
+    assert set(M.HARNESS_COUNTS) <= set(names)
+    assert HarnessAsyncGRPOTrainer.runs_harness and not AsyncGRPOTrainer.runs_harness
+    window = MetricsWindow(names)
+    assert all(window.reduce()[name] == 0.0 for name in M.HARNESS_COUNTS)

@@ -164,11 +164,18 @@ def tool_failure_count(tool_name: str) -> str:
     return f"tools/{tool_name}/failure_count"
 
 
-def count_metrics(*, tool_names: Iterable[str], has_tools: bool, server_has_metrics: bool) -> list[str]:
+HARNESS_COUNTS = (HARNESS_FAILED_COUNT, HARNESS_TIMEOUT_COUNT, HARNESS_NO_CALL_COUNT)
+
+
+def count_metrics(*, tool_names: Iterable[str], has_tools: bool, server_has_metrics: bool,
+                  has_harness: bool = False) -> list[str]:
     """The count metrics a trainer logs in every window, 0 without events: the seed's counts that apply to
-    the run (tools/* with tools, the server's preemptions when it serves /metrics) and ours."""
+    the run (tools/* with tools, the server's preemptions when it serves /metrics) and ours (harness/* for
+    a `HarnessAsyncGRPOTrainer`)."""
     names = [SAMPLE_DROPPED_STALE_COUNT, BATCH_DROPPED_OVERSIZE_COUNT, ROLLOUT_VLLM_RETRY_COUNT,
              OPTIMIZER_NONFINITE_STEP_COUNT]
+    if has_harness:
+        names += HARNESS_COUNTS
     if server_has_metrics:
         names.append(ROLLOUT_VLLM_PREEMPTION_COUNT)
     if has_tools:

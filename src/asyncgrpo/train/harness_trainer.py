@@ -20,15 +20,12 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
-from asyncgrpo import metrics as M
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.rollout.harness import HarnessCommand, HarnessRun, as_harness
 from asyncgrpo.rollout.harness_loop import HarnessRolloutLoop
 from asyncgrpo.train.trainer import AsyncGRPOTrainer
 
 logger = logging.getLogger(__name__)
-
-HARNESS_COUNTS = (M.HARNESS_FAILED_COUNT, M.HARNESS_TIMEOUT_COUNT, M.HARNESS_NO_CALL_COUNT)
 
 __all__ = ["HarnessAsyncGRPOTrainer", "HarnessCommand", "HarnessRun"]
 
@@ -58,6 +55,7 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
     """
 
     loop_cls = HarnessRolloutLoop
+    runs_harness = True  # the harness/* counts are logged in every window, 0 without events
 
     def __init__(
         self,
@@ -89,8 +87,3 @@ class HarnessAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def _extra_loop_kwargs(self) -> dict[str, Any]:
         return {"harness": self.harness}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # the failure counts are logged as 0 in a window without any (the window only has what was recorded)
-        logs = {**dict.fromkeys(HARNESS_COUNTS, 0.0), **logs}
-        super().log(logs, start_time)

@@ -93,6 +93,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    runs_harness = False  # HarnessAsyncGRPOTrainer: its harness/* counts join the logged count metrics
 
     def __init__(
         self,
@@ -189,6 +190,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                 tool_names=[callable_name(t) for t in self.tools],
                 has_tools=bool(self.tools) or self.environment_factory is not None,
                 server_has_metrics=info.has_metrics,
+                has_harness=self.runs_harness,
             ))
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
