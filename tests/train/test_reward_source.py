@@ -67,3 +67,11 @@ def test_reward_funcs_make_a_scoreless_environment_fine(tmp_path):
         MODEL, reward_funcs=reward, args=config(tmp_path), train_dataset=prompts(),
         environment_factory=ScorelessEnv,
     )
+
+
+def test_a_loop_whose_rollouts_carry_a_reward_needs_no_other_source():
+    from asyncgrpo.train.inputs import check_prompt_source
+
+    # HarnessAsyncGRPOTrainer's loop: no reward_funcs, no environment, the harness's reward
+    check_prompt_source([], prompts(), None, max_steps=1, rollout_reward=True)
+    check_prompt_source([], prompts(), ScorelessEnv, max_steps=1, rollout_reward=True)

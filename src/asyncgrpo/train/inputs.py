@@ -64,8 +64,8 @@ def check_prompt_source(
     if not reward_funcs and environment_factory is None and not rollout_reward:
         raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class "
                          "defines get_reward")
-    if not reward_funcs:
-        check_environments_score(environment_factory)
+    if not reward_funcs and not rollout_reward and environment_factory is not None:
+        check_environments_score(environment_factory)  # a loop whose rollouts carry a reward scores them
     if train_dataset is None:
         if environment_factory is None or isinstance(environment_factory, dict):
             raise ValueError(
