@@ -109,7 +109,8 @@ class AsyncGRPOConfig(TrainingArguments):
 
     Parameters that control the inference server:
         vllm_server_base_url (`str`, defaults to "http://localhost:8000"): Base URL of the vLLM (or
-            embedded) server used for generation.
+            embedded) server used for generation: one http(s) URL; a comma-joined list or a malformed
+            URL is refused at construction (several servers come in a later release).
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.
@@ -154,7 +155,17 @@ class AsyncGRPOConfig(TrainingArguments):
             with the rollouts' length). The embedded server still drops its prefix cache at every push;
             vLLM keeps a stale one until its blocks are freed.
         rollout_worker_timeout (`float`, defaults to 300.0): Seconds since the rollout process's last
-            heartbeat after which the trainer considers it hung and fails.
+            heartbeat after which the trainer considers it hung and fails. Also the longest the trainer
+            waits while every group or sample that arrives is dropped (e.g. a reward that is NaN for every
+            completion): then it fails with the drop counts and their causes instead of waiting forever.
+
+    Parameters that control harness training (`HarnessAsyncGRPOTrainer`):
+        harness_timeout (`float`, defaults to 600.0): Seconds one harness run (one rollout) may take; a
+            harness still running then is stopped (a command is killed, an async harness cancelled; a
+            sync harness's thread cannot be stopped and keeps running unrecorded), counted in
+            `harness/timeout_count` and left out of its group's advantages.
+        max_concurrent_harnesses (`int`, optional): Upper bound of harness runs at once (each command
+            is a process of its own). None: `max_concurrent_rollouts`.
 
     Parameters that control logging:
         log_completions (`bool`, defaults to False): Log a sample of (prompt, completion) pairs every
@@ -279,7 +290,10 @@ class AsyncGRPOConfig(TrainingArguments):
     # -- inference server --------------------------------------------------------------------------
     vllm_server_base_url: str = field(
         default="http://localhost:8000",
-        metadata={"help": "Base URL of the vLLM (or embedded) server used for generation."},
+        metadata={
+            "help": "Base URL of the vLLM (or embedded) server used for generation: one http(s) URL (a "
+            "comma-joined list or a malformed URL is refused)."
+        },
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -350,7 +364,21 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     rollout_worker_timeout: float = field(
         default=300.0,
-        metadata={"help": "Seconds without a rollout-process heartbeat before the trainer fails."},
+        metadata={
+            "help": "Seconds without a rollout-process heartbeat before the trainer fails; also the longest "
+            "wait while everything that arrives is dropped (then it fails naming the drops and their causes)."
+        },
+    )
+
+    # -- harness training --------------------------------------------------------------------------
+    harness_timeout: float = field(
+        default=600.0,
+        metadata={"help": "Seconds one harness run may take before it is stopped and counted "
+                  "(harness/timeout_count)."},
+    )
+    max_concurrent_harnesses: int | None = field(
+        default=None,
+        metadata={"help": "Upper bound of harness runs at once; None uses max_concurrent_rollouts."},
     )
 
     # -- logging -----------------------------------------------------------------------------------

@@ -119,15 +119,31 @@ def _require(ok: bool, message: str) -> None:
 
 
 def server_url_problem(url: str) -> str | None:
-    """What is wrong with a server's base URL, or None: it must be http(s) with a host. Anything else fails
-    only at the first request, with an HTTP client's error that names neither the setting nor the fix."""
+    """What is wrong with a server's base URL, or None: it must be one http(s) URL with a host and a valid
+    port. Anything else fails only at the first request, with an HTTP client's error that names neither the
+    setting nor the fix."""
+    example = "such as 'http://localhost:8000'"
     if not isinstance(url, str) or "://" not in url:
         return f"needs a scheme: pass {'http://' + str(url)!r}"
-    parts = urlsplit(url)
+    if "," in url or url.count("://") > 1:
+        first = url.split(",")[0].strip()
+        return (
+            f"is several URLs in one string; one server is supported: pass one URL, e.g. {first!r} "
+            "(a list of URLs, to spread rollouts over several servers, comes in a later release)"
+        )
+    if url != url.strip() or any(c.isspace() for c in url):
+        return f"contains a space; pass the URL without spaces, {example}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is no number in 0..65535, a bracket left open
+        what = "port" if "port" in str(exc).lower() else "IPv6 address" if "IPv6" in str(exc) else "form"
+        return f"has an invalid {what} ({exc}); pass a URL {example}"
+    del port
     if parts.scheme not in ("http", "https"):
         return "the server speaks HTTP; pass an http:// or https:// URL such as 'http://localhost:8000'"
     if not parts.hostname:
-        return "has no host; pass one such as 'http://localhost:8000'"
+        return f"has no host; pass one {example}"
     return None
 
 
@@ -249,6 +265,12 @@ def validate(args: AsyncGRPOConfig) -> None:
     _require(
         args.rollout_worker_timeout > 0,
         f"rollout_worker_timeout={args.rollout_worker_timeout} must be > 0 seconds",
+    )
+    _require(args.harness_timeout > 0, f"harness_timeout={args.harness_timeout} must be > 0 seconds")
+    _require(
+        args.max_concurrent_harnesses is None or args.max_concurrent_harnesses >= 1,
+        f"max_concurrent_harnesses={args.max_concurrent_harnesses} must be >= 1, or None to use "
+        "max_concurrent_rollouts",
     )
     _require(
         args.num_completions_to_print is None or args.num_completions_to_print >= 0,

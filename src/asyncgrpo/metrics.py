@@ -6,7 +6,8 @@ once per logging window (`logging_steps` optimizer steps). Window rules, in orde
 
     recorded with record_ratio / record_rate   total numerator / total denominator
                                                (rates: total tokens / total seconds; NaN if 0 / 0)
-    last path part has the word "count"        summed over the window
+    last path part has the word "count"        summed over the window; 0 in a window without events
+                                               (for the names declared up front and any count seen before)
     last path part has the word "max" / "min"  the extreme over the window
     name ends with "_per_step"                 summed, divided by the window's optimizer steps
     anything else                              mean over every recorded item (weighted by `weight`)
@@ -20,6 +21,7 @@ second, `_frac` a fraction in [0, 1], `_per_step` an amount in one optimizer ste
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import NamedTuple
 
 # -- training ---------------------------------------------------------------------------------------
@@ -86,6 +88,13 @@ TOOLS_PARALLEL_CALLS_MEAN = "tools/parallel_calls_mean"
 TOOLS_LOOP_EXHAUSTED_FRAC = "tools/loop_exhausted_frac"
 ENV_RESET_S = "env/reset_s"
 ENV_REWARD_S = "env/reward_s"
+
+# -- harnesses (HarnessAsyncGRPOTrainer): one 0/1 item per harness run, so a window without a failure logs 0
+HARNESS_FAILED_COUNT = "harness/failed_count"  # it raised, returned a bad value or its command failed
+HARNESS_TIMEOUT_COUNT = "harness/timeout_count"  # still running after harness_timeout
+HARNESS_NO_CALL_COUNT = "harness/no_call_count"  # ended without calling the model
+HARNESS_CALLS_MEAN = "harness/calls_mean"  # model calls per harness run
+HARNESS_DURATION_S = "harness/duration_s"
 
 # -- samples ----------------------------------------------------------------------------------------
 SAMPLE_FORWARDED_TOKENS_MEAN = "sample/forwarded_tokens_mean"
@@ -155,6 +164,27 @@ def tool_failure_count(tool_name: str) -> str:
     return f"tools/{tool_name}/failure_count"
 
 
+HARNESS_COUNTS = (HARNESS_FAILED_COUNT, HARNESS_TIMEOUT_COUNT, HARNESS_NO_CALL_COUNT)
+
+
+def count_metrics(*, tool_names: Iterable[str], has_tools: bool, server_has_metrics: bool,
+                  has_harness: bool = False) -> list[str]:
+    """The count metrics a trainer logs in every window, 0 without events: the seed's counts that apply to
+    the run (tools/* with tools, the server's preemptions when it serves /metrics) and ours (harness/* for
+    a `HarnessAsyncGRPOTrainer`)."""
+    names = [SAMPLE_DROPPED_STALE_COUNT, BATCH_DROPPED_OVERSIZE_COUNT, ROLLOUT_VLLM_RETRY_COUNT,
+             OPTIMIZER_NONFINITE_STEP_COUNT]
+    if has_harness:
+        names += HARNESS_COUNTS
+    if server_has_metrics:
+        names.append(ROLLOUT_VLLM_PREEMPTION_COUNT)
+    if has_tools:
+        names.append(TOOLS_UNKNOWN_NAME_COUNT)
+        for tool in tool_names:
+            names += [tool_call_count(tool), tool_failure_count(tool)]
+    return names
+
+
 # -- records ----------------------------------------------------------------------------------------
 class MetricRecord(NamedTuple):
     """One measurement. `denominator` set: a ratio/rate term; `weight`: how many items a mean covers."""
@@ -209,11 +239,22 @@ class _Accumulator:
 
 
 class MetricsWindow:
-    """Accumulates records over one logging window and reduces them with the window rules."""
+    """Accumulates records over one logging window and reduces them with the window rules.
 
-    def __init__(self) -> None:
+    `counts`: count metrics reported in every window, 0 when nothing was recorded (a count recorded once
+    joins them: tools and environments named only at run time)."""
+
+    def __init__(self, counts: Iterable[str] = ()) -> None:
         self._acc: dict[str, _Accumulator] = {}
         self._num_steps = 0
+        self._counts: set[str] = set()
+        self.declare_counts(counts)
+
+    def declare_counts(self, names: Iterable[str]) -> None:
+        """Report these count metrics in every window from now on, 0 without events."""
+        for name in names:
+            assert reduction_for(name) == SUM, f"{name!r} is not a count metric"
+            self._counts.add(name)
 
     def _get(self, name: str, kind: str) -> _Accumulator:
         acc = self._acc.get(name)
@@ -287,6 +328,10 @@ class MetricsWindow:
                 out[name] = acc.total / (self._num_steps if self._num_steps else acc.weight)
             else:  # MEAN, RATIO
                 out[name] = acc.total / acc.weight if acc.weight else math.nan
+            if acc.kind == SUM:
+                self._counts.add(name)
+        for name in self._counts.difference(out):
+            out[name] = 0.0
         self._acc = {}
         self._num_steps = 0
         return out

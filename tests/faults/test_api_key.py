@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 from asyncgrpo.server.app import ROUTES, UNGUARDED_PATHS
+
+pytestmark = pytest.mark.process
 
 KEY = "k-3f9a1c"
 

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY, call
+from fault_helpers import TINY, call
+
+pytestmark = pytest.mark.process
 
 DEEP = 100_000
 

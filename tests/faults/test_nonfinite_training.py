@@ -16,6 +16,8 @@ from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.weights.gather import weights_for_server
 
+pytestmark = pytest.mark.process
+
 
 class InfOnThirdGroup:
     """spread_reward, but the third group it scores gets +inf for its first completion."""

@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.process
+
 SCRIPT = Path(__file__).with_name("train_until_killed.py")
 PROBE = Path(__file__).with_name("orphan_probe.py")
 
@@ -96,7 +98,7 @@ def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
 def test_a_sigtermed_trainer_cleans_up_and_gives_the_server_back_at_once(tmp_path, server):
     """SIGTERM (a scheduler's preemption) stops training as Ctrl-C would: exit status 143, the rollout
     process stopped, and the embedded server's hold given back at once, not after --trainer-lease."""
-    from conftest import call
+    from fault_helpers import call
 
     with _trainer_after_its_first_step(tmp_path, server.url) as (trainer, descendants):
         assert call(server.url, "GET", "/lease")[1]["holder"] is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from fault_helpers import TINY
 
 from asyncgrpo.server.attention.plan import resolve_plan
 from asyncgrpo.server.attention_math import kv_window
@@ -17,6 +17,8 @@ from asyncgrpo.server.prefix_cache import BlockPool
 from asyncgrpo.server.runner import ModelRunner
 from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.self_check import SelfCheckError, check_engine
+
+pytestmark = pytest.mark.engine
 
 CPU = torch.device("cpu")
 

@@ -17,6 +17,8 @@ from asyncgrpo.generation.transport import ServerConnectionError
 from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.tasks import arithmetic
 
+pytestmark = pytest.mark.process
+
 
 class _KillServerAt(TrainerCallback):
     def __init__(self, server: EmbeddedServer, step: int) -> None:

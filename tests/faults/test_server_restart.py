@@ -13,9 +13,8 @@ import time
 
 import pytest
 import torch
-from conftest import call
 from datasets import Dataset
-from fault_helpers import MODEL, short_run_config, spread_reward
+from fault_helpers import MODEL, call, short_run_config, spread_reward
 from transformers import TrainerCallback
 
 from asyncgrpo import AsyncGRPOTrainer
@@ -25,6 +24,8 @@ from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
 from asyncgrpo.tasks import arithmetic
 from asyncgrpo.train.weights.gather import weights_for_server
+
+pytestmark = pytest.mark.process
 
 PARAMS = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=0)
 

@@ -14,6 +14,8 @@ import pytest
 
 from asyncgrpo.rollout.worker import _unreported_exit
 
+pytestmark = pytest.mark.process
+
 SCRIPT = textwrap.dedent('''
     import os
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, call
+from fault_helpers import TINY, call
 
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weights.collective import CollectiveTransport
+
+pytestmark = pytest.mark.process
 
 LEASE_S = 2.0
 

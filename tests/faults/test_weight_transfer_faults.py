@@ -9,7 +9,10 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import TINY, call
+import pytest
+from fault_helpers import TINY, call
+
+pytestmark = pytest.mark.process
 
 
 def _dead_port() -> int:

@@ -17,7 +17,8 @@ import torch
 
 from asyncgrpo.server.decode_kernels import triton_available
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the CPU test's tiny model and requests
+# the CPU test's tiny model and requests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from test_async_scheduling import Server, _assert_same, _first_wave, _next_turns
 
 pytestmark = [

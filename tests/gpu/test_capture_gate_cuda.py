@@ -22,7 +22,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400, method="thread")]
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sync"))
 from test_weight_sync import _tiny_qwen3
 
 

@@ -27,7 +27,8 @@ from asyncgrpo.packing.attention import (
 from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
 from asyncgrpo.train.logprobs import token_logprobs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of test_tree_attention
+# the tiny models of test_tree_attention
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packing"))
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -2,7 +2,7 @@
 weight sync over NCCL in the packed layout. Needs 2 CUDA devices (3 or more: two trainer ranks).
 
 The server is `asyncgrpo serve asyncgrpo/tiny-chat --device cuda` with CUDA_VISIBLE_DEVICES=0. The
-trainer is tests/integration/train_job.py under torchrun with CUDA_VISIBLE_DEVICES=1 (or 1,2) and
+trainer is tests/train/train_job.py under torchrun with CUDA_VISIBLE_DEVICES=1 (or 1,2) and
 `fsdp="full_shard", fsdp_config={"fsdp_version": 2}`: its parameters are DTensors, so every sync
 gathers them on every rank and rank 0 broadcasts them to the server. After the run, the server's
 weights must equal the trainer's gathered weights (sha256 of every tensor); the sync timings
@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
-sys.path.insert(0, str(INTEGRATION))
-from torchrun_job import run_torchrun
+TRAIN = Path(__file__).resolve().parents[1] / "train"
+from support.torchrun_job import run_torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900, method="thread")]  # a hung NCCL call takes no signal
 
@@ -48,7 +46,7 @@ def test_fsdp2_trainer_syncs_over_nccl_into_the_server_on_another_gpu(tmp_path):
     with EmbeddedServer(MODEL, device="cuda", env=server_env, log_path=tmp_path / "server.log",
                         startup_timeout_s=300) as server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": trainer_gpus, **no_multicast}
-        script = str(INTEGRATION / "train_job.py")
+        script = str(TRAIN / "train_job.py")
         proc = run_torchrun([script, server.url, str(tmp_path), json.dumps(overrides)], nproc=nproc, env=env,
                             timeout_s=800)
     log = (tmp_path / "server.log").read_text()[-3000:]

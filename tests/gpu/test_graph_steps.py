@@ -27,7 +27,8 @@ from asyncgrpo.server.scheduler import Scheduler
 from asyncgrpo.server.sequence import Sequence
 from asyncgrpo.server.step_graphs import StepGraphs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packing"))  # the tiny models of the CPU tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from test_recurrent_state import params, run, sensitive_hybrid
 from test_tree_deltanet import HYBRIDS
 

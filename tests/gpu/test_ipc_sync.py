@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400, method="thread")]
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "sync"))
 from test_weight_sync import _processed_logprobs, _tiny_qwen3
 
 PROMPT = [1, 5, 9, 17, 33]

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600, method="thread"),
 pytest.importorskip("math_verify", reason="the recipe's accuracy_reward needs math-verify (pip install "
                     "'asyncgrpo[math]', or its three pure-Python wheels where there is no index)")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from test_one_gpu_example import import_example, write_gsm8k_file
 
 

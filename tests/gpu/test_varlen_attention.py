@@ -19,8 +19,8 @@ import torch
 
 from asyncgrpo.server.attention.varlen import HALF, VarlenChunks, varlen, varlen_reference, varlen_works_on
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the tiny models of the CPU tests
-from test_prefix_caching import Harness, _prompt, tiny_qwen3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # the tiny models of the CPU tests
+from test_scheduler_prefix_caching import Harness, _prompt, tiny_qwen3
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

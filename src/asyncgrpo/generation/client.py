@@ -16,8 +16,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import aiohttp
 
 from asyncgrpo.generation.protocol import (
     COMPLETIONS_PATH,
@@ -28,6 +30,7 @@ from asyncgrpo.generation.protocol import (
     TurnOutput,
     build_completions_request,
     build_generate_request,
+    error_message,
     expect_field,
     parse_completions_response,
     parse_generate_response,
@@ -41,11 +44,20 @@ from asyncgrpo.generation.server_info import (
     parse_version,
     parse_world_size,
 )
-from asyncgrpo.generation.transport import ServerRequestError, ServerTransport
+from asyncgrpo.generation.transport import (
+    ServerConnectionError,
+    ServerRequestError,
+    ServerTransport,
+    connection_failure,
+)
 
 logger = logging.getLogger(__name__)
 
 PUSH_POLL_S = 1.0  # how often a generation waiting for pushed weights asks the server again
+
+
+_CLIENT_ERRORS = frozenset(range(400, 500))
+_STREAM_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
 
 
 class ServerRestartedError(RuntimeError):
@@ -268,6 +280,73 @@ class GenerationClient(ServerTransport):
                 "--return-tokens-as-token-ids)"
             )
         return out
+
+    async def openai_request(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST one OpenAI-compatible request (`/v1/chat/completions`, `/v1/completions`) as a harness's
+        recording proxy forwards it: (status, JSON body). A 4xx comes back as it is, for the harness to see;
+        transport errors, 5xx and timeouts are retried as a generation request's."""
+        status, text = await self._request(
+            "POST", path, json_body=body, retry_timeout=True, pass_statuses=_CLIENT_ERRORS
+        )
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, {"error": {"message": text[:2000], "type": "BadRequestError", "code": status}}
+
+    async def openai_stream(
+        self, path: str, body: dict[str, Any], on_event: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> tuple[int, Any]:
+        """POST one streaming OpenAI-compatible request (`"stream": true`) and await `on_event(chunk)` for
+        each server-sent event until `[DONE]`: (status, None), or a 4xx's (status, JSON body) with no event.
+        A connection that fails before the first event is tried again (up to `max_retries`); one that fails
+        after it, a 5xx and a timeout raise (`ServerConnectionError`, `ServerRequestError`, `TimeoutError`)."""
+        if self._session is None:
+            raise RuntimeError(f"{type(self).__name__}.start() must be awaited before making requests")
+        url = self.base_url + path
+        sent = [0]  # events handed to on_event so far
+
+        async def counted(event: dict[str, Any]) -> None:
+            sent[0] += 1
+            await on_event(event)
+
+        attempt = 0
+        while True:
+            try:
+                return await self._stream_once(url, path, body, counted)
+            except asyncio.TimeoutError as exc:
+                raise TimeoutError(f"POST {url} (stream) did not end within {self.timeout_s:.0f}s; raise "
+                                   "`vllm_server_timeout` if the server is just slow") from exc
+            except _STREAM_TRANSPORT_ERRORS as exc:
+                if sent[0] or attempt >= self.max_retries:
+                    raise ServerConnectionError(f"POST {url} (stream) failed: {connection_failure(exc)}") from exc
+                attempt += 1
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), 5.0))
+
+    async def _stream_once(
+        self, url: str, path: str, body: dict[str, Any], on_event: Callable[[dict[str, Any]], Awaitable[None]]
+    ) -> tuple[int, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with self._session.post(url, json=body, timeout=timeout) as resp:
+            if resp.status >= 400:
+                text = await resp.text()
+                if resp.status >= 500:
+                    raise ServerRequestError("POST", path, resp.status, error_message(text))
+                try:
+                    return resp.status, json.loads(text)
+                except ValueError:
+                    return resp.status, {"error": {"message": text[:2000], "code": resp.status}}
+            buffer = b""
+            async for data in resp.content.iter_any():  # events may be longer than a line limit
+                *events, buffer = (buffer + data).split(b"\n\n")
+                for event in events:
+                    payload = event.strip()
+                    if not payload.startswith(b"data:"):
+                        continue
+                    payload = payload[5:].strip()
+                    if payload == b"[DONE]":
+                        return resp.status, None
+                    await on_event(json.loads(payload))
+            return resp.status, None
 
     async def metrics(self) -> ServerMetrics | None:
         """Parsed /metrics, or None when the server has no such route."""

@@ -11,7 +11,7 @@ convolution layers, ALiBi or other position biases, chunked attention, bidirecti
 encoder-decoder models, attention dropout (FlexAttention has none).
 
 `SUPPORTED_MODEL_TYPES` lists the types whose packed log-probs were checked against unpacked ones
-(tests/unit/test_tree_attention.py and tests/unit/test_tree_deltanet.py build a tiny random model
+(tests/packing/test_tree_attention.py and tests/packing/test_tree_deltanet.py build a tiny random model
 of each). Vision-language checkpoints of `VISION_LANGUAGE_MODEL_TYPES` are supported for their
 text model (trained on text-only prompts, the vision tower frozen). Anything else is refused with
 the reason, so an unverified architecture never trains on silently wrong attention.
@@ -104,7 +104,7 @@ def check_supported(config) -> None:
             f"it has not been verified with tree attention (verified: "
             f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}). If its token mixing is plain causal "
             "self-attention through transformers' AttentionInterface, add it to "
-            "asyncgrpo.modeling.support.SUPPORTED_MODEL_TYPES once tests/unit/test_tree_attention.py "
+            "asyncgrpo.modeling.support.SUPPORTED_MODEL_TYPES once tests/packing/test_tree_attention.py "
             "passes with a tiny config of it")
 
 

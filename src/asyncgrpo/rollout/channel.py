@@ -149,6 +149,55 @@ class RolloutChannel:
                 q.close()
 
     @classmethod
+    def from_primitives(
+        cls,
+        *,
+        rollout_buffer: mp.queues.Queue | None,
+        model_version_value: mp.sharedctypes.Synchronized | None,
+        token_allowance: mp.sharedctypes.Synchronized | None,
+        heartbeat_value: mp.sharedctypes.Synchronized | None,
+        failed_event: mp.synchronize.Event | None,
+        exception_info_queue: mp.queues.Queue | None,
+        metrics_queue: mp.queues.Queue | None,
+    ) -> RolloutChannel:
+        """A channel over the reference's primitives, named as its `AsyncRolloutLoop.__init__` names them.
+        The two it does not pass are made here: the stop event (set it to stop the loop) and the consumed
+        tokens (0 until someone writes it, so `token_allowance` then bounds every token produced)."""
+        given = {
+            "rollout_buffer": rollout_buffer, "model_version_value": model_version_value,
+            "token_allowance": token_allowance, "heartbeat_value": heartbeat_value,
+            "failed_event": failed_event,
+            "exception_info_queue": exception_info_queue, "metrics_queue": metrics_queue,
+        }
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise TypeError(
+                f"AsyncRolloutLoop needs the shared primitives {', '.join(missing)} (as in the reference), "
+                "or "
+                "one `channel=RolloutChannel.create(...)` that holds them all"
+            )
+        return cls(
+            samples=rollout_buffer,
+            metrics=metrics_queue,
+            errors=exception_info_queue,
+            model_version=model_version_value,
+            token_allowance=token_allowance,
+            consumed_tokens=mp.Value("q", 0),
+            heartbeat=heartbeat_value,
+            stop_event=mp.Event(),
+            failed_event=failed_event,
+        )
+
+    def reference_primitives(self) -> dict[str, object]:
+        """The primitives under the reference's argument names (the inverse of `from_primitives`)."""
+        return {
+            "rollout_buffer": self.samples, "model_version_value": self.model_version,
+            "token_allowance": self.token_allowance, "heartbeat_value": self.heartbeat,
+            "failed_event": self.failed_event, "exception_info_queue": self.errors,
+            "metrics_queue": self.metrics,
+        }
+
+    @classmethod
     def create(
         cls,
         ctx: mp.context.BaseContext,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from asyncgrpo import metrics as M
 from asyncgrpo.data.prompts import ENVIRONMENT_COLUMN
@@ -39,6 +39,18 @@ from asyncgrpo.types import Rollout, TurnRecord
 logger = logging.getLogger(__name__)
 
 RESERVED_ENV_METHODS = frozenset({"reset", "get_reward"})
+
+
+@runtime_checkable
+class SupportsReset(Protocol):
+    """What `environment_factory` makes: an object with `reset(**row)`, called before each rollout with the
+    dataset row's columns; a returned string joins the prompt (`apply_reset_output`). Its other public
+    methods are tools; `get_reward()`, when defined, scores the rollout."""
+
+    def reset(self, **kwargs) -> str | None: ...
+
+
+EnvironmentFactory = Callable[[], SupportsReset]
 
 
 @dataclass(frozen=True)

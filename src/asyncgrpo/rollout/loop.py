@@ -50,7 +50,7 @@ from asyncgrpo.generation.transport import ServerRequestError
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
 from asyncgrpo.rollout.admission_gate import AdmissionGate
-from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutIdle
+from asyncgrpo.rollout.channel import GroupFinished, QueuedSample, RolloutChannel, RolloutIdle
 from asyncgrpo.rollout.generate import (
     EnvironmentPool,
     generation_records,
@@ -79,7 +79,12 @@ class AsyncRolloutLoop:
     -> the group's rewards (reward_funcs + environments' `get_reward` + `Rollout.reward`) ->
     `compute_advantages`. `setup()` / `close()` run on the loop's event loop. Hooks may read
     `self.config` and `self.tokenizer`.
+
+    A subclass whose `generate_one` sets `Rollout.reward` may set `provides_rollout_reward = True`:
+    the trainer then accepts it without `reward_funcs` or an environment's `get_reward`.
     """
+
+    provides_rollout_reward: bool = False
 
     def __init__(
         self,
@@ -89,18 +94,46 @@ class AsyncRolloutLoop:
         reward_funcs: list[Callable] | None,
         processing_class: Any,
         eos_token_ids: list[int],
-        channel: Any,
+        rollout_buffer: Any = None,
+        model_version_value: Any = None,
+        token_allowance: Any = None,
+        heartbeat_value: Any = None,
+        failed_event: Any = None,
+        exception_info_queue: Any = None,
+        metrics_queue: Any = None,
         tools: list[Callable] | None = None,
         environment_factory: Callable[[], Any] | dict[str, Callable[[], Any]] | None = None,
         score_queue_maxsize: int = 16,
         lora_name: str | None = None,
         dataset_start_index: int = 0,
+        *,
+        channel: RolloutChannel | None = None,
         dataset_skip_positions: Sequence[int] = (),
         expects_pushed_weights: bool = False,
     ) -> None:
+        """The reference's arguments, in its order. The shared primitives come either one by one, as in the
+        reference (`rollout_buffer` ... `metrics_queue`; a stop event and a consumed-tokens counter are then
+        made here: stop the loop with `self.channel.stop_event.set()`), or together as `channel`, a
+        `RolloutChannel` (what the rollout process passes). `dataset_skip_positions` (prompts trained
+        above the resume position) and `expects_pushed_weights` (the trainer pushed its weights before
+        the first rollout) are set by the trainer."""
         if dataset is None and environment_factory is None:
             raise ValueError("dataset is None: pass a train_dataset, or an environment_factory whose reset() "
                              "returns the prompt")
+        primitives = {
+            "rollout_buffer": rollout_buffer, "model_version_value": model_version_value,
+            "token_allowance": token_allowance, "heartbeat_value": heartbeat_value,
+            "failed_event": failed_event,
+            "exception_info_queue": exception_info_queue, "metrics_queue": metrics_queue,
+        }
+        if channel is None:
+            channel = RolloutChannel.from_primitives(**primitives)
+        elif any(value is not None for value in primitives.values()):
+            given = ", ".join(name for name, value in primitives.items() if value is not None)
+            raise TypeError(
+                f"AsyncRolloutLoop takes either `channel` or the shared primitives one by one, not both; got "
+                f"channel and {given}"
+            )
         self.config = config
         self.model_name = model_name
         self.dataset = dataset
@@ -142,6 +175,20 @@ class AsyncRolloutLoop:
         self._rate_mark = time.perf_counter()  # start of the span the next generated-tokens rate covers
         self._request_settings = RequestSettings.from_config(config, self.eos_token_ids)
         self._seeds = RequestSeeds(config.seed)
+
+    def _join_pipeline(
+        self,
+        channel: RolloutChannel,
+        *,
+        dataset_skip_positions: Sequence[int] = (),
+        expects_pushed_weights: bool = False,
+    ) -> None:
+        """For a subclass whose `__init__` has the reference's signature, which cannot take them: the
+        rollout process hands over the whole channel (its stop event, consumed tokens, completions queue)
+        and the trainer's resume settings after construction, before `run()`."""
+        self.channel = channel
+        self.dataset_skip_positions = frozenset(dataset_skip_positions)
+        self._server_load.expects_pushed_weights = expects_pushed_weights
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -330,7 +377,8 @@ class AsyncRolloutLoop:
         try:
             results = await asyncio.gather(
                 *(
-                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version), group_id)
+                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version, row=row),
+                                      group_id)
                     for i in range(self.num_generations)
                 )
             )

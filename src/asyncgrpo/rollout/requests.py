@@ -83,6 +83,7 @@ class RolloutContext:
     rollout_index: int
     model_version: int
     num_turns: int = 0
+    row: dict | None = None  # the prompt's dataset row (a harness gets it)
 
 
 CURRENT_ROLLOUT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(

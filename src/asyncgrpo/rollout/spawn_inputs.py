@@ -53,6 +53,8 @@ def _user_objects(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> Iterator[tu
             yield f"environment_factory[{name!r}]", item
     elif factory is not None:
         yield "environment_factory", factory
+    if loop_kwargs.get("harness") is not None:  # HarnessAsyncGRPOTrainer's
+        yield "harness", loop_kwargs["harness"]
     if loop_kwargs.get("config") is not None:
         yield "config", loop_kwargs["config"]
 

@@ -3,7 +3,7 @@
     trainer (rank 0)                              rollout process (spawned, CUDA-free)
     ----------------                              ------------------------------------
     RolloutWorker.start()  -- pickles -------->   run_rollout_process(loop_cls, loop_kwargs, channel)
-                                                    loop = loop_cls(**loop_kwargs, channel=channel)
+                                                    loop = build_loop(loop_cls, loop_kwargs, channel)
                                                     asyncio.run(loop.run())
     check_health()        <-- failed_event,  ---   any exception: WorkerError on channel.errors,
                               errors, heartbeat     failed_event set, exit code 1
@@ -16,6 +16,7 @@ checks it before the trainer starts anything.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing as mp
 import os
@@ -79,6 +80,24 @@ def _report_error(channel: RolloutChannel, exc: BaseException) -> None:
         channel.failed_event.set()
 
 
+# What the trainer passes beyond the reference's `AsyncRolloutLoop.__init__` arguments.
+_TRAINER_ONLY_ARGS = ("dataset_skip_positions", "expects_pushed_weights")
+
+
+def build_loop(loop_cls: type, loop_kwargs: dict[str, Any], channel: RolloutChannel) -> Any:
+    """`loop_cls` constructed with `channel=` when its `__init__` takes it (or `**kwargs`); otherwise -- a
+    subclass that overrides `__init__` with the reference's signature -- with the channel's primitives one by
+    one, the rest of the channel and the trainer-only arguments handed over after construction."""
+    params = inspect.signature(loop_cls).parameters
+    if "channel" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return loop_cls(**loop_kwargs, channel=channel)
+    kwargs = {**loop_kwargs, **channel.reference_primitives()}
+    extras = {name: kwargs.pop(name) for name in _TRAINER_ONLY_ARGS if name in kwargs and name not in params}
+    loop = loop_cls(**kwargs)
+    loop._join_pipeline(channel, **extras)
+    return loop
+
+
 def run_rollout_process(
     loop_cls: type, loop_kwargs: dict[str, Any], channel: RolloutChannel, parent_pid: int | None = None
 ) -> None:
@@ -104,7 +123,7 @@ def run_rollout_process(
         reported.append(exc)
 
     try:
-        loop = loop_cls(**loop_kwargs, channel=channel)
+        loop = build_loop(loop_cls, loop_kwargs, channel)
         asyncio.run(loop.run(on_failure=on_failure))
     except BaseException as exc:  # noqa: BLE001 -- reported to the trainer, then the process exits 1
         if reported:

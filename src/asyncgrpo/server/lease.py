@@ -11,7 +11,10 @@ the lease that keeps its pause (or a half-finished weight update) from outliving
 
 vLLM's /pause has no lease: a pause that names none gets `--trainer-lease` seconds (0: no expiry, as
 vLLM), and every weight-transfer call renews it, so a vLLM-shaped client that never renews still
-works as long as it keeps syncing. Nothing expires while a weight-transfer call is in flight.
+works as long as it keeps syncing. Nothing expires while a weight-transfer call is in flight. A pause
+the books never saw (its handler cancelled between pausing the engine and booking the lease, as when
+its client has gone; or one that raced a resume) is booked by the watchdog when it finds the engine
+paused (`book_pause`), so every pause ends with a lease, whatever happened to its request.
 Plain bookkeeping on the event loop's thread; the watchdog that acts on it lives in `routes/lease.py`.
 """
 
@@ -42,7 +45,7 @@ class Leases:
         self.clock = clock
         self.holder: Holder | None = None
         self.pause_deadline: float | None = None
-        self.pause_lease_s: float = 0.0
+        self.pause_lease_s: float | None = None  # the booked pause's lease (0: no expiry); None: none booked
         self.busy = 0  # weight-transfer calls in flight
 
     # ---- pause ------------------------------------------------------------------------------------
@@ -52,6 +55,12 @@ class Leases:
 
     def resumed(self) -> None:
         self.pause_deadline = None
+        self.pause_lease_s = None
+
+    def book_pause(self) -> None:
+        """The engine is paused: if no pause is booked, book one with the server's lease from now."""
+        if self.pause_lease_s is None:
+            self.paused(None)
 
     def pause_expired(self) -> bool:
         return self.pause_deadline is not None and self.busy == 0 and self.clock() > self.pause_deadline

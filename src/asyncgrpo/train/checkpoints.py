@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, write_rollout_state
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, write_rollout_pending, write_rollout_state
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,10 @@ class StagedCheckpoints:
     def _rollout_state(self) -> RolloutState | None:
         raise NotImplementedError
 
+    def _rollout_pending(self) -> list:
+        """The untrained samples of partly trained prompts, kept beside the state (rank 0)."""
+        return []
+
     def _get_output_dir(self, trial: Any) -> str:
         if self._checkpoint_staging is not None:
             return str(self._checkpoint_staging)
@@ -192,9 +196,13 @@ class StagedCheckpoints:
                 super()._save_checkpoint(model, trial)
             finally:
                 self._checkpoint_staging = None
+            # the pending samples first: collecting them reads the queue, which may settle prompts
+            pending = self._rollout_pending() if main else []
             state = self._rollout_state() if main else None
             if state is not None:
                 write_rollout_state(staging / folder, state)
+                if pending:
+                    write_rollout_pending(staging / folder, pending)
         if self.args.should_save:  # the Trainer rotated the staging folder; the real one is here
             rotate_checkpoints(
                 output_dir=run_dir, save_total_limit=self.args.save_total_limit,

@@ -7,6 +7,7 @@ that never comes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -23,6 +24,15 @@ def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def timed_barrier() -> float:
+    """Wait until every process reaches this point; the seconds this one waited (0.0 with one process)."""
+    if rank_and_world_size()[1] == 1:
+        return 0.0
+    start = time.perf_counter()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def broadcast_from_rank0(compute: Callable[[], T], what: str) -> T:

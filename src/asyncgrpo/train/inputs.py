@@ -5,8 +5,9 @@ Run by `AsyncGRPOTrainer.__init__` (every rank); nothing here loads a model or t
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,11 +57,15 @@ def check_prompt_source(
     train_dataset: Any,
     environment_factory: Callable | dict[str, Callable] | None,
     max_steps: int,
+    rollout_reward: bool = False,
 ) -> None:
-    """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them."""
-    if not reward_funcs and environment_factory is None:
+    """A reward source and a prompt source: a dataset, or a single environment whose reset() makes them.
+    `rollout_reward`: the loop's rollouts carry a reward of their own (`Rollout.reward`)."""
+    if not reward_funcs and environment_factory is None and not rollout_reward:
         raise ValueError("no reward source: pass `reward_funcs`, or an `environment_factory` whose class "
                          "defines get_reward")
+    if not reward_funcs and not rollout_reward and environment_factory is not None:
+        check_environments_score(environment_factory)  # a loop whose rollouts carry a reward scores them
     if train_dataset is None:
         if environment_factory is None or isinstance(environment_factory, dict):
             raise ValueError(
@@ -78,6 +83,35 @@ def check_prompt_source(
         environment=environment_factory is not None,
         environment_names=list(environment_factory) if isinstance(environment_factory, dict) else None,
     )
+
+
+def environment_class(factory: Callable) -> type:
+    """The class of the environments `factory` makes: a class or a `functools.partial` of one is read as it
+    is; any other callable is called once here (as the rollout process does for each rollout)."""
+    target = factory
+    while isinstance(target, functools.partial):
+        target = target.func
+    if isinstance(target, type):
+        return target
+    return type(factory())
+
+
+def check_environments_score(environment_factory: Callable | dict[str, Callable]) -> None:
+    """Without reward functions, every environment must score its rollouts with get_reward(): otherwise
+    each rollout's reward is NaN, every group is dropped and nothing ever trains."""
+    factories = (
+        environment_factory if isinstance(environment_factory, Mapping) else {None: environment_factory}
+    )
+    for name, factory in factories.items():
+        cls = environment_class(factory)
+        scores = callable(getattr(cls, "get_reward", None))
+        if not scores:
+            where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+            raise ValueError(
+                f"no reward source: {where} makes {cls.__name__} environments, which define no get_reward(), "
+                "and no reward_funcs were given, so no rollout could be scored. Define "
+                f"`{cls.__name__}.get_reward(self) -> float`, or pass `reward_funcs`"
+            )
 
 
 def check_fsdp_version(fsdp_plugin: Any) -> None:

@@ -204,7 +204,7 @@ def router_aux_loss_coef(config: Any, requested: float | None) -> float:
 
 
 # Families whose forward scales `hidden @ W` (checked against each model's own forward in
-# tests/unit/test_tree_attention.py): Cohere multiplies by `logit_scale`, Granite divides by
+# tests/packing/test_tree_attention.py): Cohere multiplies by `logit_scale`, Granite divides by
 # `logits_scaling`. Gemma 2/3 softcap with `final_logit_softcapping`.
 _LOGIT_MULTIPLIER = {"cohere": "logit_scale", "cohere2": "logit_scale"}
 _LOGIT_DIVISOR = {

@@ -41,6 +41,7 @@ class StepTotals:
     wait_s: float = 0.0
     fwd_s: float = 0.0
     fwd_bwd_s: float = 0.0
+    sync_barrier_s: float = 0.0  # the wait at the barrier that lines the processes up for a weight sync
     micro_batches: int = 0
     forwarded_tokens: int = 0
     raw_tokens: int = 0
@@ -84,7 +85,7 @@ class StepTotals:
         for name in ("forwarded_tokens", "raw_tokens", "trained_tokens", "trained_positions",
                      "attention_pairs", "samples"):
             setattr(total, name, sum(r[name] for r in every))
-        for name in ("optimizer_s", "wait_s", "fwd_s", "fwd_bwd_s"):
+        for name in ("optimizer_s", "wait_s", "fwd_s", "fwd_bwd_s", "sync_barrier_s"):
             setattr(total, name, max(r[name] for r in every))
         total.micro_batches = self.micro_batches  # a micro-batch holds one row of every process
         total.groups = set().union(*(r["groups"] for r in every))
@@ -131,11 +132,11 @@ class StepTotals:
                 window.record_ratio(M.PERF_FWD_BWD_MFU, flops, self.fwd_bwd_s * capacity)
             if step_s > 0:
                 window.record_ratio(M.PERF_WALL_CLOCK_MFU, flops, step_s * capacity)
-        if sync_s:
-            r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"])
+        if sync_s:  # the barrier before the push is part of the sync's time
+            r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"] + self.sync_barrier_s)
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
-            r(M.PERF_WEIGHT_SYNC_BARRIER_S, sync_s.get("barrier_s", 0.0))
+            r(M.PERF_WEIGHT_SYNC_BARRIER_S, self.sync_barrier_s)
 
 
 class TrainerMetrics:
@@ -162,9 +163,12 @@ class TrainerMetrics:
         self.loss_stats = (loss_stats if self.loss_stats is None
                            else merge_loss_stats(self.loss_stats, loss_stats))
 
-    def end_step(self, *, skipped: bool) -> StepTotals:
+    def end_step(self, *, skipped: bool, sync_barrier_s: float = 0.0) -> StepTotals:
         """The step's totals over all processes (every rank must call this, in step); the next step starts.
-        `skipped`: the step had a non-finite loss or gradient and left the weights as they were."""
+        `skipped`: the step had a non-finite loss or gradient and left the weights as they were.
+        `sync_barrier_s`: this process's wait for the others before the step's weight sync (the longest
+        wait of any process is logged: the time the earliest waited for the last)."""
+        self.step.sync_barrier_s = sync_barrier_s
         totals, self.step = self.step.across_processes(), StepTotals()
         self.window.record(M.OPTIMIZER_NONFINITE_STEP_COUNT, int(skipped))
         return totals

@@ -32,19 +32,22 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 
+from asyncgrpo import metrics as M
 from asyncgrpo.capture_gate import device_work
-from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_state
+from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_pending, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.prompts import end_position
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
 from asyncgrpo.packing.tree import pack_row
 from asyncgrpo.rollout.admission import allowance_after_step, initial_allowance
+from asyncgrpo.rollout.generate import EnvironmentFactory
 from asyncgrpo.rollout.loop import AsyncRolloutLoop
+from asyncgrpo.rollout.rewards import callable_name
 from asyncgrpo.rollout.spawn_inputs import check_spawn_inputs
 from asyncgrpo.train.checkpoints import StagedCheckpoints, resolve_resume_checkpoint
 from asyncgrpo.train.completions_table import print_completions
-from asyncgrpo.train.distributed import broadcast_from_rank0
+from asyncgrpo.train.distributed import broadcast_from_rank0, timed_barrier
 from asyncgrpo.train.flops import peak_flops
 from asyncgrpo.train.inputs import (
     check_args,
@@ -90,6 +93,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     """
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    runs_harness = False  # HarnessAsyncGRPOTrainer: its harness/* counts join the logged count metrics
 
     def __init__(
         self,
@@ -102,7 +106,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         optimizers: tuple = (None, None),
         peft_config: Any = None,
         tools: list[Callable] | None = None,
-        environment_factory: Callable | dict[str, Callable] | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
     ) -> None:
         check_not_in_rollout_process()
         args = check_args(args)
@@ -117,7 +121,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self.reward_funcs = reward_func_list(reward_funcs)
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
-        check_prompt_source(self.reward_funcs, train_dataset, environment_factory, args.max_steps)
+        check_prompt_source(self.reward_funcs, train_dataset, environment_factory, args.max_steps,
+                            rollout_reward=self.loop_cls.provides_rollout_reward)
         self.prompt_dataset = train_dataset
 
         super().__init__(
@@ -158,14 +163,17 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
     def _train(self, resume_from_checkpoint: str | bool | None, trial: Any, **kwargs: Any) -> Any:
         self._check_picklable()
         args = self.args
-        resumed = RolloutState()
+        resumed, resumed_samples = RolloutState(), []
         if resume_from_checkpoint:  # never a half-written checkpoint (asyncgrpo.train.checkpoints)
             resume_from_checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
             resumed = read_rollout_state(resume_from_checkpoint)
             assert resumed is not None, (
                 f"{resume_from_checkpoint} was checked complete, yet has no {ROLLOUT_STATE_FILE}"
             )
+            # the untrained samples of prompts partly trained at the checkpoint: trained, not generated again
+            resumed_samples = read_rollout_pending(resume_from_checkpoint)
         start_position, self.model_version = resumed.trained_position, WeightVersion(resumed.model_version)
+        self._metrics.num_tokens_forwarded = resumed.num_tokens  # num_tokens goes on counting
         user_max_steps = args.max_steps
         try:
             matmul_dtype = training_dtype(
@@ -178,12 +186,18 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             if self._server is None:  # another rank: rank 0 sends; it takes part in a sharded model's gathers
                 self.weights = make_transport(None, info, self.model, WeightSettings.from_config(args))
             self._token_budget = token_budget(args.token_budget, info)
+            self._metrics.window.declare_counts(M.count_metrics(  # logged as 0 in windows without events
+                tool_names=[callable_name(t) for t in self.tools],
+                has_tools=bool(self.tools) or self.environment_factory is not None,
+                server_has_metrics=info.has_metrics,
+                has_harness=self.runs_harness,
+            ))
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
             # the server serves exactly the weights being trained
             self.weights.push(self.model, self.model_version)
-            if self._server is not None:
-                self._start_rollout(info, resumed)  # the rollout process sees the user's max_steps
+            if self._server is not None:  # the rollout process sees the user's max_steps
+                self._start_rollout(info, resumed, skip={it.position for it in resumed_samples})
             if args.max_steps <= 0:
                 if total_positions is None:
                     raise ValueError(
@@ -191,7 +205,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
                     )
                 # epochs stop the run; max_steps is only a safety cap the Trainer needs for a stream
                 args.max_steps = max(1, total_positions * args.num_generations)
-            self._batches = self._make_batches(total_positions, start_position)
+            self._batches = self._make_batches(total_positions, start_position, resumed_samples)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         finally:
             args.max_steps = user_max_steps
@@ -217,10 +231,17 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         check_spawn_inputs(
             self.loop_cls,
             {"reward_funcs": self.reward_funcs, "tools": self.tools,
-             "environment_factory": self.environment_factory, "config": self.args},
+             "environment_factory": self.environment_factory, "config": self.args,
+             **self._extra_loop_kwargs()},
         )
 
-    def _start_rollout(self, info: Any, resumed: RolloutState) -> None:
+    def _extra_loop_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a subclass's `loop_cls` beyond `AsyncRolloutLoop`'s (checked and pickled with
+        them)."""
+        return {}
+
+    def _start_rollout(self, info: Any, resumed: RolloutState, skip: set[int]) -> None:
+        """`skip`: positions whose remaining samples the checkpoint kept (not generated again)."""
         args = self.args
         loop_kwargs = {
             "config": args,
@@ -232,11 +253,12 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             "tools": self.tools,
             "environment_factory": self.environment_factory,
             "dataset_start_index": resumed.trained_position,
-            "dataset_skip_positions": resumed.trained_above,
+            "dataset_skip_positions": sorted(set(resumed.trained_above) | skip),
             # adapter-only LoRA: rollouts ask for the adapter version they started under
             "lora_name": self.weights.lora_name,
             # (train() pushed them): tokens of a restarted server's own are asked again
             "expects_pushed_weights": True,
+            **self._extra_loop_kwargs(),
         }
         initial = initial_allowance(
             num_processes=args.world_size, token_budget=self._token_budget,
@@ -245,7 +267,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self._rollout = RolloutProcess(self.loop_cls, loop_kwargs, initial_allowance=initial,
                                        model_version=self.model_version, log_completions=args.log_completions)
 
-    def _make_batches(self, total_positions: int | None, start_position: int) -> RolloutBatches:
+    def _make_batches(self, total_positions: int | None, start_position: int,
+                      resumed_samples: list) -> RolloutBatches:
         self._progress = TrainedPrompts(start_position)
         batcher = TokenBudgetBatcher(token_budget=self._token_budget, num_processes=self.args.world_size)
         return RolloutBatches(
@@ -259,6 +282,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             max_staleness=self.args.max_staleness,
             token_budget=self._token_budget,
             total_positions=total_positions,
+            # a run whose every group or sample is dropped stops instead of waiting forever
+            no_sample_timeout_s=float(self.args.rollout_worker_timeout),
+            resumed_samples=resumed_samples if self._rollout is not None else [],
         )
 
     def _shutdown(self) -> None:
@@ -356,24 +382,34 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         logs = self._metrics.logs(logs)
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
+    def _rollout_pending(self) -> list:
+        if self._batches is None or self._rollout is None:  # rank 0 owns the queue
+            return []
+        return self._batches.pending_samples()
+
     def _rollout_state(self) -> RolloutState | None:
         """What `StagedCheckpoints` writes beside the Trainer's checkpoint (rank 0, once training started)."""
         progress = self._progress
         if progress is None:
             return None
-        return RolloutState(progress.trained_position, int(self.model_version), progress.trained_above)
+        return RolloutState(progress.trained_position, int(self.model_version), progress.trained_above,
+                            num_tokens=self._metrics.num_tokens_forwarded)
 
     # -- what happens after each optimizer step ---------------------------------------------------
 
     def _after_optimizer_step(self) -> None:
         args = self.args
-        step_totals = self._metrics.end_step(skipped=self._step_skipped)
+        syncs = self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped
+        # the processes line up before a sync (rank 0 pauses the server only once all are there): the wait
+        # is perf/weight_sync_barrier_s
+        barrier_s = timed_barrier() if syncs else 0.0
+        step_totals = self._metrics.end_step(skipped=self._step_skipped, sync_barrier_s=barrier_s)
         if self._rollout is not None:  # what the whole step consumed, every process's rows
             self._rollout.publish(
                 token_allowance=allowance_after_step(step_totals.raw_tokens, args.max_staleness)
             )
         sync_s: dict[str, float] = {}
-        if self.state.global_step % args.weight_sync_steps == 0 and not self._step_skipped:
+        if syncs:
             # every rank; the server serves the next version before the rollout process hears of it
             version = self.model_version.next()
             sync_s = self.weights.push(self.model, version)

@@ -1,7 +1,7 @@
 """/v1/chat/completions of the embedded server (server/routes/chat.py) on the bundled tiny model, on CPU:
 vLLM 0.33's response shape (the real server's answer in tests/fixtures/vllm), and the `openai` SDK against
 it: tool calls parsed back and a follow-up turn with the tool result, n, seeds, log-probs, lengths, stop
-strings, token ids, and the errors of bad requests. One server for the module.
+strings, token ids, and the errors of bad requests. The plain server of the pool (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import openai
 import pytest
 from transformers.utils import get_json_schema
 
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.modeling.load import load_tokenizer
 from asyncgrpo.tasks.counter import IncrementEnv, user_message
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,13 +27,12 @@ TOOLS = [get_json_schema(IncrementEnv().increment)]  # the schema the tiny model
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedServer(MODEL) as server:
-        yield server
+@pytest.fixture
+def server(embedded_server):
+    return embedded_server(MODEL)  # the pool's plain server: requests leave nothing behind
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 

@@ -1,7 +1,7 @@
 """Streaming (server-sent events) on the embedded server's OpenAI routes (server/routes/chat.py,
 server/routes/completions.py) through the `openai` SDK, on the bundled tiny model on CPU: the deltas add
 up to the answer the same request gets whole, the usage chunk comes when asked, tool calls come as deltas
-at the end, stop strings end the stream, and the framing is vLLM's. One server for the module.
+at the end, stop strings end the stream, and the framing is vLLM's. The plain server of the pool (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import openai
 import pytest
 from transformers.utils import get_json_schema
 
-from asyncgrpo.launch import EmbeddedServer
 from asyncgrpo.tasks.counter import IncrementEnv, user_message
+
+pytestmark = pytest.mark.process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,13 +24,12 @@ MODEL = "asyncgrpo/tiny-chat"
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedServer(MODEL) as server:
-        yield server
+@pytest.fixture
+def server(embedded_server):
+    return embedded_server(MODEL)  # the pool's plain server: requests leave nothing behind
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
 

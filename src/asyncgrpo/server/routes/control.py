@@ -11,6 +11,7 @@ embedded-server extension); /resume first abandons a weight transfer whose holde
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -136,16 +137,24 @@ class ControlRoutes(RouteTable):
             lease_s = query_seconds(request, "lease_s")
         except ValueError as exc:
             return json_response({"error": str(exc)}, 400)
-        await self.engine.pause(mode, clear_cache)
-        self.hold.leases.paused(lease_s)  # an embedded-server extension; vLLM's clients get --trainer-lease
+        # shielded: a client gone mid-call (its handler is cancelled) must not leave the engine paused
+        # without the lease booked
+        await asyncio.shield(self._pause(mode, clear_cache, lease_s))
         return json_response({"status": "paused"})
 
+    async def _pause(self, mode: str, clear_cache: bool, lease_s: float | None) -> None:
+        await self.engine.pause(mode, clear_cache)
+        self.hold.leases.paused(lease_s)  # an embedded-server extension; vLLM's clients get --trainer-lease
+
     async def resume(self, request: web.Request) -> web.Response:
+        await asyncio.shield(self._resume())  # as pause: the engine and the books change together
+        return json_response({"status": "resumed"})
+
+    async def _resume(self) -> None:
         if self.hold.transfer.active and not await self.hold.holder_alive():
             await self.hold.abandon_transfer()  # its sender is gone: it would never finish
         await self.engine.resume()
         self.hold.leases.resumed()
-        return json_response({"status": "resumed"})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         try:

@@ -111,7 +111,10 @@ class TrainerHold:
         """Loop task: resume a pause whose lease ran out (abandoning an unfinished update first)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if self.engine.pause_mode is None or not self.leases.pause_expired():
+            if self.engine.pause_mode is None:
+                continue
+            self.leases.book_pause()  # a pause whose request never booked it still ends with a lease
+            if not self.leases.pause_expired():
                 continue
             logger.warning(
                 "the pause lease ran out: nobody renewed it for %.0f s (the trainer that paused the server "
