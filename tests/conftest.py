@@ -92,7 +92,8 @@ def pytest_collection_modifyitems(config, items):
         tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
         if "server_pool" in item.fixturenames and "process" not in tiers:
             if tiers:
-                raise pytest.UsageError(f"{item.nodeid} uses the server pool: its tier is `process`, not {tiers}")
+                raise pytest.UsageError(f"{item.nodeid} uses the server pool: its tier is `process`, not "
+                                        f"{tiers}")
             item.add_marker(pytest.mark.process)
             tiers = {"process"}
         if len(tiers) > 1:

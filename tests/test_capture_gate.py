@@ -71,7 +71,8 @@ def test_a_step_of_a_new_shape_meeting_a_computing_trainer_runs_eagerly_and_is_c
         graphs._graphs[key] = (types.SimpleNamespace(replay=lambda: None), "graph output")
         return True
 
-    graphs = types.SimpleNamespace(use_graphs=True, _graphs={}, _full=False, captures_deferred=0, _captured=capture)
+    graphs = types.SimpleNamespace(use_graphs=True, _graphs={}, _full=False,
+                                   captures_deferred=0, _captured=capture)
     with _trainer_computing():
         assert StepGraphs._replay(graphs, ("forward", 8), lambda: "eager output") == "eager output"
     assert captured == [] and graphs.captures_deferred == 1 and graphs.use_graphs

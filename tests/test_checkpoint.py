@@ -6,7 +6,8 @@ from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_
 
 
 def test_round_trip(tmp_path):
-    path = write_rollout_state(tmp_path / "checkpoint-10", RolloutState(trained_position=37, model_version=10))
+    path = write_rollout_state(tmp_path / "checkpoint-10",
+                               RolloutState(trained_position=37, model_version=10))
     assert path.name == ROLLOUT_STATE_FILE
     assert json.loads(path.read_text()) == {
         "trained_position": 37, "model_version": 10, "trained_above": [], "num_tokens": 0

@@ -113,7 +113,8 @@ def test_gradient_checkpointing_is_this_configs_own_field_without_a_deprecation_
 def test_an_activation_memory_budget_replaces_whole_layer_checkpointing():
     config = make(torch_compile=True, activation_memory_budget=0.5)
     assert not config.gradient_checkpointing and not getattr(config, "activation_checkpointing", False)
-    assert make(torch_compile=True).gradient_checkpointing or make(torch_compile=True).activation_checkpointing
+    assert (make(torch_compile=True).gradient_checkpointing
+            or make(torch_compile=True).activation_checkpointing)
 
 
 def test_ignore_data_skip_false_is_overridden_with_a_warning(caplog):
@@ -159,10 +160,13 @@ def test_bad_json_dict_names_the_field(value):
         ({"token_budget": 0}, ["token_budget=0"]),
         ({"vllm_server_restart_timeout": -1.0}, ["vllm_server_restart_timeout=-1.0", ">= 0"]),
         ({"activation_memory_budget": 0.5}, ["activation_memory_budget=0.5", "torch_compile=True"]),
-        ({"activation_memory_budget": 1.5, "torch_compile": True}, ["activation_memory_budget=1.5", "(0, 1]"]),
-        ({"activation_memory_budget": 0.0, "torch_compile": True}, ["activation_memory_budget=0.0", "(0, 1]"]),
+        ({"activation_memory_budget": 1.5, "torch_compile": True},
+         ["activation_memory_budget=1.5", "(0, 1]"]),
+        ({"activation_memory_budget": 0.0, "torch_compile": True},
+         ["activation_memory_budget=0.0", "(0, 1]"]),
         ({"flex_attention_backend": "flash"}, ["flex_attention_backend='flash'", "torch_compile=True"]),
-        ({"flex_attention_backend": "cudnn", "torch_compile": True}, ["flex_attention_backend='cudnn'", "'triton'"]),
+        ({"flex_attention_backend": "cudnn", "torch_compile": True},
+         ["flex_attention_backend='cudnn'", "'triton'"]),
         ({"learning_rate": -1e-6}, ["learning_rate=-1e-06", ">= 0"]),
         ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps=0", ">= 1"]),
         ({"vllm_server_base_url": "localhost:8000"}, ["vllm_server_base_url='localhost:8000'",
@@ -237,7 +241,8 @@ def test_api_key_comes_from_vllm_api_key_when_unset_and_never_shows(monkeypatch)
     assert config.vllm_server_api_key == "given-91c2"
     for text in (str(config), repr(config), json.dumps(config.to_dict()), config.to_json_string()):
         assert "given-91c2" not in text and "<VLLM_SERVER_API_KEY>" in text
-    assert pickle.loads(pickle.dumps(config)).vllm_server_api_key == "given-91c2"  # the rollout process needs it
+    # the rollout process needs it
+    assert pickle.loads(pickle.dumps(config)).vllm_server_api_key == "given-91c2"
     monkeypatch.delenv("VLLM_API_KEY")
     assert make().vllm_server_api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "")

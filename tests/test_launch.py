@@ -37,7 +37,8 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen3")
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         max_position_embeddings=64)
     Qwen3ForCausalLM(config).save_pretrained(path)
     return path
 
@@ -75,7 +76,8 @@ def test_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 15
         while not _exited(server_pid):
-            assert time.monotonic() < deadline, f"the server outlived its launcher by 15 s:\n{log.read_text()}"
+            assert time.monotonic() < deadline, (f"the server outlived its launcher by 15 s:\n"
+                                                 f"{log.read_text()}")
             time.sleep(0.2)
         assert "the launching process" in log.read_text()
     finally:
@@ -87,7 +89,8 @@ def test_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
 
 @pytest.mark.skipif(not LINUX_PROC, reason="reads the server's CPU time from /proc")
 def test_idle_server_does_not_burn_cpu(model_dir, tmp_path):
-    with EmbeddedServer(str(model_dir), extra_args=["--max-model-len", "64"], log_path=tmp_path / "server.log") as s:
+    with EmbeddedServer(str(model_dir), extra_args=["--max-model-len", "64"],
+                        log_path=tmp_path / "server.log") as s:
         time.sleep(1.0)  # let start-up work settle
         start_cpu, start = _cpu_seconds(s.process.pid), time.monotonic()
         time.sleep(3.0)

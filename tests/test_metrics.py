@@ -135,7 +135,8 @@ def test_nan_values_are_skipped_and_an_all_nan_metric_is_nan():
     w.record(M.REWARD_DROPPED, float("nan"))
     w.record(M.SAMPLE_STALENESS_MAX, float("nan"))
     out = w.reduce()
-    assert out[M.REWARD] == 2.0 and math.isnan(out[M.REWARD_DROPPED]) and math.isnan(out[M.SAMPLE_STALENESS_MAX])
+    assert (out[M.REWARD] == 2.0 and math.isnan(out[M.REWARD_DROPPED])
+            and math.isnan(out[M.SAMPLE_STALENESS_MAX]))
 
 
 def test_reduce_starts_a_new_window():

@@ -9,7 +9,8 @@ from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord,
 
 def make_rollout(reward=None):
     turn = TurnRecord(prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2])
-    return Rollout(completion=[{"role": "assistant", "content": "hi"}], completion_ids=[3, 4], turns=[turn], reward=reward)
+    return Rollout(completion=[{"role": "assistant", "content": "hi"}], completion_ids=[3, 4],
+                   turns=[turn], reward=reward)
 
 
 def test_rollout_ids_are_fresh_random_hex():
@@ -61,8 +62,10 @@ def test_training_sequence_is_frozen_and_counts_trained_tokens():
 
 
 def test_every_record_pickles():
-    turn = TurnRecord([1, 2], [3], [-0.3], output_sampling_mask=[[3, 9]], output_sampler_logprobs=[{3: -0.3, 9: -1.4}])
-    seq = TrainingSequence([1, 2, 3], [0, 0, 1], [0.0, 0.0, -0.3], [None, None, {3: -0.3}], [None, None, [3, 9]])
+    turn = TurnRecord([1, 2], [3], [-0.3], output_sampling_mask=[[3, 9]],
+                      output_sampler_logprobs=[{3: -0.3, 9: -1.4}])
+    seq = TrainingSequence([1, 2, 3], [0, 0, 1], [0.0, 0.0, -0.3],
+                           [None, None, {3: -0.3}], [None, None, [3, 9]])
     rollout = Rollout(completion=[], completion_ids=[3], turns=[turn], reward=1.0)
     group = RolloutGroup.from_rollouts(
         [rollout], [[seq]], prompt=[{"role": "user", "content": "q"}], reward_kwargs={},
@@ -96,8 +99,8 @@ def test_every_documented_name_imports_from_the_reference_module_path(module, na
     from asyncgrpo.train.trainer import AsyncGRPOTrainer
     from asyncgrpo.types import Rollout, RolloutGroup, TrainingSequence, TurnRecord
 
-    defined = {c.__name__: c for c in (AsyncGRPOConfig, AsyncRolloutLoop, AsyncGRPOTrainer, Rollout, RolloutGroup,
-                                       TrainingSequence, TurnRecord)}
+    defined = {c.__name__: c for c in (AsyncGRPOConfig, AsyncRolloutLoop,
+                                       AsyncGRPOTrainer, Rollout, RolloutGroup, TrainingSequence, TurnRecord)}
     mod = importlib.import_module(module)
     for name in names:
         assert getattr(mod, name) is defined[name], f"{module}.{name}"

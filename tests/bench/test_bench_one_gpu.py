@@ -35,7 +35,8 @@ def test_steady_summary_rates_cover_the_steps_after_the_warm_up():
     assert s["rollout_cpu_s_per_generated_token"] == pytest.approx(1.0 / 600)
     assert s["rollout_busy_frac"] == pytest.approx(1.0 / 6)
     assert s["mean_perf/step_s"] == 3.0
-    assert s["total_batch/trained_tokens_per_step"] == 200.0 and s["mean_batch/trained_tokens_per_step"] == 100.0
+    assert (s["total_batch/trained_tokens_per_step"] == 200.0
+            and s["mean_batch/trained_tokens_per_step"] == 100.0)
     # a count logged by one step only: its total, never a mean over the steps that logged it
     assert s["total_sample/dropped_stale_count"] == 3.0 and "mean_sample/dropped_stale_count" not in s
     assert steady_summary(STEPS, warmup_steps=0)["window_s"] == 6.0  # the first step is always left out
@@ -53,9 +54,11 @@ def test_compare_settings_takes_medians_and_the_async_over_on_policy_ratios():
     def run(setting, trained, sync_s, step_s):
         return {"setting": setting, "summary": {"steady_steps": 3, "trained_tokens_per_s": trained,
                                                 "generated_tokens_per_s": 2 * trained,
-                                                "mean_perf/weight_sync_s": sync_s, "mean_perf/step_s": step_s}}
+                                                "mean_perf/weight_sync_s": sync_s,
+                                                "mean_perf/step_s": step_s}}
 
-    runs = [run("async", 130.0, 0.05, 2.0), run("on_policy", 100.0, 0.08, 3.0), run("async", 150.0, 0.07, 2.0),
+    runs = [run("async", 130.0, 0.05, 2.0), run("on_policy", 100.0, 0.08, 3.0),
+            run("async", 150.0, 0.07, 2.0),
             {"setting": "on_policy", "status": "failed: OOM", "summary": {"steady_steps": 0}},
             {"setting": "async", "status": "skipped: 10 s left of --deadline-s"}]
     c = compare_settings(runs)
@@ -67,7 +70,8 @@ def test_compare_settings_takes_medians_and_the_async_over_on_policy_ratios():
     assert c["targets"]["trained_tokens_per_s_async_over_on_policy_at_least_1.3"] is True
     assert c["targets"]["weight_sync_s"] == 0.08 and c["targets"]["weight_sync_s_at_most_0.1"] is True
     only_async = compare_settings(runs[:1])
-    assert only_async["on_policy"] is None and only_async["async_over_on_policy"]["trained_tokens_per_s"] is None
+    assert (only_async["on_policy"] is None
+            and only_async["async_over_on_policy"]["trained_tokens_per_s"] is None)
 
 
 def test_even_token_fraction_reward():
@@ -125,7 +129,8 @@ def test_mps_starts_a_daemon_for_the_run_and_stops_it(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.setattr(sys.modules["gpu_sharing"], "_probe_cuda", lambda env: None)  # no GPU here
     with gpu_sharing("mps", tmp_path / "run") as info:
-        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == info["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "run/mps-pipe")
+        assert (os.environ["CUDA_MPS_PIPE_DIRECTORY"] == info["CUDA_MPS_PIPE_DIRECTORY"]
+                == str(tmp_path / "run/mps-pipe"))
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     started, stopped = calls.read_text().splitlines()
     assert started.startswith("args=-d pipe=") and stopped.endswith("stdin=quit")
@@ -140,7 +145,8 @@ def test_mps_whose_clients_cannot_compute_stops_the_daemon_and_says_what_to_do(t
     from gpu_sharing import gpu_sharing
 
     calls = _stand_in_mps_control(tmp_path, monkeypatch)
-    with pytest.raises(SystemExit, match="one-kernel computation.*daemon was stopped.*--sharing time-slicing"), \
+    with pytest.raises(SystemExit,
+                       match="one-kernel computation.*daemon was stopped.*--sharing time-slicing"), \
             gpu_sharing("mps", tmp_path / "run"):
         pass
     started, stopped = calls.read_text().splitlines()
@@ -202,7 +208,8 @@ def test_the_round_trip_probe_times_one_token_completions_of_the_served_model():
             bodies.append(body)
             time.sleep(0.2)
             ok = body["model"] == "served-model" and body["max_tokens"] == 1
-            self._answer(200 if ok else 404, {"choices": [{"text": "x"}]} if ok else {"error": "no such model"})
+            self._answer(200 if ok else 404, {"choices": [{"text": "x"}]} if ok
+                         else {"error": "no such model"})
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
     threading.Thread(target=server.serve_forever, daemon=True).start()

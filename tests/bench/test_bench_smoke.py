@@ -19,8 +19,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH / script), *args], check=False, capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], check=False,
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -61,8 +61,8 @@ def test_serve_throughput_group_shape_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
     out = tmp_path / "turns.json"
-    _run("serve_throughput.py", "--concurrency", "2", "--prompt-len", "20", "--max-tokens", "3", "--turns", "3",
-         "--turn-tokens", "5", "--output", str(out))
+    _run("serve_throughput.py", "--concurrency", "2", "--prompt-len", "20",
+         "--max-tokens", "3", "--turns", "3", "--turn-tokens", "5", "--output", str(out))
     result = json.loads(out.read_text())
     assert result["embedded"]["0:2"]["tokens"] == 2 * 3 * 3 and "hf_generate" not in result
     engine = result["embedded"]["0:2"]["engine"]  # how the engine thread spent the timed wave
@@ -73,15 +73,17 @@ def test_serve_throughput_multi_turn_shape_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_engine_phases_on_cpu(tmp_path):
     out = tmp_path / "phases.json"
-    _run("engine_phases.py", "--device", "cpu", "--shape", "group", "--concurrency", "6", "--prompt-len", "70",
-         "--group-size", "3", "--max-tokens", "4", "--profile", "--output", str(out))
+    _run("engine_phases.py", "--device", "cpu", "--shape", "group", "--concurrency", "6",
+         "--prompt-len", "70", "--group-size", "3", "--max-tokens", "4", "--profile", "--output", str(out))
     runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {"shared_prefix_on", "shared_prefix_off", "shared_prefix_on_async", "shared_prefix_off_async"}
+    assert set(runs) == {"shared_prefix_on", "shared_prefix_off", "shared_prefix_on_async",
+                         "shared_prefix_off_async"}
     for name, run in runs.items():
         assert run["tokens"]["generated"] == 6 * 4 and run["prefix_hit_frac"] > 0.5
         # asynchronous: sequences that end by length are not planned again, so no step is added
         assert run["steps"]["decode"]["steps"] == 3
-        assert set(run["steps"]["decode"]["median_ms"]) == {"schedule", "launch", "wait", "device", "record", "wall"}
+        assert set(run["steps"]["decode"]["median_ms"]) == {"schedule", "launch", "wait",
+                                                            "device", "record", "wall"}
         assert bool(run["profiles"]) != name.endswith("_async")  # the profile runs synchronously
         assert run["graph_captures"] == run["first_run"]["graph_captures"] == 0  # no CUDA graphs on CPU
         if run["profiles"]:
@@ -108,9 +110,9 @@ def test_packing_bench_runs_a_hybrid_on_cpu(tmp_path):
     """The tree-packing benchmark on a tiny Gated DeltaNet hybrid: both delta rule paths, packed
     log-probs equal to unpacked ones (float32 on CPU)."""
     out = tmp_path / "packing.json"
-    _run("packing.py", "--device", "cpu", "--models", "tiny-hybrid", "--groups", "2", "--num-generations", "4",
-         "--prompt-len", "24", "--min-completion", "8", "--max-completion", "80", "--token-budget", "256",
-         "--warmup", "1", "--steps", "1", "--diff-samples", "4", "--out", str(out))
+    _run("packing.py", "--device", "cpu", "--models", "tiny-hybrid", "--groups", "2",
+         "--num-generations", "4", "--prompt-len", "24", "--min-completion", "8", "--max-completion", "80",
+         "--token-budget", "256", "--warmup", "1", "--steps", "1", "--diff-samples", "4", "--out", str(out))
     result = json.loads(out.read_text())["results"][0]
     assert result["layouts"] == ["tree", "tree_torch", "padfree", "padded"]
     assert result["tree_delta_rule"] == "torch"  # no fla kernel on CPU
@@ -123,11 +125,13 @@ def test_delta_rule_bench_times_both_parts_and_layouts_on_cpu(tmp_path):
     """bench/delta_rule.py on small rows at the 2B head shape: the delta rule alone and a whole
     Qwen3.5 DeltaNet layer, tree and padding-free, with a profile."""
     out = tmp_path / "delta_rule.json"
-    _run("delta_rule.py", "--device", "cpu", "--parts", "rule", "layer", "--groups", "2", "--num-generations", "3",
-         "--prompt-len", "40", "--min-completion", "8", "--max-completion", "90", "--token-budget", "300",
-         "--rows", "1", "--warmup", "0", "--repeats", "1", "--profile", "--top", "3", "--out", str(out))
+    _run("delta_rule.py", "--device", "cpu", "--parts", "rule", "layer", "--groups", "2",
+         "--num-generations", "3", "--prompt-len", "40", "--min-completion", "8", "--max-completion", "90",
+         "--token-budget", "300", "--rows", "1", "--warmup", "0", "--repeats", "1", "--profile", "--top", "3",
+         "--out", str(out))
     results = json.loads(out.read_text())["results"]
-    assert {(r["layout"], r["part"]) for r in results} == {(a, b) for a in ("tree", "padfree") for b in ("rule", "layer")}
+    assert {(r["layout"], r["part"]) for r in results} == {(a, b) for a in ("tree", "padfree")
+                                                           for b in ("rule", "layer")}
     by_layout = {r["layout"]: r for r in results if r["part"] == "rule"}
     assert by_layout["tree"]["tokens"] < by_layout["padfree"]["tokens"] == by_layout["tree"]["sample_tokens"]
     for r in results:
@@ -140,16 +144,20 @@ def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
     """bench/lora_sync.py --shape tiny: both syncs ran through the trainer's paths, and the adapter
     generation really went through the adapter (its tokens differ from the base model's)."""
     out = tmp_path / "lora.json"
-    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "8", "--syncs", "2", "--reps", "1",
-         "--output", str(out))
+    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "8",
+         "--syncs", "2", "--reps", "1", "--output", str(out))
     result = json.loads(out.read_text())
-    assert result["status"] == "complete" and result["command"].startswith("python bench/lora_sync.py --shape tiny")
+    assert (result["status"] == "complete"
+            and result["command"].startswith("python bench/lora_sync.py --shape tiny"))
     side, meta = result["embedded"], result["meta"]
     assert side["generation"]["identical_outputs"] == 0
-    assert side["generation"]["base"]["tokens_per_s"] > 0 and side["generation"]["adapter"]["tokens_per_s"] > 0
-    assert side["generation_without_lora"]["base"]["tokens_per_s"] > 0 and "adapter" not in side["generation_without_lora"]
+    assert (side["generation"]["base"]["tokens_per_s"] > 0
+            and side["generation"]["adapter"]["tokens_per_s"] > 0)
+    assert (side["generation_without_lora"]["base"]["tokens_per_s"] > 0
+            and "adapter" not in side["generation_without_lora"])
     assert len(side["adapter_sync"]["syncs"]) == 2 and len(side["merged_sync"]["syncs"]) == 2
-    # float32 on CPU: the merged sync carries every served weight, the adapter sync its A and B (+ config, header)
+    # float32 on CPU: the merged sync carries every served weight, the adapter sync its A and B
+    # (+ config, header)
     assert side["merged_sync"]["bytes"] == 4 * meta["params"] and side["merged_sync"]["transport"] == "gloo"
     adapter_bytes = side["adapter_sync"]["bytes"]
     assert 4 * meta["adapter_params"] < adapter_bytes < 4 * meta["adapter_params"] + 64 * 1024
@@ -159,8 +167,8 @@ def test_lora_sync_bench_compares_merged_and_adapter_sync_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_lora_sync_bench_writes_partial_results_when_phases_run_out_of_time(tmp_path):
     out = tmp_path / "lora.json"
-    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "4", "--phase-timeout-s", "0",
-         "--output", str(out))
+    _run("lora_sync.py", "--shape", "tiny", "--concurrency", "2", "--max-tokens", "4",
+         "--phase-timeout-s", "0", "--output", str(out))
     result = json.loads(out.read_text())
     assert result["status"].startswith("cut by --phase-timeout-s: embedded/generation_without_lora")
     side = result["embedded"]
@@ -191,7 +199,8 @@ def test_packing_bench_runs_both_workloads_and_step_variants_on_cpu(tmp_path):
 
 
 def test_the_vllm_response_cost_bench_says_what_it_needs_without_vllm():
-    proc = subprocess.run([sys.executable, str(BENCH / "vllm_response_cost.py"), "--repeats", "1"], check=False,
+    proc = subprocess.run([sys.executable, str(BENCH / "vllm_response_cost.py"), "--repeats", "1"],
+                          check=False,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode != 0
     assert "vLLM's source or one of its pure-Python dependencies is missing" in proc.stderr

@@ -24,7 +24,8 @@ def test_the_header_lists_exactly_the_sections_the_script_runs():
 
 
 def test_an_unknown_section_stops_the_script_with_its_name(tmp_path):
-    done = subprocess.run(["bash", str(SCRIPT), "tests", "packng"], env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    done = subprocess.run(["bash", str(SCRIPT), "tests", "packng"],
+                          env={"OUT": str(tmp_path), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 2 and "unknown section packng" in done.stdout
     assert not (tmp_path / "tests.log").exists()  # the valid section before it did not start

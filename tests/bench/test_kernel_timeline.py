@@ -51,12 +51,14 @@ def test_clip_and_contains_follow_the_window():
     window = merge_intervals([(10, 20), (15, 30), (40, 50)])
     assert window == [(10, 30), (40, 50)]
     assert clip([(0, 45, "k"), (31, 39, "gap")], window) == [(10, 30, "k"), (40, 45, "k")]
-    assert contains(window, 10) and contains(window, 30) and not contains(window, 35) and not contains(window, 5)
+    assert (contains(window, 10) and contains(window, 30) and not contains(window, 35)
+            and not contains(window, 5))
 
 
 def test_kernels_take_their_launch_time_and_cpu_ops_only_the_outermost():
     events = [
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1,
+         "args": {"correlation": 7}},
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100, "dur": 10, "args": {"correlation": 7}},
         {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 120, "dur": 2, "args": {}},
         {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 10, "tid": 1},

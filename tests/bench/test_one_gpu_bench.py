@@ -20,8 +20,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 @pytest.mark.slow  # ~45 s: a server start and two training runs (start-up, 1 warm-up step, 6 s measured)
 def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
     out = tmp_path / "one_gpu.json"
-    cmd = [sys.executable, str(BENCH / "one_gpu.py"), "--shape", "tiny", "--device", "cpu", "--max-seconds", "6",
-           "--warmup-steps", "1", "--work-dir", str(tmp_path / "work"), "--output", str(out)]
+    cmd = [sys.executable, str(BENCH / "one_gpu.py"), "--shape", "tiny", "--device", "cpu",
+           "--max-seconds", "6", "--warmup-steps", "1", "--work-dir", str(tmp_path / "work"),
+           "--output", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -35,7 +36,8 @@ def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
     assert set(runs) == {"async", "on_policy"} and [r["max_staleness"] for r in tiny["runs"]] == [4, 0]
     for run in runs.values():
         assert run["status"] == "done" and run["stopped_by_time"]
-        assert run["transport"] == "CollectiveTransport(gloo)"  # CPU trainer; on one GPU: IpcTransport(embedded)
+        # CPU trainer; on one GPU: IpcTransport(embedded)
+        assert run["transport"] == "CollectiveTransport(gloo)"
         summary = run["summary"]
         assert summary["steady_steps"] >= 2
         assert summary["trained_tokens_per_s"] > 0 and summary["generated_tokens_per_s"] > 0
@@ -48,7 +50,9 @@ def test_one_gpu_bench_runs_both_settings_on_cpu(tmp_path):
         # one-token completions sent through the run come back, and say how long they took
         assert run["round_trip_s"]["probes"] >= 2 and run["round_trip_s"]["failures"] == 0
         assert 0 < run["round_trip_s"]["median"] <= run["round_trip_s"]["max"]
-        assert run["server_graphs"] == {"graph_captures": 0, "graph_capture_seconds": 0.0, "graph_captures_deferred": 0}  # CPU: no graphs
+        # CPU: no graphs
+        assert run["server_graphs"] == {"graph_captures": 0, "graph_capture_seconds": 0.0,
+                                        "graph_captures_deferred": 0}
         counts = [s["generated_tokens"] for s in run["steps"]]
         assert None not in counts and counts == sorted(counts)
     comparison = tiny["comparison"]

@@ -20,8 +20,8 @@ def test_training_step_profile_on_cpu_adds_up_to_the_wall_time(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), "--device", "cpu", "--groups", "3",
                            "--workload", "shared-prompt", "--variants", "base", "head",
-                           "--out-dir", str(tmp_path)], check=False, capture_output=True, text=True, timeout=300,
-                          env=env)
+                           "--out-dir", str(tmp_path)], check=False,
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for variant in ("base", "head"):
         result = json.loads((tmp_path / f"profile_shared-prompt_tiny_{variant}_cpu.json").read_text())
@@ -35,4 +35,5 @@ def test_training_step_profile_on_cpu_adds_up_to_the_wall_time(tmp_path):
         phases = result["phases_device_ms_per_step"]
         assert phases["recompute"]["matmul"] > 0 and phases["recompute"]["attention"] > 0
         assert phases["backward"]["attention"] == ms["attention_bwd"]
-        assert set(result["phases_host_ms_per_step"]) == {"mask", "forward", "logprob_head", "recompute", "backward"}
+        assert set(result["phases_host_ms_per_step"]) == {"mask", "forward", "logprob_head",
+                                                          "recompute", "backward"}

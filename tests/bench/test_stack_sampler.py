@@ -62,10 +62,11 @@ sleep(0.3)
 
 
 def test_the_report_finds_a_busy_stretch_in_python_and_a_gap_while_the_lock_was_held(tmp_path):
-    env = dict(os.environ, ASYNCGRPO_STACK_SAMPLES=str(tmp_path / "stacks"), ASYNCGRPO_STACK_INTERVAL_S="0.02",
+    env = dict(os.environ, ASYNCGRPO_STACK_SAMPLES=str(tmp_path / "stacks"),
+               ASYNCGRPO_STACK_INTERVAL_S="0.02",
                PYTHONPATH=os.pathsep.join([str(BENCH / "stack_sampler"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", PROGRAM], check=False, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", PROGRAM], check=False, env=env,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     held_s = float(done.stdout)
     (proc,) = report(tmp_path / "stacks", min_s=0.4)

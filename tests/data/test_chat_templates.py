@@ -201,7 +201,8 @@ def test_detect_family_is_none_for_other_templates():
         detect_family(family_tokenizer("qwen2_5", (FIXTURES / "drops_old_tool_results.jinja").read_text()))
         is None
     )
-    llama3_0 = "{% for m in messages %}{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content }}{% endfor %}"
+    llama3_0 = ("{% for m in messages %}{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + "
+                "m.content }}{% endfor %}")
     assert detect_family(family_tokenizer("llama3", llama3_0)) is None  # Llama 3.0: no tool format
     # DeepSeek's tokens without its template, and its template text without its tokens
     assert detect_family(family_tokenizer("deepseek_v3", "{{ messages[0].content }}")) is None
@@ -455,7 +456,8 @@ def test_parse_deepseek_v3_calls():
         {"name": "a", "arguments": {"x": 1}},
         {"name": "b", "arguments": {}},
     ]
-    bad = f"{ds('tool calls begin')}{ds('tool call begin')}function{ds('tool sep')}a\n```json\n{{x}}\n```{ds('tool call end')}"
+    bad = (f"{ds('tool calls begin')}{ds('tool call begin')}function{ds('tool sep')}a\n```json\n{{x}}\n```"
+           f"{ds('tool call end')}")
     with pytest.raises(ToolCallParseError, match="not JSON"):
         parse_tool_calls(tokenizer, bad)
     with pytest.raises(ToolCallParseError, match="DeepSeek tool call must be"):

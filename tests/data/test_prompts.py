@@ -36,7 +36,8 @@ def test_missing_prompt_column_says_how_to_add_one():
 
 def test_plain_string_prompt_says_how_to_convert():
     ds = Dataset.from_list([{"prompt": "What is 2+2?"}])
-    with pytest.raises(ValueError, match=r"plain string.*dataset = dataset.map\(lambda row: \{'prompt': \[\{'role'"):
+    with pytest.raises(ValueError,
+                       match=r"plain string.*dataset = dataset.map\(lambda row: \{'prompt': \[\{'role'"):
         validate_prompt_dataset(ds)
     with pytest.raises(ValueError, match="plain string"):
         validate_prompt_dataset(ds, prompt_required=False)
@@ -50,8 +51,10 @@ def test_malformed_messages_are_rejected(prompt):
 
 @pytest.mark.parametrize(
     "part,kind",
-    [({"type": "image"}, "image"), ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "image_url"),
-     ({"image": "cat.png"}, "image"), ({"type": "video", "video": "clip.mp4"}, "video"), (b"\x89PNG", "bytes")],
+    [({"type": "image"}, "image"),
+     ({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "image_url"),
+     ({"image": "cat.png"}, "image"),
+     ({"type": "video", "video": "clip.mp4"}, "video"), (b"\x89PNG", "bytes")],
 )
 def test_image_content_is_refused_as_not_supported_yet(part, kind):
     prompt = [{"role": "system", "content": "You look at pictures."},

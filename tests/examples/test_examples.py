@@ -70,7 +70,8 @@ def test_a_plain_async_tool_keeps_one_counter_per_rollout(example):
     assert asyncio.run(both()) == [[3, 7, 12], [1, 2]]
     messages = [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "increment", "arguments": {"step": 4}}}]},
-        {"role": "tool", "name": "increment", "content": "4"}, {"role": "assistant", "content": "The counter is at 4."}]
+        {"role": "tool", "name": "increment", "content": "4"},
+        {"role": "assistant", "content": "The counter is at 4."}]
     assert tools.reached_target([messages, messages], target=[4, 5], max_step=[4, 4]) == [1.0, 0.0]
     assert tools.reached_target([messages], target=[4], max_step=[3]) == [0.0]  # a step above the limit
 
@@ -80,6 +81,7 @@ def test_real_model_recipe_runs_and_reports_held_out_accuracy(example, tmp_path)
     real_model = example("real_model")
     result = real_model.main(["--device", "cpu", "--model", "asyncgrpo/tiny-chat", "--max-steps", "2",
                               "--eval-prompts", "8", "--eval-samples", "1", "--token-budget", "1024",
-                              "--grad-accum", "1", "--num-train-prompts", "64", "--output-dir", str(tmp_path)])
+                              "--grad-accum", "1", "--num-train-prompts", "64",
+                              "--output-dir", str(tmp_path)])
     assert result["steps"] == 2 and 0 <= result["accuracy_before"] <= 1 and 0 <= result["accuracy_after"] <= 1
     assert (tmp_path / "result.json").exists()

@@ -44,7 +44,8 @@ def write_gsm8k_file(path: Path, rows: int = 64) -> Path:
     with path.open("w") as f:
         for row in arithmetic.make_dataset(rows, seed=0):
             question = row["prompt"][-1]["content"]
-            f.write(json.dumps({"question": question, "answer": f"{row['solution']}\n#### {row['answer']}"}) + "\n")
+            f.write(json.dumps({"question": question, "answer": f"{row['solution']}\n#### {row['answer']}"})
+                    + "\n")
     return path
 
 

@@ -23,7 +23,8 @@ def child(parent_pid: int, use_prctl: bool) -> None:
 
 
 if __name__ == "__main__":
-    process = mp.get_context("spawn").Process(target=child, args=(os.getpid(), sys.argv[1] == "prctl"), daemon=False)
+    process = mp.get_context("spawn").Process(target=child,
+                                              args=(os.getpid(), sys.argv[1] == "prctl"), daemon=False)
     process.start()
     print(process.pid, flush=True)
     time.sleep(600)

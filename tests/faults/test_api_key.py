@@ -30,7 +30,8 @@ def keyed_server(tmp_path_factory):
 @pytest.mark.parametrize("method,path", [(m, p) for m, p, _ in ROUTES if p not in UNGUARDED_PATHS])
 def test_every_route_but_health_refuses_a_missing_or_wrong_key(keyed_server, method, path):
     body = {} if method == "POST" else None
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
         status, out = call(keyed_server.url, method, path, body, headers)
         assert (status, out) == (401, {"error": "Unauthorized"}), (headers, status, out)
 

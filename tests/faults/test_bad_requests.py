@@ -44,8 +44,8 @@ def test_absurd_values_are_400_on_generate(tiny_server, extra):
 
 
 def test_server_still_serves_after_bad_requests(tiny_server):
-    status, body = call(tiny_server.url, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2,
-                                                                       "stream_options": {"include_usage": True}})
+    status, body = call(tiny_server.url, "POST", "/v1/completions",
+                        {"prompt": "hello", "max_tokens": 2, "stream_options": {"include_usage": True}})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
 
 

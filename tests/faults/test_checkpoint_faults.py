@@ -63,7 +63,8 @@ def test_enospc_names_the_path_removes_the_partial_copy_and_keeps_earlier_checkp
         (folder / "model.safetensors").write_bytes(b"x")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(CheckpointDiskFullError, match="no space left on device while writing checkpoint to .*checkpoint-2") as info:
+    with pytest.raises(CheckpointDiskFullError, match="no space left on device while writing checkpoint to "
+                                                      ".*checkpoint-2") as info:
         _stage(tmp_path, write)
     assert info.value.errno == errno.ENOSPC
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
@@ -81,9 +82,11 @@ def test_other_save_errors_pass_through_and_leave_nothing_behind(tmp_path):
 
 
 def test_torch_and_safetensors_wordings_of_a_full_disk_are_recognised(tmp_path, monkeypatch):
-    safetensors_error = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+    safetensors_error = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                     'message: "No space left on device" })')
     assert is_out_of_space(safetensors_error, tmp_path)
-    torch_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/3: file write failed")
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed "
+                               "writing file data/3: file write failed")
     wrapped = RuntimeError("saving the optimizer failed")
     wrapped.__cause__ = torch_error
     assert not is_out_of_space(wrapped, tmp_path)  # this disk has room: a write failed for another reason
@@ -109,7 +112,8 @@ def test_resume_skips_incomplete_checkpoints_with_a_warning_and_refuses_an_expli
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_trainer_disk_full_at_a_save_then_resume_past_a_partial_checkpoint(tmp_path, server, monkeypatch, caplog):
+def test_trainer_disk_full_at_a_save_then_resume_past_a_partial_checkpoint(tmp_path,
+                                                                           server, monkeypatch, caplog):
     out = tmp_path / "out"
     real_save = torch.save
 
@@ -120,8 +124,10 @@ def test_trainer_disk_full_at_a_save_then_resume_past_a_partial_checkpoint(tmp_p
 
     monkeypatch.setattr(torch, "save", save_until_full)
     args = short_run_config(out, server.url, max_steps=3, save_strategy="steps", save_steps=1)
-    trainer = AsyncGRPOTrainer(model=MODEL, reward_funcs=spread_reward, train_dataset=arithmetic.make_dataset(32, seed=0), args=args)
-    with pytest.raises(CheckpointDiskFullError, match=f"no space left on device while writing checkpoint to {out}/checkpoint-2"):
+    trainer = AsyncGRPOTrainer(model=MODEL, reward_funcs=spread_reward,
+                               train_dataset=arithmetic.make_dataset(32, seed=0), args=args)
+    with pytest.raises(CheckpointDiskFullError,
+                       match=f"no space left on device while writing checkpoint to {out}/checkpoint-2"):
         trainer.train()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", "."))) == ["checkpoint-1"]
     monkeypatch.setattr(torch, "save", real_save)

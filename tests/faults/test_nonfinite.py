@@ -42,7 +42,8 @@ def test_an_infinite_reward_is_a_reward_error_naming_the_function_and_the_value(
     def clipped_reward(completions, **kwargs):
         return [1.0, value, 0.0, 0.0]
 
-    with pytest.raises(RewardFunctionError, match=rf"reward function 'clipped_reward' returned {value} for completion 1"):
+    with pytest.raises(RewardFunctionError,
+                       match=rf"reward function 'clipped_reward' returned {value} for completion 1"):
         asyncio.run(score_group(_group(), [clipped_reward]))
 
 

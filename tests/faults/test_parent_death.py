@@ -54,12 +54,14 @@ def test_a_child_that_exits_with_its_parent_dies_when_the_parent_is_sigkilled(me
 
 
 @contextlib.contextmanager
-def _trainer_after_its_first_step(tmp_path, url: str) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
+def _trainer_after_its_first_step(
+        tmp_path, url: str) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
     """`train_until_killed.py` against `url`, once it has taken a step: (its process, its descendants).
     Whatever is left of them is killed on the way out."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}
     log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 -- closed below
-    trainer = subprocess.Popen([sys.executable, str(SCRIPT), url, str(tmp_path)], stdout=log, stderr=log, env=env)
+    trainer = subprocess.Popen([sys.executable, str(SCRIPT), url, str(tmp_path)],
+                               stdout=log, stderr=log, env=env)
     descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180

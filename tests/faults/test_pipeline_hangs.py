@@ -48,7 +48,8 @@ def test_a_hanging_tool_call_becomes_a_failed_call_after_its_timeout(tool):
     async def run():
         with ThreadPoolExecutor(1) as pool:
             try:
-                return await execute_tool_call(tool.__name__, {"key": "a"}, {tool.__name__: tool}, pool, timeout_s=0.3)
+                return await execute_tool_call(tool.__name__, {"key": "a"},
+                                               {tool.__name__: tool}, pool, timeout_s=0.3)
             finally:
                 RELEASE.set()
 
@@ -63,7 +64,8 @@ class _CharTokenizer:
     """Renders a conversation as text and maps characters to ids (ord), enough for the tool loop."""
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, tokenize=True, **kwargs):
-        return [ord(c) for c in "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages) + "<assistant>"]
+        return [ord(c)
+                for c in "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages) + "<assistant>"]
 
     def decode(self, ids, skip_special_tokens=False):
         return "".join(chr(i) for i in ids)
@@ -84,7 +86,8 @@ def test_the_tool_loop_reports_the_timeout_to_the_model_and_counts_it():
             try:
                 return await run_tool_loop(
                     [{"role": "user", "content": "look a up"}], [stuck_lookup], generate_turn=generate_turn,
-                    tokenizer=_CharTokenizer(), eos_token_ids=[0], chat_template_kwargs={}, max_iterations=None,
+                    tokenizer=_CharTokenizer(), eos_token_ids=[0],
+                    chat_template_kwargs={}, max_iterations=None,
                     executor=pool, record=records.append, tool_timeout_s=0.3,
                 )
             finally:
@@ -150,11 +153,13 @@ def test_a_token_budget_no_sample_fits_stops_the_run_instead_of_dropping_forever
     from asyncgrpo.train.rollout_batches import OVERSIZE_LIMIT
 
     trainer = AsyncGRPOTrainer(
-        model=MODEL, reward_funcs=spread_reward, train_dataset=Dataset.from_list(arithmetic.make_dataset(400, seed=0)),
+        model=MODEL, reward_funcs=spread_reward,
+        train_dataset=Dataset.from_list(arithmetic.make_dataset(400, seed=0)),
         args=short_run_config(tmp_path / "out", server.url, max_steps=3, token_budget=8),
     )
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match=rf"the first {OVERSIZE_LIMIT} samples were all longer than token_budget=8 "
+    with pytest.raises(ValueError,
+                       match=rf"the first {OVERSIZE_LIMIT} samples were all longer than token_budget=8 "
                                          r"tokens \(\d+ to (\d+)\) .*raise `token_budget` to at least \1"):
         trainer.train()
     assert trainer.state.global_step == 0 and time.monotonic() - t0 < 120

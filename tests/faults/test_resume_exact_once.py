@@ -45,7 +45,8 @@ def test_the_prompt_stream_skips_trained_positions_without_asking_filter_prompt(
 
     stream = iter_prompts(rows, seed=0, start_position=4, filter_prompt=filter_prompt, skip_positions={5, 7})
     items = [next(stream) for _ in range(5)]
-    assert [(i.position, i.accepted) for i in items] == [(4, True), (5, False), (6, True), (7, False), (8, True)]
+    assert [(i.position, i.accepted) for i in items] == [(4, True), (5, False),
+                                                         (6, True), (7, False), (8, True)]
     assert len(asked) == 3
 
 

@@ -24,7 +24,8 @@ def _dead_url() -> str:
 def test_two_hundred_failing_requests_log_a_few_counted_lines(caplog):
     async def run() -> list[BaseException]:
         client = GenerationClient(_dead_url(), max_retries=3, backoff_s=0.01, timeout_s=5)
-        client.info = ServerInfo(version="0.33.0", dialect=(0, 33, 0), model_name="m", max_model_len=64, dtype=None,
+        client.info = ServerInfo(version="0.33.0", dialect=(0, 33, 0), model_name="m",
+                                 max_model_len=64, dtype=None,
                                  logprobs_mode=None, supports_generate=True, supports_sampling_mask=False,
                                  has_metrics=False, kv_cache_tokens=None, world_size=1)
         params = SamplingParams(temperature=1.0, top_k=0, max_tokens=2, seed=0, logprobs=None)
@@ -37,7 +38,8 @@ def test_two_hundred_failing_requests_log_a_few_counted_lines(caplog):
 
     with caplog.at_level(logging.WARNING, logger="asyncgrpo.generation.transport"):
         errors = asyncio.run(run())
-    assert all(isinstance(e, ServerConnectionError) for e in errors)  # every request still fails, after retries
+    # every request still fails, after retries
+    assert all(isinstance(e, ServerConnectionError) for e in errors)
     lines = [r.getMessage() for r in caplog.records]
     assert 2 <= len(lines) <= 4, lines  # 600 retries in well under the 10 s interval, and the count at close
     assert "retry 1/3" in lines[0]

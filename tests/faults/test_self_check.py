@@ -30,15 +30,16 @@ def _engine(model: torch.nn.Module, dtype: torch.dtype) -> tuple[ModelRunner, Sc
     cache = PagedKVCache(c.num_hidden_layers, 8, 16, c.num_key_value_heads, head_dim, dtype, CPU)
     window = kv_window(model, range(c.num_hidden_layers))  # as the server: blocks behind a window are freed
     scheduler = Scheduler(BlockPool(cache.num_blocks), 16, 4, 256, 128, window=window)
-    return ModelRunner(model, cache, resolve_plan(model, cache, CPU), c.vocab_size, scheduler.block_table), scheduler
+    return ModelRunner(model, cache, resolve_plan(model, cache, CPU), c.vocab_size,
+                       scheduler.block_table), scheduler
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_tiny_model_passes(dtype):
     served = load_served_model(TINY, CPU, str(dtype).removeprefix("torch."), 256)
     runner, scheduler = _engine(served.model, dtype)
-    result = check_engine(runner, scheduler, served.model, vocab_size=served.vocab_size, dtype=dtype, device=CPU,
-                          name=TINY)
+    result = check_engine(runner, scheduler, served.model, vocab_size=served.vocab_size,
+                          dtype=dtype, device=CPU, name=TINY)
     assert result.num_compared == 9 * 6 and result.max_abs_diff <= result.tolerance / 10
     assert not scheduler.has_work()  # the check leaves the engine as it found it
 
@@ -48,8 +49,8 @@ def _mistral(sliding_window: int | None) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                           sliding_window=sliding_window)
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=128, sliding_window=sliding_window)
     model = MistralForCausalLM(config).eval().requires_grad_(False)
     model.set_attn_implementation(register_attention())
     fuse_layers(model, triton=False)
@@ -61,8 +62,8 @@ def test_an_engine_that_computes_something_else_is_refused_and_sliding_windows_p
     the engine (here: its output perturbed whenever the paged-cache metadata is passed, as an ignored
     attention option would) is refused with the message that names the fix."""
     model = _mistral(sliding_window=4)
-    assert check_engine(*_engine(model, torch.float32), model, vocab_size=128, dtype=torch.float32, device=CPU,
-                        name="mistral-sw4").max_abs_diff < 1e-4
+    assert check_engine(*_engine(model, torch.float32), model, vocab_size=128,
+                        dtype=torch.float32, device=CPU, name="mistral-sw4").max_abs_diff < 1e-4
 
     def perturb_under_the_engine(module, args, kwargs, output):
         if "kv_meta" in kwargs:
@@ -84,11 +85,12 @@ def test_a_soft_capped_gemma2_passes():
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=128,
                           attn_logit_softcapping=0.5, final_logit_softcapping=None, initializer_range=0.5,
                           layer_types=["full_attention"] * 2, sliding_window=4096)
     model = Gemma2ForCausalLM(config).eval().requires_grad_(False)
     model.set_attn_implementation(register_attention())
     fuse_layers(model, triton=False)
-    assert check_engine(*_engine(model, torch.float32), model, vocab_size=128, dtype=torch.float32, device=CPU,
-                        name="gemma2-softcap").max_abs_diff < 1e-4
+    assert check_engine(*_engine(model, torch.float32), model, vocab_size=128,
+                        dtype=torch.float32, device=CPU, name="gemma2-softcap").max_abs_diff < 1e-4

@@ -44,8 +44,8 @@ SCRIPT = textwrap.dedent('''
 def _run(tmp_path, body: str, from_stdin: bool) -> subprocess.CompletedProcess:
     source = SCRIPT.replace("OUT", repr(str(tmp_path / "out"))) + body
     if from_stdin:
-        return subprocess.run([sys.executable, "-"], input=source, capture_output=True, text=True, timeout=120,
-                              cwd=tmp_path, check=False)
+        return subprocess.run([sys.executable, "-"], input=source,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     script = tmp_path / "train.py"
     script.write_text(source)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
@@ -65,11 +65,13 @@ def test_a_reward_function_from_the_training_script_is_checked_at_train(tmp_path
         assert raised.startswith("RAISED RuntimeError reward_funcs[0] (my_reward) is defined in"), raised
         assert "train.py, which has no `if __name__ == \"__main__\":` block" in raised
     elif case == "standard input":
-        assert raised.startswith("RAISED TypeError reward_funcs[0] (my_reward) is defined in an interactive"), raised
+        assert raised.startswith("RAISED TypeError reward_funcs[0] (my_reward) is defined in an "
+                                 "interactive"), raised
         assert "Move my_reward into a module file" in raised
     else:  # it got past the check and on to the server, where nothing listens
         assert "127.0.0.1:9" in raised and "RuntimeError reward_funcs" not in raised, raised
-    assert "waiting for the inference server" in out if guarded else "waiting for the inference server" not in out
+    assert ("waiting for the inference server" in out if guarded
+            else "waiting for the inference server" not in out)
 
 
 @pytest.mark.parametrize("exitcode, words", [

@@ -41,7 +41,8 @@ def test_inits_to_a_dead_address_are_bounded_and_sigterm_still_stops_the_server(
             time.sleep(1.0)
             # the pool of the server is not used up: generation and control routes still answer at once
             t0 = time.monotonic()
-            status, _ = call(server.url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}, timeout=10)
+            status, _ = call(server.url, "POST", "/v1/completions",
+                             {"prompt": "hi", "max_tokens": 2}, timeout=10)
             assert status == 200 and time.monotonic() - t0 < 5
             results = [f.result(timeout=30) for f in futures]
         statuses = sorted(s for s, _ in results)

@@ -399,10 +399,12 @@ def test_connection_errors_give_up_after_max_retries():
         ) as client:
             await client.is_paused()
 
-    with pytest.raises(ServerConnectionError, match=f"127.0.0.1:{port}/is_paused failed: connection refused") as err:
+    with pytest.raises(ServerConnectionError,
+                       match=f"127.0.0.1:{port}/is_paused failed: connection refused") as err:
         run(main())
     assert len(retries) == 2
-    assert "(after 2 retries over" in str(err.value) and "start it again and resume training" in str(err.value)
+    assert ("(after 2 retries over" in str(err.value)
+            and "start it again and resume training" in str(err.value))
 
 
 def test_a_server_that_stays_away_longer_than_the_retries_is_waited_for_within_the_restart_window(caplog):
@@ -436,7 +438,8 @@ def test_the_restart_window_ends_with_an_error_that_says_how_long_it_waited():
     port = _free_port()
 
     async def main():
-        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01, outage_s=0.5) as client:
+        async with GenerationClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01,
+                                    outage_s=0.5) as client:
             await client.is_paused()
 
     t0 = time.monotonic()

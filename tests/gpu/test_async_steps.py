@@ -23,7 +23,8 @@ from test_async_scheduling import Server, _assert_same, _first_wave, _next_turns
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                       reason="needs CUDA and Triton"),
 ]
 
 

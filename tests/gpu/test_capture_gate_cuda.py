@@ -29,7 +29,8 @@ from test_weight_sync import _tiny_qwen3
 def _complete(url: str, seed: int) -> dict:
     body = json.dumps({"prompt": [1, 5, 9, 17 + seed % 7], "max_tokens": 24, "temperature": 1.0, "top_k": 20,
                        "seed": seed}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
 
@@ -41,7 +42,8 @@ def test_graphs_survive_a_trainer_thread_that_synchronizes_the_device(tmp_path):
     from asyncgrpo.server.serve import ServeConfig, ServerThread
 
     _tiny_qwen3(tmp_path / "tiny")
-    config = ServeConfig.of(str(tmp_path / "tiny"), "--device", "cuda:0", "--port", str(free_port()), "--dtype",
+    config = ServeConfig.of(str(tmp_path / "tiny"), "--device", "cuda:0", "--port",
+                            str(free_port()), "--dtype",
                             "float32", "--max-model-len", "128", "--gpu-memory-utilization", "0.3")
     stop = threading.Event()
     syncs = []

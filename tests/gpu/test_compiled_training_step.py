@@ -46,11 +46,11 @@ def test_compiled_fused_head_matches_the_plain_path(softcap):
     results = []
     for fused in (False, True):
         hidden.grad = weight.grad = None
-        out = token_logprobs(hidden, weight, pred, target, temperature=0.7, logit_softcapping=softcap, topk_ids=topk,
-                             fused=fused)
+        out = token_logprobs(hidden, weight, pred, target, temperature=0.7,
+                             logit_softcapping=softcap, topk_ids=topk, fused=fused)
         ((out.target_logprobs * coef).sum() + out.topk_logprobs.sum()).backward()
-        results.append((out.target_logprobs.detach(), out.topk_logprobs.detach(), out.entropy, hidden.grad.float(),
-                        weight.grad.float()))
+        results.append((out.target_logprobs.detach(), out.topk_logprobs.detach(),
+                        out.entropy, hidden.grad.float(), weight.grad.float()))
     for plain, fused in zip(*results):
         torch.testing.assert_close(fused, plain, atol=1e-3 + 2e-2 * float(plain.abs().max()), rtol=0)
 
@@ -66,8 +66,10 @@ def _flash_attention_4_runs() -> bool:
 @pytest.mark.parametrize("backend", [
     "triton",
     # flex_attention_backend="flash": the masks' tensors padded to one capacity for rows of three lengths
-    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
-                                                   reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")),
+    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available()
+                                                   or not _flash_attention_4_runs(),
+                                                   reason="needs the flash-attn-4 package and a Hopper or "
+                                                          "Blackwell GPU")),
 ])
 def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
     import torch._dynamo
@@ -103,15 +105,18 @@ def test_compiled_layers_with_flex_masks_match_eager_layers(backend):
                 results.append((lp.detach(), model.model.embed_tokens.weight.grad.float().clone()))
             (lp_eager, grad_eager), (lp_compiled, grad_compiled) = results
             torch.testing.assert_close(lp_compiled, lp_eager, atol=3e-2, rtol=0)
-            torch.testing.assert_close(grad_compiled, grad_eager, atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
+            torch.testing.assert_close(grad_compiled, grad_eager,
+                                       atol=3e-2 * float(grad_eager.abs().max()), rtol=0)
     finally:
         torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", [
     "triton",
-    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available() or not _flash_attention_4_runs(),
-                                                   reason="needs the flash-attn-4 package and a Hopper or Blackwell GPU")),
+    pytest.param("flash", marks=pytest.mark.skipif(not torch.cuda.is_available()
+                                                   or not _flash_attention_4_runs(),
+                                                   reason="needs the flash-attn-4 package and a Hopper or "
+                                                          "Blackwell GPU")),
 ])
 @pytest.mark.parametrize("kv_heads", [8, 16])
 # Gemma-2-like layers: a sliding window (the rows' trees are 24 tokens deep) and soft-capping
@@ -145,7 +150,8 @@ def test_flex_attention_on_tree_masks_matches_a_float32_reference(backend, kv_he
                 scores = (qf @ kf.transpose(-1, -2)) * 128 ** -0.5
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
-                out = (torch.softmax(scores.masked_fill(~mask.dense(window), float("-inf")), -1) @ vf).transpose(1, 2)
+                out = (torch.softmax(scores.masked_fill(~mask.dense(window), float("-inf")), -1)
+                       @ vf).transpose(1, 2)
             (out.float() * grad_out).sum().backward()
             results.append([out.detach().float()] + [t.grad.float() for t in inputs])
         for name, got, want in zip(("out", "dq", "dk", "dv"), *results):

@@ -22,11 +22,13 @@ from asyncgrpo.server.kv_cache import PagedKVCache
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                       reason="needs CUDA and Triton"),
 ]
 
 
-def _case(seed: int, batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_len: int, dtype):
+def _case(seed: int, batch: int, heads: int, kv_heads: int, head_dim: int,
+          block_size: int, max_len: int, dtype):
     g = torch.Generator().manual_seed(seed)
     num_blocks = batch * (-(-max_len // block_size)) + 3
     k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to("cuda", dtype)
@@ -49,9 +51,12 @@ def _case(seed: int, batch: int, heads: int, kv_heads: int, head_dim: int, block
 def test_matches_float64_reference(dtype, tol, heads, kv_heads, head_dim, tile, num_splits):
     """num_splits None: the automatic choice (splits for the small batches); 16 splits of 32 tokens
     leave the last splits of short sequences empty."""
-    for seed, (batch, block_size, max_len) in enumerate([(1, 16, 1), (5, 16, 70), (33, 4, 257), (64, 16, 384)]):
-        q, k_pool, v_pool, tables, lens = _case(seed, batch, heads, kv_heads, head_dim, block_size, max_len, dtype)
-        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, head_dim**-0.5)
+    for seed, (batch, block_size, max_len) in enumerate([(1, 16, 1), (5, 16, 70),
+                                                         (33, 4, 257), (64, 16, 384)]):
+        q, k_pool, v_pool, tables, lens = _case(seed, batch, heads, kv_heads, head_dim,
+                                                block_size, max_len, dtype)
+        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(),
+                                      tables, lens, head_dim**-0.5)
         out = decode_attention_triton(q, k_pool, v_pool, tables, lens, head_dim**-0.5, tile=tile,
                                       num_splits=num_splits)
         assert out.dtype == dtype and out.shape == q.shape
@@ -91,10 +96,11 @@ def test_windows_and_softcaps_match_float64_reference(dtype, tol, heads, kv_head
     for seed, (batch, max_len) in enumerate([(1, 1), (5, 70), (64, 300), (256, 384)]):
         q, k_pool, v_pool, tables, lens = _case(seed, batch, heads, kv_heads, head_dim, 16, max_len, dtype)
         q = q * 8  # scores of tens: the soft-cap bites
-        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, head_dim**-0.5,
-                                      window, softcap)
+        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(),
+                                      tables, lens, head_dim**-0.5, window, softcap)
         for num_splits in (None, 1, 5):
-            out = decode_attention_triton(q, k_pool, v_pool, tables, lens, head_dim**-0.5, num_splits=num_splits,
+            out = decode_attention_triton(q, k_pool, v_pool, tables, lens,
+                                          head_dim**-0.5, num_splits=num_splits,
                                           window=window, softcap=softcap)
             assert torch.isfinite(out).all()
             err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -108,10 +114,11 @@ def test_the_dispatch_routes_windowed_and_capped_layers_with_groups(window, soft
     blocks (the plain kernel); both equal the gather."""
     q, k_pool, v_pool, tables, lens = _group_case(0, 16, 8, 128, torch.bfloat16)
     q = q * 8
-    shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, max_members(16, 8), null_block=k_pool.shape[0] - 1)
+    shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, max_members(16, 8),
+                                  null_block=k_pool.shape[0] - 1)
     tables, lens = tables.cuda(), lens.cuda()
-    ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 128**-0.5, window,
-                                  softcap)
+    ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables,
+                                  lens, 128**-0.5, window, softcap)
     cuda = torch.device("cuda", 0)
     plan = probe_plan(Probe(cuda, torch.bfloat16, 16, 8, 128, ALL_VARIANTS, PlanFlags(shared_prefix=True),
                             max_members(16, 8)))
@@ -142,7 +149,8 @@ def _group_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype, bloc
         for _ in range(int(torch.randint(2, 11, (1,), generator=g))):
             own = int(torch.randint(1, 6, (1,), generator=g))
             rows.append(prompt + blocks(own))
-            lens.append((len(prompt) + own - 1) * block_size + int(torch.randint(1, block_size + 1, (1,), generator=g)))
+            lens.append((len(prompt) + own - 1) * block_size
+                        + int(torch.randint(1, block_size + 1, (1,), generator=g)))
     for _ in range(3):
         rows.append(blocks(int(torch.randint(1, 30, (1,), generator=g))))
         lens.append(len(rows[-1]) * block_size)
@@ -159,17 +167,19 @@ def _group_case(seed: int, heads: int, kv_heads: int, head_dim: int, dtype, bloc
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 128), (8, 1, 64), (4, 4, 32)])
 @pytest.mark.parametrize("num_splits,num_shared_splits", [(None, None), (1, 1), (3, 2), (1, 7)])
-def test_groups_reading_shared_blocks_once_match_float64_reference(dtype, tol, heads, kv_heads, head_dim, num_splits,
+def test_groups_reading_shared_blocks_once_match_float64_reference(dtype, tol, heads,
+                                                                   kv_heads, head_dim, num_splits,
                                                                    num_shared_splits):
     """The shared pass (one program per group entry, kv head and split) + the own pass + the merge equal
     plain attention over each sequence's own table."""
     members = max_members(heads, kv_heads)
     for seed in range(3):
         q, k_pool, v_pool, tables, lens = _group_case(seed, heads, kv_heads, head_dim, dtype)
-        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, members, null_block=k_pool.shape[0] - 1)
+        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), 16, members,
+                                      null_block=k_pool.shape[0] - 1)
         assert shared is not None and shared.num_groups >= 3
-        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables.cuda(), lens.cuda(),
-                                      head_dim**-0.5)
+        ref = decode_attention_gather(q.double(), k_pool.double(), v_pool.double(),
+                                      tables.cuda(), lens.cuda(), head_dim**-0.5)
         out = decode_attention_triton(q, k_pool, v_pool, tables.cuda(), lens.cuda(), head_dim**-0.5,
                                       num_splits=num_splits, shared=shared.to(torch.device("cuda")),
                                       num_shared_splits=num_shared_splits)
@@ -214,12 +224,14 @@ def test_the_kernels_compiled_at_start_serve_every_step():
         width = max(map(len, rows))
         tables = torch.tensor([r + [num_blocks] * (width - len(r)) for r in rows])
         lens = torch.tensor([len(r) * block_size - 3 for r in rows])
-        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), block_size, members, null_block=num_blocks)
+        shared = find_shared_prefixes(tables.numpy(), lens.numpy(), block_size,
+                                      members, null_block=num_blocks)
         q = torch.randn(batch, heads, head_dim, generator=g).to("cuda", torch.bfloat16)
         for num_splits in (None, 1, 5, 19):
             for groups in (None, shared):
                 out = decode_attention_triton(q, k_pool, v_pool, tables.cuda(), lens.cuda(), head_dim**-0.5,
                                               num_splits=num_splits,
-                                              shared=None if groups is None else groups.to(torch.device("cuda")))
+                                              shared=None if groups is None
+                                              else groups.to(torch.device("cuda")))
                 assert torch.isfinite(out).all()
     assert _compiled_kernels() == compiled

@@ -1,9 +1,10 @@
-"""Gated DeltaNet on tree-packed rows, CUDA: fla-core's Triton delta rule (the "fla" backend) against
+r"""Gated DeltaNet on tree-packed rows, CUDA: fla-core's Triton delta rule (the "fla" backend) against
 the PyTorch chunked one and against each sample alone through the same kernel, forward and backward.
 
 fla-core is optional; where it is missing these tests fail saying so. Offline, install its wheel first:
 
-    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 fla-core -d .whl/
+    pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 fla-core -d .whl/
     pip install --no-deps .whl/fla_core-*.whl        # on the GPU machine
     pytest -m gpu tests/gpu/test_deltanet_kernels.py
 
@@ -44,7 +45,8 @@ def tree_samples(rng: np.random.Generator, groups: int = 3, prompt: int = 300) -
     def add(context, completion):
         ids = context + completion
         mask = [False] * len(context) + [True] * len(completion)
-        samples.append(Sample(ids, mask, [-7.0 if m else 0.0 for m in mask], float(rng.normal()), len(samples) % 7))
+        samples.append(Sample(ids, mask, [-7.0 if m else 0.0 for m in mask],
+                              float(rng.normal()), len(samples) % 7))
 
     for _ in range(groups):
         p = tokens(prompt)
@@ -107,7 +109,8 @@ def test_fla_tree_delta_rule_matches_the_torch_path_and_each_sample_alone(dtype,
     paths = sample_paths(row.to("cpu"))
     index = torch.as_tensor(np.concatenate(paths), device="cuda")
     lengths = torch.as_tensor([0] + [len(p) for p in paths], device="cuda").cumsum(0)
-    alone_layout = RecurrentLayout.build(torch.full((len(paths),), -1), lengths[:-1], lengths.diff(), 4, "cuda")
+    alone_layout = RecurrentLayout.build(torch.full((len(paths),), -1), lengths[:-1],
+                                         lengths.diff(), 4, "cuda")
     alone = tree_gated_delta_rule(*(x.detach()[index] for x in inputs), alone_layout, backend="fla")
     assert relative_error(fla_out[index], alone) < tol
     if not train:
@@ -149,8 +152,10 @@ def tiny_qwen35(hidden: int = 512):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config = CONFIG_MAPPING["qwen3_5_text"](
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=64,
         linear_value_head_dim=64, max_position_embeddings=8192, attention_dropout=0.0)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
@@ -178,7 +183,8 @@ def test_bf16_hybrid_model_fla_and_torch_paths_agree_with_unpacked():
     for backend in ("torch", "fla") if trainable else ("torch",):
         model.zero_grad()
         with tree_attention_context(TreeMask.from_row(row, backend="dense", deltanet_backend=backend)):
-            hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+            hidden = model.model(input_ids=row.input_ids[None],
+                                 position_ids=row.position_ids[None]).last_hidden_state
         logits = model.lm_head(hidden[0, row.pred_index]).float()
         lp = torch.log_softmax(logits, -1).gather(-1, row.target_ids[:, None])[:, 0]
         (lp * row.advantages.cuda()).sum().backward()

@@ -21,7 +21,8 @@ from asyncgrpo.server.loading import load_served_model
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or _triton_kernels() is None, reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or _triton_kernels() is None,
+                       reason="needs CUDA and Triton"),
 ]
 
 
@@ -33,7 +34,8 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 16, 8, 128), (256, 16, 8, 128), (7, 4, 2, 64), (9, 4, 2, 32)])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 16, 8, 128), (256, 16, 8, 128),
+                                                            (7, 4, 2, 64), (9, 4, 2, 32)])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_norm_rope_matches_the_modules(dtype, tokens, heads, kv_heads, head_dim, with_norm):
     g = torch.Generator().manual_seed(tokens + heads + head_dim)

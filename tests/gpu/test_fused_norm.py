@@ -16,7 +16,8 @@ from asyncgrpo.server.fused_norm import fuse_rms_norms, rms_norm, triton_availab
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                       reason="needs CUDA and Triton"),
 ]
 
 

@@ -34,7 +34,8 @@ from test_tree_deltanet import HYBRIDS
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                       reason="needs CUDA and Triton"),
 ]
 
 MAX_LEN = 256
@@ -62,7 +63,8 @@ def test_hybrid_decode_graph_steps_sample_what_eager_steps_sample(model_type):
         plan = resolve_plan(model, cache, cuda)
         graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, True, text.vocab_size,
                             recurrent=recurrent) if fixed else None
-        runner = ModelRunner(model, cache, plan, text.vocab_size, sched.block_table, graphs, recurrent=recurrent)
+        runner = ModelRunner(model, cache, plan, text.vocab_size, sched.block_table,
+                             graphs, recurrent=recurrent)
         seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)], params(i, n), MAX_LEN)
                 for i, (p, n) in enumerate(lengths)]
         run(sched, runner, seqs, join_every=3)
@@ -86,7 +88,8 @@ def test_lora_graphs_sample_what_eager_steps_sample(tmp_path):
 
     cuda = torch.device("cuda")
     config = Qwen3Config(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=1024)
     for name, seed in (("a", 1), ("b", 2)):
         torch.manual_seed(seed)
         adapter = peft.get_peft_model(Qwen3ForCausalLM(copy.deepcopy(config)),

@@ -19,7 +19,8 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240, method="thread")]  # a hung NCCL call cannot take a signal
+# a hung NCCL call cannot take a signal
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240, method="thread")]
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"

@@ -24,7 +24,8 @@ from asyncgrpo.server.step_graphs import StepGraphs
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(),
+                       reason="needs CUDA and Triton"),
 ]
 
 BS, MAX_LEN, VOCAB = 16, 512, 257
@@ -41,8 +42,8 @@ def _run(model, shared_prefix: bool, work, max_tokens: int) -> list[Sequence]:
     seqs = []
     for i, (prompt, seed) in enumerate(work):
         params = SeqParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0, seed=seed, max_tokens=max_tokens,
-                           min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(),
-                           logprobs=4, want_mask=False)
+                           min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None,
+                           extra_eos_ids=frozenset(), logprobs=4, want_mask=False)
         seqs.append(Sequence(i, f"r{i}", 0, prompt, params, MAX_LEN))
     pending = list(seqs)
     steps = 0
@@ -63,7 +64,8 @@ def _run(model, shared_prefix: bool, work, max_tokens: int) -> list[Sequence]:
 def test_groups_sample_the_same_with_and_without_the_shared_pass():
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=1024)
     model = Qwen3ForCausalLM(copy.deepcopy(config)).eval().cuda()
     model.set_attn_implementation(register_attention())
     g = torch.Generator().manual_seed(1)

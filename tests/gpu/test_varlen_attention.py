@@ -67,7 +67,8 @@ def test_a_bf16_runner_packs_prompts_and_computes_what_a_padding_one_computes():
     work = [(prompt, seed) for seed in range(4)] + [(prompt + _prompt(1, 30), 4)]
     first_top = []
     for choice in (None, False):  # the runner's own (packed, on CUDA in bf16), padded
-        h = Harness(model, caching=True, budget=24, varlen_prompts=choice, device="cuda", dtype=torch.bfloat16)
+        h = Harness(model, caching=True, budget=24, varlen_prompts=choice,
+                    device="cuda", dtype=torch.bfloat16)
         assert h.runner.plan.packed_prompts is (choice is None)
         first_top.append([sorted(s.top(0)[1]) for s in h.run(work, max_tokens=3)])
     # bf16: the two attention kernels round differently; the distributions sampled from agree

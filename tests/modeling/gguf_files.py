@@ -25,7 +25,8 @@ def tiny_llama(tokenizer, seed: int = 0):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

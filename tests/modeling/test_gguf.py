@@ -103,9 +103,11 @@ def test_the_bundled_tiny_qwen3_round_trips_with_tied_embeddings_and_its_head_di
     torch.testing.assert_close(_logits(converted, tokenizer), _logits(original, tokenizer), rtol=0, atol=1e-6)
 
 
-def test_the_folder_has_the_tokenizer_chat_template_and_ids_of_the_file_and_no_quantization_config(files, tokenizer):
+def test_the_folder_has_the_tokenizer_chat_template_and_ids_of_the_file_and_no_quantization_config(
+        files, tokenizer):
     folder = resolve_model_path(str(files["qwen3"]))
-    converted = load_tokenizer(str(files["qwen3"]))  # by the .gguf path, as the trainer and the server load it
+    # by the .gguf path, as the trainer and the server load it
+    converted = load_tokenizer(str(files["qwen3"]))
     assert converted(TEXT)["input_ids"] == tokenizer(TEXT)["input_ids"]
     assert converted.chat_template == tokenizer.chat_template
     messages = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "\\boxed{5}"}]
@@ -116,7 +118,8 @@ def test_the_folder_has_the_tokenizer_chat_template_and_ids_of_the_file_and_no_q
     assert getattr(config, "quantization_config", None) is None
     assert "quantization_config" not in (Path(folder) / "config.json").read_text()
     generation = GenerationConfig.from_pretrained(folder)
-    assert (generation.eos_token_id, generation.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert ((generation.eos_token_id, generation.pad_token_id)
+            == (tokenizer.eos_token_id, tokenizer.pad_token_id))
     weights = list(Path(folder).glob("*.safetensors"))
     assert weights and all(w.stat().st_size > 0 for w in weights)
 
@@ -131,7 +134,8 @@ def test_a_converted_folder_is_reused_without_converting_again(files, cache, cap
     assert any("reusing" in r.getMessage() for r in caplog.records)
     assert (Path(first) / "config.json").stat().st_mtime_ns == stamp
     assert Path(first).parent == cache / "gguf" and Path(first).name.startswith("tiny-llama-f32-")
-    assert [p.name for p in (cache / "gguf").iterdir() if p.is_dir()] == [Path(first).name]  # no temporary left
+    # no temporary left
+    assert [p.name for p in (cache / "gguf").iterdir() if p.is_dir()] == [Path(first).name]
 
 
 def test_a_replaced_file_is_converted_again(tmp_path, tokenizer, llama):
@@ -153,7 +157,8 @@ def test_two_processes_asking_at_once_convert_once_into_one_folder(files, cache)
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outputs]
-    folders = {line.split(" ", 1)[1] for out, _ in outputs for line in out.splitlines() if line.startswith("FOLDER")}
+    folders = {line.split(" ", 1)[1] for out, _ in outputs for line in out.splitlines()
+               if line.startswith("FOLDER")}
     assert len(folders) == 1
     logs = "".join(err for _, err in outputs)
     assert logs.count(": converting this llama model") == 1, logs[-3000:]
@@ -177,7 +182,8 @@ def test_a_gguf_path_is_not_a_folder_problem(tmp_path):
 
 
 def test_a_missing_file_raises_file_not_found(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"the GGUF file .*missing\.gguf does not exist; pass the path of a "
+    with pytest.raises(FileNotFoundError,
+                       match=r"the GGUF file .*missing\.gguf does not exist; pass the path of a "
                                                 r"\.gguf file or a model folder"):
         resolve_model_path(str(tmp_path / "missing.gguf"))
 
@@ -185,7 +191,8 @@ def test_a_missing_file_raises_file_not_found(tmp_path):
 def test_a_file_that_is_not_gguf_says_what_it_starts_with(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"PK\x03\x04 a zip archive")
-    with pytest.raises(ValueError, match=r"model\.gguf is not a GGUF file: it starts with the bytes b'PK\\x03\\x04', "
+    with pytest.raises(ValueError,
+                       match=r"model\.gguf is not a GGUF file: it starts with the bytes b'PK\\x03\\x04', "
                                          r"and a GGUF file starts with b'GGUF'; pass a \.gguf file"):
         resolve_model_path(str(path))
 
@@ -196,7 +203,8 @@ def test_without_the_gguf_package_the_error_names_the_extra(files, monkeypatch):
         resolve_model_path(str(files["llama"]))
 
 
-def test_an_architecture_transformers_cannot_read_is_named_with_the_supported_ones_and_the_alternatives(tmp_path):
+def test_an_architecture_transformers_cannot_read_is_named_with_the_supported_ones_and_the_alternatives(
+        tmp_path):
     writer = gguf.GGUFWriter(tmp_path / "rwkv.gguf", "rwkv6")
     writer.add_block_count(1)
     writer.write_header_to_file()
@@ -212,7 +220,8 @@ def test_an_architecture_transformers_cannot_read_is_named_with_the_supported_on
     assert "llama" in supported_architectures()
 
 
-def test_a_file_whose_tensors_transformers_does_not_map_is_refused_not_loaded_random(tmp_path, tokenizer, llama):
+def test_a_file_whose_tensors_transformers_does_not_map_is_refused_not_loaded_random(
+        tmp_path, tokenizer, llama):
     writer = gguf.GGUFWriter(tmp_path / "empty.gguf", "llama")
     writer.add_context_length(64)
     writer.add_embedding_length(64)
@@ -227,14 +236,16 @@ def test_a_file_whose_tensors_transformers_does_not_map_is_refused_not_loaded_ra
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"transformers found no weights for \d+ parameters of this llama model"):
+    with pytest.raises(ValueError,
+                       match=r"transformers found no weights for \d+ parameters of this llama model"):
         resolve_model_path(str(tmp_path / "empty.gguf"))
 
 
 def test_the_server_turns_gguf_errors_into_its_load_error(tmp_path):
     from asyncgrpo.server.loading import ModelLoadError, load_served_model
 
-    with pytest.raises(ModelLoadError, match=r"cannot serve '.*missing\.gguf': the GGUF file .* does not exist"):
+    with pytest.raises(ModelLoadError,
+                       match=r"cannot serve '.*missing\.gguf': the GGUF file .* does not exist"):
         load_served_model(str(tmp_path / "missing.gguf"), CPU, "float32", None)
 
 
@@ -248,7 +259,8 @@ def test_the_trainer_raises_gguf_errors_before_loading(tmp_path):
 
 def test_asyncgrpo_serve_exits_2_on_a_file_that_is_not_gguf(tmp_path):
     (tmp_path / "bad.gguf").write_text("not a model")
-    proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", str(tmp_path / "bad.gguf"), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve",
+                           str(tmp_path / "bad.gguf"), "--port", "0"],
                           check=False, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "is not a GGUF file" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

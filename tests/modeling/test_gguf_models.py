@@ -48,13 +48,15 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(gguf_file, cache, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with EmbeddedServer(str(gguf_file), log_path=log, extra_args=["--dtype", "float32", "--log-level", "info"],
+    with EmbeddedServer(str(gguf_file), log_path=log,
+                        extra_args=["--dtype", "float32", "--log-level", "info"],
                         env={"ASYNCGRPO_CACHE_DIR": str(cache)}) as s:
         yield s, log
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
 
@@ -63,7 +65,8 @@ def test_the_server_converts_the_file_and_generates_under_the_name_it_was_given(
     s, log = server
     with urllib.request.urlopen(f"{s.url}/v1/models", timeout=10) as response:
         assert [m["id"] for m in json.loads(response.read())["data"]] == [str(gguf_file)]
-    out = _post(f"{s.url}/v1/completions", {"model": str(gguf_file), "prompt": "What is 12 + 7?", "max_tokens": 8,
+    out = _post(f"{s.url}/v1/completions", {"model": str(gguf_file),
+                                            "prompt": "What is 12 + 7?", "max_tokens": 8,
                                             "temperature": 1.0, "seed": 0})
     assert out["usage"]["completion_tokens"] >= 1 and out["choices"][0]["text"]
     assert "tiny-chat.gguf: converting this qwen3 model" in log.read_text()
@@ -72,13 +75,14 @@ def test_the_server_converts_the_file_and_generates_under_the_name_it_was_given(
 def test_the_trainer_trains_from_the_same_file_on_the_servers_weights(server, gguf_file, tmp_path, caplog):
     s, _ = server
     args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"), vllm_server_base_url=s.url, num_generations=4, max_completion_length=24,
-        learning_rate=1e-4, bf16=False, use_cpu=True, save_strategy="no", report_to="none", disable_tqdm=True,
-        logging_steps=1, seed=0, max_steps=1, max_staleness=0,
+        output_dir=str(tmp_path / "out"), vllm_server_base_url=s.url, num_generations=4,
+        max_completion_length=24, learning_rate=1e-4, bf16=False, use_cpu=True, save_strategy="no",
+        report_to="none", disable_tqdm=True, logging_steps=1, seed=0, max_steps=1, max_staleness=0,
     )
     with caplog.at_level("INFO", logger="asyncgrpo.modeling.gguf"):
         trainer = AsyncGRPOTrainer(model=str(gguf_file), reward_funcs=accuracy_reward,
-                                   train_dataset=Dataset.from_list(arithmetic.make_dataset(16, seed=0)), args=args)
+                                   train_dataset=Dataset.from_list(arithmetic.make_dataset(16, seed=0)),
+                                   args=args)
     assert "reusing its model folder" in caplog.text and "converting" not in caplog.text
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -103,7 +107,8 @@ def test_smollm2s_q4_1_file_converts_to_what_transformers_loads_from_it_directly
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     file = _smollm2_file()
-    direct = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    direct = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name,
+                                                  dtype=torch.float32).eval()
     direct_tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     converted = load_causal_lm(str(file), dtype=torch.float32)
     tokenizer = load_tokenizer(str(file))
@@ -126,16 +131,19 @@ def test_smollm2_trains_from_its_gguf_file_on_policy_with_the_servers_log_probs(
                         extra_args=["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16"],
                         env={"ASYNCGRPO_CACHE_DIR": str(cache)}) as s:
         args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"), vllm_server_base_url=s.url, num_generations=4, max_completion_length=32,
-            learning_rate=1e-5, bf16=False, use_cpu=True, gradient_checkpointing=False, save_strategy="no",
+            output_dir=str(tmp_path / "out"), vllm_server_base_url=s.url, num_generations=4,
+            max_completion_length=32, learning_rate=1e-5, bf16=False, use_cpu=True,
+            gradient_checkpointing=False, save_strategy="no",
             report_to="none", disable_tqdm=True, logging_steps=1, seed=0, max_steps=2, max_staleness=0,
             token_budget=512,
         )
         trainer = AsyncGRPOTrainer(model=str(file), reward_funcs=[accuracy_reward, spread_reward],
-                                   train_dataset=Dataset.from_list(arithmetic.make_dataset(32, seed=0)), args=args)
+                                   train_dataset=Dataset.from_list(arithmetic.make_dataset(32, seed=0)),
+                                   args=args)
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2
-    diffs = [(e["sampling/sampling_logp_difference/mean"], e["sampling/sampling_logp_difference/max"]) for e in logs]
+    diffs = [(e["sampling/sampling_logp_difference/mean"], e["sampling/sampling_logp_difference/max"])
+             for e in logs]
     logging.getLogger(__name__).info("sampler vs trainer log-prob difference (mean, max) per step: %s", diffs)
     assert diffs[0][1] <= 1e-4, diffs

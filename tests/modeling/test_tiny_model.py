@@ -179,7 +179,8 @@ def test_tool_call_tags_survive_decoding_without_special_tokens(tokenizer):
     token_ids = tokenizer.encode(s + "<|im_end|>", add_special_tokens=False)
     assert tokenizer.decode(token_ids, skip_special_tokens=True) == s
     assert (
-        tokenizer.decode(tokenizer.encode("any text: h\u00e9llo", add_special_tokens=False)) == "any text: h\u00e9llo"
+        tokenizer.decode(tokenizer.encode("any text: h\u00e9llo", add_special_tokens=False))
+        == "any text: h\u00e9llo"
     )
 
 
@@ -297,7 +298,8 @@ def test_build_data_leaves_a_share_of_arithmetic_answers_unboxed():
         reference = counter.reference_messages(row["target"], row["max_step"])
         if conversation[1:] == reference:
             continue
-        steps = [m["tool_calls"][0]["function"]["arguments"]["step"] for m in conversation if m.get("tool_calls")]
+        steps = [m["tool_calls"][0]["function"]["arguments"]["step"]
+                 for m in conversation if m.get("tool_calls")]
         assert set(steps) == {row["max_step"]} and sum(steps) > row["target"], conversation
         assert conversation[-1]["content"] == counter.final_message(sum(steps))
         overshot += 1

@@ -39,7 +39,8 @@ def test_rows_respect_budget_and_match_pack_row_counts():
             assert cost == packed.attention_pairs
             assert trained == packed.num_trained <= 120
         metrics = batch.metrics()
-        assert metrics["batch/packing_ratio"] == pytest.approx(sum(batch.row_raw_tokens) / sum(batch.row_tokens))
+        assert (metrics["batch/packing_ratio"]
+                == pytest.approx(sum(batch.row_raw_tokens) / sum(batch.row_tokens)))
         assert metrics["batch/packing_ratio"] > 1.0
         assert 0.0 <= metrics["batch/pad_frac"] < 1.0 and metrics["batch/row_imbalance"] >= 1.0
         assert metrics["batch/row_tokens_max"] == max(batch.row_tokens)

@@ -59,7 +59,8 @@ def test_chunked_delta_rule_equals_the_token_recurrence(length, chunk_size):
     state = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64)
     ref_out, ref_state = plain_delta_rule(q, k, v, g, beta, state)
     qn, kn = l2(q) * q.shape[-1] ** -0.5, l2(k)
-    out, final = chunk_gated_delta_rule(qn[None], kn[None], v[None], g[None], beta[None], state[None], chunk_size)
+    out, final = chunk_gated_delta_rule(qn[None], kn[None], v[None], g[None], beta[None],
+                                        state[None], chunk_size)
     torch.testing.assert_close(out[0], ref_out, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(final[0], ref_state, atol=1e-12, rtol=1e-10)
 
@@ -134,7 +135,8 @@ def test_tree_convolution_equals_each_sample_convolved_alone(width):
     packed = tree_causal_conv1d(x, weight, bias, layout, "silu")
     paths = sample_paths(row)
     for path, xs in zip(paths, per_sample(x, paths)):
-        alone = F.silu(F.conv1d(xs.T[None], weight[:, None], bias, padding=width - 1, groups=6)[0, :, : len(path)].T)
+        alone = F.silu(
+            F.conv1d(xs.T[None], weight[:, None], bias, padding=width - 1, groups=6)[0, :, : len(path)].T)
         torch.testing.assert_close(packed[torch.as_tensor(path)], alone, atol=1e-12, rtol=0)
 
 
@@ -176,7 +178,8 @@ def test_tree_delta_rule_gradients_equal_the_sum_over_samples_alone():
 
 def test_a_root_only_row_is_plain_padding_free_packing():
     rng = np.random.default_rng(4)
-    samples = [Sample([int(t) for t in rng.integers(0, VOCAB, n)], [False] + [True] * (n - 1), [0.0] * n, 0.0, i)
+    samples = [Sample([int(t) for t in rng.integers(0, VOCAB, n)],
+                      [False] + [True] * (n - 1), [0.0] * n, 0.0, i)
                for i, n in enumerate([3, 80, 2, 17])]
     row = pack_row(samples, share_prefixes=False)
     layout = RecurrentLayout.build(row.segment_parent, row.segment_start, row.segment_len, conv_width=4)
@@ -246,8 +249,8 @@ def fla_shaped_plain_kernel(calls):
             qs, ks = q[0, start:end], k[0, start:end]
             if use_qk_l2norm_in_kernel:
                 qs, ks = l2(qs), l2(ks)
-            out, state = plain_delta_rule(qs * scale, ks, v[0, start:end], g[0, start:end], beta[0, start:end],
-                                          state, normalize=False)
+            out, state = plain_delta_rule(qs * scale, ks, v[0, start:end],
+                                          g[0, start:end], beta[0, start:end], state, normalize=False)
             outs.append(out)
             finals.append(state)
         return torch.cat(outs)[None], torch.stack(finals) if output_final_state else None

@@ -25,9 +25,11 @@ def random_samples(rng: np.random.Generator, num: int, vocab: int = 4) -> list[S
     samples = []
     for _ in range(num):
         base = bases[int(rng.integers(0, 3))]
-        tokens = base[: int(rng.integers(0, len(base) + 1))] + list(rng.integers(0, vocab, int(rng.integers(0, 5))))
+        tokens = (base[: int(rng.integers(0, len(base) + 1))]
+                  + list(rng.integers(0, vocab, int(rng.integers(0, 5)))))
         tokens = tokens or [0]
-        samples.append(make_sample(tokens, int(rng.integers(1, len(tokens) + 1)), group=int(rng.integers(0, 3))))
+        samples.append(make_sample(tokens, int(rng.integers(1, len(tokens) + 1)),
+                                   group=int(rng.integers(0, 3))))
     return samples
 
 
@@ -62,7 +64,8 @@ def test_row_is_lossless_and_each_position_predicts_one_token(seed):
     next_token: dict[int, int] = {}
     for sample, path in zip(samples, sample_paths(row)):
         for depth in range(sample.num_tokens - 1):
-            assert next_token.setdefault(int(path[depth]), int(sample.token_ids[depth + 1])) == sample.token_ids[depth + 1]
+            assert next_token.setdefault(int(path[depth]),
+                                         int(sample.token_ids[depth + 1])) == sample.token_ids[depth + 1]
     # every trained token kept, predicted by the previous token of its own sample
     assert row.num_trained == sum(s.num_trained for s in samples)
     for n in range(row.num_trained):
@@ -137,7 +140,8 @@ def test_per_token_sampler_data_follows_its_token():
     assert row.target_ids.tolist() == [5, 7, 6, 8]
     assert row.sampler_topk_ids.tolist() == [[5, 6, -1], [7, -1, -1], [-1, -1, -1], [8, 1, 2]]
     assert row.sampler_topk_logprobs[0, :2].tolist() == pytest.approx([-0.1, -2.0])
-    assert torch.isinf(row.sampler_topk_logprobs[2]).all() and row.sampler_topk_logprobs[3, 2].item() == pytest.approx(-3.0)
+    assert (torch.isinf(row.sampler_topk_logprobs[2]).all()
+            and row.sampler_topk_logprobs[3, 2].item() == pytest.approx(-3.0))
     off = row.candidate_offsets.tolist()
     ids = row.candidate_ids.tolist()
     assert [ids[off[n]:off[n + 1]] for n in range(4)] == [[5, 6], [2, 7, 9], [], []]
@@ -192,6 +196,7 @@ def test_samples_of_one_completion_share_a_completion_index():
 def test_a_trained_token_outside_its_own_candidate_set_is_rejected():
     # the sampler could not have drawn it: the turn's output_sampling_mask and output_ids disagree
     with pytest.raises(ValueError, match=r"token 4 at position 3 is not in its candidate set"):
-        Sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -1, -1], 1.0, 0, candidate_sets=[None, None, [3, 5], [6, 7]])
+        Sample([1, 2, 3, 4], [0, 0, 1, 1], [0, 0, -1, -1], 1.0, 0,
+               candidate_sets=[None, None, [3, 5], [6, 7]])
     # an untrained (context) token is not checked, and None means the full vocabulary
     Sample([1, 2, 3, 4], [0, 0, 0, 1], [0, 0, 0, -1], 1.0, 0, candidate_sets=[None, None, [5], None])

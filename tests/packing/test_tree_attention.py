@@ -31,8 +31,9 @@ VOCAB = 96
 WINDOW = 6  # shorter than the samples, so sliding layers really slide
 
 # Tiny configs: 2 layers; sliding-window models get one sliding and one full layer.
-_COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256, "attention_dropout": 0.0}
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
+           "attention_dropout": 0.0}
 _SLIDING = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
 _EXTRA: dict[str, dict] = {
     "qwen3": dict(_SLIDING, use_sliding_window=True, max_window_layers=1),
@@ -40,14 +41,15 @@ _EXTRA: dict[str, dict] = {
     "mistral": {"sliding_window": WINDOW},
     "ministral": dict(_SLIDING),
     "phi3": {"sliding_window": WINDOW, "pad_token_id": 0},
-    "gemma2": dict(_SLIDING, attn_logit_softcapping=5.0, final_logit_softcapping=10.0, query_pre_attn_scalar=8),
+    "gemma2": dict(_SLIDING, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                   query_pre_attn_scalar=8),
     "gemma3_text": dict(_SLIDING, query_pre_attn_scalar=8),
     "exaone4": dict(_SLIDING),
     "olmo3": dict(_SLIDING),
     "smollm3": {"no_rope_layers": [1, 0], "pad_token_id": 0},
     "starcoder2": {"sliding_window": WINDOW},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1,
-                      "mlp_only_layers": []},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
     "qwen2_moe": dict(_SLIDING, use_sliding_window=True, max_window_layers=1, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16),
     "glm4": {"partial_rotary_factor": 0.5, "pad_token_id": 0},
@@ -89,7 +91,8 @@ def grpo_like_samples(rng: np.random.Generator) -> list[Sample]:
             samples.append(_sample(prompt, completion, group, rng))
         # a fork: the next turn's prompt starts with a whole earlier sample
         first = prompt + outputs[0]
-        samples.append(_sample(first + list(rng.integers(0, VOCAB, 3)), list(rng.integers(0, VOCAB, 4)), group, rng))
+        samples.append(_sample(first + list(rng.integers(0, VOCAB, 3)),
+                               list(rng.integers(0, VOCAB, 4)), group, rng))
         # an exact duplicate: its tokens are shared, its trained tokens are kept
         samples.append(_sample(prompt, outputs[1], group, rng))
         # diverges right after the prompt's first token
@@ -172,12 +175,14 @@ def test_checkpointing_recomputes_under_the_masks_kernel_options(monkeypatch):
 
     seen = []
 
-    def recording_flex_attention(query, key, value, *, block_mask, scale=None, enable_gqa=False, kernel_options=None,
+    def recording_flex_attention(query, key, value, *, block_mask, scale=None,
+                                 enable_gqa=False, kernel_options=None,
                                  **kwargs):  # FlexAttention has no backward on CPU: its mask through SDPA
         seen.append(kernel_options)
         length = query.shape[2]
         dense = create_mask(block_mask.mask_mod, None, None, length, length, device=query.device)
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=dense, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=dense,
+                                              scale=scale, enable_gqa=enable_gqa)
 
     monkeypatch.setattr(attention, "flex_attention", recording_flex_attention)
     model = tiny_model("qwen3")
@@ -187,7 +192,8 @@ def test_checkpointing_recomputes_under_the_masks_kernel_options(monkeypatch):
     row = pack_row(grpo_like_samples(np.random.default_rng(3)))
     options = {"PRESCALE_QK": False}  # a real FlexAttention option that changes nothing here
     with tree_attention_context(TreeMask.from_row(row, backend="flex", kernel_options=options)):
-        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+        hidden = model.model(input_ids=row.input_ids[None],
+                             position_ids=row.position_ids[None]).last_hidden_state
     forward_calls = len(seen)
     hidden.float().pow(2).sum().backward()  # outside the context
     assert forward_calls == model.config.num_hidden_layers
@@ -204,7 +210,8 @@ def test_gradients_flow_through_dense_tree_attention_with_checkpointing():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     enable_tree_attention(model)
     with tree_attention_context(TreeMask.from_row(row)):  # the base model, as a chunked LM head does
-        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+        hidden = model.model(input_ids=row.input_ids[None],
+                             position_ids=row.position_ids[None]).last_hidden_state
     logits = model.lm_head(hidden)[0]
     packed_loss = torch.log_softmax(logits[row.pred_index], -1).gather(-1, row.target_ids[:, None]).sum()
     packed_loss.backward()  # outside the context
@@ -216,7 +223,8 @@ def test_gradients_flow_through_dense_tree_attention_with_checkpointing():
     for s in samples:
         ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
         t = torch.as_tensor(np.flatnonzero(s.trained_mask))
-        loss = loss + torch.log_softmax(model(input_ids=ids).logits[0, t - 1], -1).gather(-1, ids[0, t, None]).sum()
+        loss = loss + torch.log_softmax(model(input_ids=ids).logits[0, t - 1], -1).gather(
+            -1, ids[0, t, None]).sum()
     loss.backward()
     torch.testing.assert_close(packed_grad, model.model.embed_tokens.weight.grad, atol=1e-5, rtol=1e-4)
 
@@ -287,7 +295,8 @@ def test_block_mask_blocks_match_dense_rule(block_size, window):
 
 @pytest.mark.parametrize(
     "model_type,reason",
-    [("gpt_oss", "sinks"), ("kimi_linear", "linear-attention layers"), ("mamba", "recurrent"), ("bloom", "ALiBi"),
+    [("gpt_oss", "sinks"), ("kimi_linear", "linear-attention layers"),
+     ("mamba", "recurrent"), ("bloom", "ALiBi"),
      ("llama4_text", "chunked attention"), ("t5", "encoder-decoder"), ("gpt2", "not been verified")],
 )
 def test_unsupported_architectures_are_refused_by_name(model_type, reason):
@@ -316,7 +325,8 @@ def test_enable_refuses_unsupported_model():
 @pytest.mark.parametrize(
     "shape",
     [
-        {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},  # Qwen3 heads
+        # Qwen3 heads
+        {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
         {"hidden_size": 256, "head_dim": 64},
     ],
 )

@@ -32,10 +32,11 @@ pytestmark = pytest.mark.engine
 VOCAB = 96
 _TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
-         "attention_dropout": 0.0, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
-         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+         "attention_dropout": 0.0, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
-_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16}
 HYBRIDS = {
     "qwen3_5_text": {},
     "qwen3_5_moe_text": _MOE,
@@ -48,7 +49,8 @@ _VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 
 def tiny_hybrid(model_type: str, dtype=torch.float32, seed: int = 0):
     config = CONFIG_MAPPING[model_type](**_TEXT, **HYBRIDS[model_type])
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager"
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                            experts_implementation="eager"
                                             ).to(dtype).eval()
 
 
@@ -137,7 +139,8 @@ def float64_reference(monkeypatch):
     """Makes `model`'s unpacked forward run its delta rule in float64."""
     def patch(model):
         for layer in deltanet_layers(model):
-            monkeypatch.setattr(sys.modules[type(layer).__module__], "torch_chunk_gated_delta_rule", plain_chunk_rule)
+            monkeypatch.setattr(sys.modules[type(layer).__module__],
+                                "torch_chunk_gated_delta_rule", plain_chunk_rule)
     return patch
 
 
@@ -184,7 +187,8 @@ def test_packed_parameter_gradients_equal_unpacked_with_checkpointing(model_type
     for s in samples:
         ids = torch.as_tensor(s.token_ids, dtype=torch.long)[None]
         t = torch.as_tensor(np.flatnonzero(s.trained_mask))
-        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, t - 1], -1).gather(-1, ids[0, t, None])
+        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, t - 1], -1).gather(
+            -1, ids[0, t, None])
         loss = loss + s.advantage * lp.sum()
     loss.backward()
     reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -232,7 +236,8 @@ def test_a_layer_called_without_the_row_during_a_packed_forward_says_what_to_upg
     enable_tree_attention(model)
     row = pack_row(hybrid_samples(np.random.default_rng(5))[:3])
     layer = deltanet_layers(model)[0]
-    with tree_attention_context(TreeMask.from_row(row)), pytest.raises(RuntimeError, match="transformers >= 5.15"):
+    with tree_attention_context(TreeMask.from_row(row)), \
+            pytest.raises(RuntimeError, match="transformers >= 5.15"):
         layer(hidden_states=torch.zeros(1, row.num_tokens, 32))
 
 
@@ -247,7 +252,8 @@ def test_a_hybrid_with_other_linear_layers_is_refused_by_name():
 
 
 def test_an_unverified_vision_language_model_is_refused_naming_its_text_model():
-    with pytest.raises(ValueError, match="multimodal model that tree packing has not been verified.*'gemma3_text'"):
+    with pytest.raises(ValueError, match="multimodal model that tree packing has not been "
+                                         "verified.*'gemma3_text'"):
         check_supported(CONFIG_MAPPING["gemma3"]())
 
 

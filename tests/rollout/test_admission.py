@@ -38,10 +38,13 @@ def run_group(admission: Admission, num_rollouts: int, tokens_per_rollout: int, 
 
 
 def test_initial_allowance_is_max_staleness_steps_of_full_rows_of_every_process():
-    assert initial_allowance(num_processes=1, token_budget=100, gradient_accumulation_steps=1, max_staleness=4) == 400
-    assert initial_allowance(num_processes=2, token_budget=100, gradient_accumulation_steps=3, max_staleness=4) == 2400
+    assert initial_allowance(num_processes=1, token_budget=100,
+                             gradient_accumulation_steps=1, max_staleness=4) == 400
+    assert initial_allowance(num_processes=2, token_budget=100, gradient_accumulation_steps=3,
+                             max_staleness=4) == 2400
     # strictly on-policy still allows one step's worth
-    assert initial_allowance(num_processes=2, token_budget=100, gradient_accumulation_steps=3, max_staleness=0) == 600
+    assert initial_allowance(num_processes=2, token_budget=100,
+                             gradient_accumulation_steps=3, max_staleness=0) == 600
 
 
 def test_allowance_after_a_step_follows_what_the_step_consumed():
@@ -154,8 +157,8 @@ def test_strictly_on_policy_with_gradient_accumulation_generates_one_step_per_ve
     """max_staleness=0, 4 micro-batches per step: a version's groups fill the whole step; the trainer
     extends the quota when it runs short before the sync; the next version starts a fresh quota."""
     budget, accumulation = 100, 4
-    allowance = initial_allowance(num_processes=1, token_budget=budget, gradient_accumulation_steps=accumulation,
-                                  max_staleness=0)
+    allowance = initial_allowance(num_processes=1, token_budget=budget,
+                                  gradient_accumulation_steps=accumulation, max_staleness=0)
     admission = Admission(max_staleness=0)
     consumed = 0
     run_group(admission, num_rollouts=2, tokens_per_rollout=50, num_samples=2)  # the first group, 100 tokens

@@ -53,7 +53,8 @@ def test_blocked_with_no_group_open_the_gate_says_so_once_per_view_and_times_the
         admitted = asyncio.create_task(gate.admit(2))
         await asyncio.sleep(0.2)  # several polls against the same view
         assert not admitted.done()
-        channel.view = TrainerView(model_version=0, token_allowance=50, consumed_tokens=100)  # the trainer took it all
+        # the trainer took it all
+        channel.view = TrainerView(model_version=0, token_allowance=50, consumed_tokens=100)
         gate.on_progress()
         await asyncio.wait_for(admitted, timeout=1.0)
 

@@ -28,7 +28,8 @@ def reference_advantages(rewards):
     ],
 )
 def test_matches_plain_reference(rewards):
-    np.testing.assert_allclose(compute_advantages(rewards), reference_advantages(rewards), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(compute_advantages(rewards),
+                               reference_advantages(rewards), rtol=1e-12, atol=1e-12)
 
 
 def test_random_groups_match_reference_and_are_centred():

@@ -24,7 +24,8 @@ def test_clean_chain_extends_one_sequence():
     (seq,) = result.sequences
     assert seq.token_ids == [1, 2, 3, 10, 11, 99, 50, 51, 12, 13]
     assert seq.trained_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
-    assert seq.sampler_logprobs[3:6] == t1.output_log_probs and seq.sampler_logprobs[8:] == t2.output_log_probs
+    assert (seq.sampler_logprobs[3:6] == t1.output_log_probs
+            and seq.sampler_logprobs[8:] == t2.output_log_probs)
     assert (result.num_transitions, result.num_forks, result.drift_tokens) == (1, 0, [0])
 
 
@@ -114,7 +115,8 @@ def test_every_generated_token_is_trained_exactly_once_on_the_context_it_was_sam
             prompt = list(history)
             if t and rng.random() < 0.4:  # re-render: drop or rewrite a random middle slice
                 cut = rng.randrange(len(prompt))
-                prompt = prompt[:cut] + [rng.randrange(100) for _ in range(rng.randint(0, 3))] + prompt[cut + 2 :]
+                prompt = prompt[:cut] + [rng.randrange(100)
+                                         for _ in range(rng.randint(0, 3))] + prompt[cut + 2 :]
             prompt += [rng.randrange(100) for _ in range(rng.randint(0, 3))]  # tool output / template glue
             outputs = [rng.randrange(100) for _ in range(rng.randint(0, 4))]
             mask = [int(rng.random() < 0.9) for _ in outputs]

@@ -53,7 +53,8 @@ def test_functions_receive_the_seed_kwargs():
     seen = {}
 
     def spy(prompts, completions, completion_ids, answer, **kwargs):
-        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer, rest=kwargs)
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                    answer=answer, rest=kwargs)
         return [0.0] * len(completions)
 
     group = make_group(2)
@@ -101,7 +102,8 @@ def test_environment_and_rollout_rewards_are_sources():
     class CounterEnv:
         pass
 
-    group = make_group(3, env_rewards=[(CounterEnv, 1.0), None, (CounterEnv, 0.0)], rollout_rewards=[0.5, None, None])
+    group = make_group(3, env_rewards=[(CounterEnv, 1.0), None, (CounterEnv, 0.0)],
+                       rollout_rewards=[0.5, None, None])
     result = score(group, [])
     np.testing.assert_array_equal(result.totals, [1.5, np.nan, 0.0])
     np.testing.assert_array_equal(result.per_source["CounterEnv"], [1.0, np.nan, 0.0])
@@ -149,8 +151,10 @@ def test_a_reward_function_that_cannot_take_a_calls_keywords_is_refused_before_t
         return [0.0] * len(completions)
 
     columns = ["prompt", "answer"]
-    check_reward_signatures([length_reward, every_keyword, accuracy_reward, functools.partial(length_reward)], columns)
-    with pytest.raises(TypeError, match=r"'no_kwargs' does not take the keyword\(s\) \['prompts', 'completion_ids', "
+    check_reward_signatures([length_reward, every_keyword, accuracy_reward,
+                             functools.partial(length_reward)], columns)
+    with pytest.raises(TypeError,
+                       match=r"'no_kwargs' does not take the keyword\(s\) \['prompts', 'completion_ids', "
                                         r"'answer'\]; .*end the signature with \*\*kwargs"):
         check_reward_signatures([no_kwargs], columns)
     with pytest.raises(TypeError, match=r"'needs_a_column' requires \['solution'\], which no call passes: .*"
@@ -165,7 +169,8 @@ def test_a_keyword_a_function_does_not_take_says_to_add_kwargs():
     def no_kwargs(completions, answer):
         return [0.0] * len(completions)
 
-    with pytest.raises(RewardFunctionError, match=r"unexpected keyword argument.*end the signature with \*\*kwargs"):
+    with pytest.raises(RewardFunctionError,
+                       match=r"unexpected keyword argument.*end the signature with \*\*kwargs"):
         score(make_group(2), [no_kwargs])
 
 
@@ -261,16 +266,17 @@ def test_think_format_reward():
 
 
 def test_boxed_format_reward():
-    completions = [says(r"so \boxed{\frac{1}{2}}"), says("1/2"), says(r"\boxed{1} or \boxed{2}"), says(r"\boxed{}"),
-                   says(r"\boxed{3")]
+    completions = [says(r"so \boxed{\frac{1}{2}}"), says("1/2"),
+                   says(r"\boxed{1} or \boxed{2}"), says(r"\boxed{}"), says(r"\boxed{3")]
     assert boxed_format_reward(completions) == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert not math.isnan(boxed_format_reward(["plain \\boxed{2}"])[0])
 
 
 def test_boxed_number_format_reward_takes_one_box_holding_a_plain_number_only():
-    numbers = [r"\boxed{8}", r"3 + 5 = 8. \boxed{ 8 }", r"\boxed{-12}", r"\boxed{1,234}", r"\boxed{+0.5}", r"\boxed{.5}"]
-    others = [r"\boxed{number}", r"\boxed{}", r"\boxed{3 + 5}", r"\boxed{\frac{1}{2}}", r"\boxed{8} \boxed{8}",
-              r"\boxed{12,34}", "8", r"\boxed{8"]
+    numbers = [r"\boxed{8}", r"3 + 5 = 8. \boxed{ 8 }", r"\boxed{-12}", r"\boxed{1,234}",
+               r"\boxed{+0.5}", r"\boxed{.5}"]
+    others = [r"\boxed{number}", r"\boxed{}", r"\boxed{3 + 5}",
+              r"\boxed{\frac{1}{2}}", r"\boxed{8} \boxed{8}", r"\boxed{12,34}", "8", r"\boxed{8"]
     assert boxed_number_format_reward([says(t) for t in numbers]) == [1.0] * len(numbers)
     assert boxed_number_format_reward([says(t) for t in others]) == [0.0] * len(others)
 
@@ -296,7 +302,8 @@ def test_reward_models_are_refused_where_the_trainer_is_built():
 
     assert reward_func_list([length_reward]) == [length_reward]
     for model in ("some-org/reward-model", torch.nn.Linear(2, 1)):
-        with pytest.raises(TypeError, match=r"reward_funcs\[1\] is a \w+, not a reward function; reward models"):
+        with pytest.raises(TypeError,
+                           match=r"reward_funcs\[1\] is a \w+, not a reward function; reward models"):
             reward_func_list([length_reward, model])
 
 

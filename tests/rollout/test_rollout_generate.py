@@ -94,7 +94,8 @@ def test_execute_tool_calls_sync_async_unknown_raising():
     ok, added, unknown, raised, bad_args = asyncio.run(run())
     assert (ok.content, ok.failed) == ("42", False)
     assert (added.content, added.failed) == ("3", False)
-    assert unknown.failed and unknown.unknown_name and "nope" in unknown.content and "multiply" in unknown.content
+    assert (unknown.failed and unknown.unknown_name and "nope" in unknown.content
+            and "multiply" in unknown.content)
     assert raised.failed and not raised.unknown_name and "tool exploded" in raised.content
     assert bad_args.failed and "TypeError" in bad_args.content
 

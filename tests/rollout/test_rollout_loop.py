@@ -128,7 +128,8 @@ class Trainer:
         target = len(self.markers) + num_markers
         deadline = time.monotonic() + timeout_s
         while len(self.markers) < target:
-            assert time.monotonic() < deadline, f"only {len(self.markers)}/{target} groups finished in {timeout_s} s"
+            assert time.monotonic() < deadline, (f"only {len(self.markers)}/{target} groups finished in "
+                                                 f"{timeout_s} s")
             self.worker.check_health()
             try:
                 item = self.channel.samples.get(timeout=0.2)
@@ -221,14 +222,16 @@ def test_samples_markers_advantages_and_zero_std_groups(tmp_path, server, tokeni
         expected = (np.arange(G) - 1.5) / (np.arange(G).std() + 1e-8)
         np.testing.assert_allclose(advantages, expected, rtol=1e-6)
         assert abs(sum(advantages)) < 1e-6
-        prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt_ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
         for it in items:
             s = it.sample
             assert list(s.token_ids[: len(prompt_ids)]) == list(prompt_ids)
             assert not s.trained_mask[: len(prompt_ids)].any() and s.trained_mask[len(prompt_ids) :].all()
             assert (s.sampler_logprobs[s.trained_mask] <= 0).all()
             assert s.model_version == 0 and s.group_id >= 0 and it.row_index == marker.row_index
-            assert s.sampler_topk_ids is not None and 1 <= s.sampler_topk_ids.shape[1] <= 8  # score centering's top-K
+            # score centering's top-K
+            assert s.sampler_topk_ids is not None and 1 <= s.sampler_topk_ids.shape[1] <= 8
         assert len({it.sample.rollout_id for it in items}) == G
     assert num_dropped > 0
 
@@ -287,7 +290,8 @@ def test_seed_curriculum_loop_runs_unchanged(tmp_path, server, tokenizer):
 
 def test_counter_environment_runs_the_tool_loop(tmp_path, server, tokenizer):
     dataset = counter.make_dataset(4, seed=6)
-    config = _config(tmp_path, server, max_tool_calling_iterations=8, chat_template_kwargs={"enable_thinking": False})
+    config = _config(tmp_path, server, max_tool_calling_iterations=8,
+                     chat_template_kwargs={"enable_thinking": False})
     # index_reward alongside the environment's get_reward keeps every group (and its samples)
     worker, trainer = _start(
         AsyncRolloutLoop, config, tokenizer, [index_reward], dataset, environment_factory=counter.IncrementEnv

@@ -56,7 +56,8 @@ def test_a_source_that_applies_to_none_of_a_kept_group_records_no_std():
 
 
 def test_reward_records_of_dropped_groups():
-    records = _by_name(reward_records(np.array([1.0, 1.0]), {"acc": np.array([1.0, 1.0])}, [1, 1], dropped=True))
+    records = _by_name(reward_records(np.array([1.0, 1.0]),
+                                      {"acc": np.array([1.0, 1.0])}, [1, 1], dropped=True))
     assert [r.value for r in records["reward_dropped"]] == [1.0, 1.0]
     assert [r.value for r in records["frac_reward_zero_std"]] == [1.0]
     assert "reward_kept" not in records and "reward_group_std" not in records
@@ -82,7 +83,8 @@ def test_group_samples_carry_their_rollout_advantage_and_sampler_data():
     for s in samples:
         assert (s.advantage, s.group_id, s.model_version, s.rollout_id) == (0.5, 7, 3, "r0")
         assert s.trained_mask.tolist() == [False, True, True]
-        assert s.sampler_topk_ids[1].tolist() == [2, 9] and s.sampler_topk_logprobs[2, 0] == pytest.approx(-0.25)
+        assert (s.sampler_topk_ids[1].tolist() == [2, 9]
+                and s.sampler_topk_logprobs[2, 0] == pytest.approx(-0.25))
 
 
 # -- the loop in-process, without a server -------------------------------------------------------
@@ -124,7 +126,8 @@ class InProcess:
 
     def __init__(self, loop_cls, reward_funcs, *, allowance=1_000_000, rows=6, **config):
         self.channel = RolloutChannel.create(mp.get_context("spawn"), initial_allowance=allowance)
-        cfg = AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-loop", num_generations=3, report_to="none", **config)
+        cfg = AsyncGRPOConfig(output_dir="/tmp/asyncgrpo-test-loop", num_generations=3,
+                              report_to="none", **config)
         dataset = [{"prompt": [{"role": "user", "content": f"q{i}"}], "n": i} for i in range(rows)]
         self.loop = loop_cls(
             config=cfg, model_name="scripted", dataset=dataset, reward_funcs=reward_funcs,
@@ -201,9 +204,11 @@ def test_in_process_loop_queues_samples_then_markers_and_stops():
             assert item.num_samples == seen.get(item.position, 0) == 3
     names = {r[0] for r in run.records()}
     reward_names = {r.name for item in items if isinstance(item, GroupFinished) for r in item.records}
-    assert M.REWARD in reward_names and M.FRAC_REWARD_ZERO_STD in reward_names  # a group's records ride its marker
+    # a group's records ride its marker
+    assert M.REWARD in reward_names and M.FRAC_REWARD_ZERO_STD in reward_names
     names |= reward_names
-    for name in (M.REWARD, M.ROLLOUT_DURATION_S, M.ROLLOUT_SCORE_S, M.ROLLOUT_SCORE_WAIT_S, M.ROLLOUT_CONCURRENCY,
+    for name in (M.REWARD, M.ROLLOUT_DURATION_S, M.ROLLOUT_SCORE_S,
+                 M.ROLLOUT_SCORE_WAIT_S, M.ROLLOUT_CONCURRENCY,
                  M.COMPLETIONS_MEAN_TERMINATED_LENGTH, M.ROLLOUT_GENERATED_TOKENS_PER_S):
         assert name in names
 

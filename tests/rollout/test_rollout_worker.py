@@ -87,7 +87,8 @@ def _channel() -> RolloutChannel:
 
 
 def test_check_picklable_names_a_lambda_reward():
-    with pytest.raises(TypeError, match=r"reward_funcs\[1\] \(<lambda>\) cannot be pickled.*module-level function"):
+    with pytest.raises(TypeError,
+                       match=r"reward_funcs\[1\] \(<lambda>\) cannot be pickled.*module-level function"):
         check_spawn_inputs(AsyncRolloutLoop, {"reward_funcs": [length_reward, lambda **kw: [0.0]]})
 
 

@@ -67,7 +67,8 @@ class Server:
             cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, device)
             sched = Scheduler(BlockPool(num_blocks, True), BS, 8, 4096, MAX_LEN)
             # fixed_shape: the static path CUDA graphs replay (decode steps and steps of short chunks as rows)
-            plan = resolve_plan(model, cache, device, PlanFlags(shared_prefix=fixed_shape, continued_rows=fixed_shape))
+            plan = resolve_plan(model, cache, device,
+                                PlanFlags(shared_prefix=fixed_shape, continued_rows=fixed_shape))
             graphs = StepGraphs(model, cache, plan, 8, sched.max_blocks, device.type == "cuda", VOCAB,
                                 64) if fixed_shape else None
             served = sched, ModelRunner(model, cache, plan, VOCAB, sched.block_table, graphs)
@@ -114,7 +115,8 @@ class Server:
         seqs, stats = asyncio.run(go())
         assert not self.sched.running and not self.sched.waiting
         assert self.sched.pool.num_free == self.sched.pool.num_blocks, "every block back in the pool"
-        bad = [(self.async_scheduling, s.seq_id, s.pending, s.num_tokens, s.num_known, s.finish_reason) for s in seqs if s.pending or s.num_tokens != s.num_known]
+        bad = [(self.async_scheduling, s.seq_id, s.pending, s.num_tokens, s.num_known, s.finish_reason)
+               for s in seqs if s.pending or s.num_tokens != s.num_known]
         assert not bad, bad
         return seqs, stats
 
@@ -129,14 +131,15 @@ def _assert_same(a_seqs: list[Sequence], b_seqs: list[Sequence]) -> None:
         assert (a.finish_reason, a.stop_reason, a.error) == (b.finish_reason, b.stop_reason, b.error)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
         assert a.ranks == b.ranks and a.top_ids == b.top_ids and a.masks == b.masks
-        torch.testing.assert_close(torch.tensor(a.top_logprobs), torch.tensor(b.top_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.top_logprobs),
+                                   torch.tensor(b.top_logprobs), atol=1e-4, rtol=0)
 
 
 def _first_wave(done):
     group = _prompt(0, 40)  # a GRPO group: one prompt, several seeds
     return ([(group, {}) for _ in range(4)]
-            + [(_prompt(1, 13), {"max_tokens": 1}), (_prompt(2, 30), {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
-                                                                      "want_mask": False})]
+            + [(_prompt(1, 13), {"max_tokens": 1}),
+               (_prompt(2, 30), {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "want_mask": False})]
             + [(_prompt(3, 17), {"min_tokens": 6, "max_tokens": 9}), (_prompt(4, 5), {"max_tokens": 40})])
 
 
@@ -235,4 +238,5 @@ def test_random_request_mixes(model, seed):
         n, k = len(s.output), s.params.logprobs or 0
         assert n == len(s.logprobs) == len(s.ranks) and len(s.top_ids) == len(s.top_logprobs) == k * n
         assert len(s.masks) == (n if s.params.want_mask else 0) and 1 <= n <= s.params.max_tokens
-        assert s.finish_reason == "length" or (s.output[-1] in s.params.stop_token_ids and n >= s.params.min_tokens)
+        assert s.finish_reason == "length" or (s.output[-1] in s.params.stop_token_ids
+                                               and n >= s.params.min_tokens)

@@ -1,4 +1,5 @@
-"""KV-cache sizing from --gpu-memory-utilization (server/loading.py), vLLM's meaning: a share of the whole GPU."""
+"""KV-cache sizing from --gpu-memory-utilization (server/loading.py), vLLM's meaning: a share of the
+whole GPU."""
 
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ def test_what_the_process_held_before_loading_is_not_the_servers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)  # trainer 26, server 4
     model = torch.nn.Module()
     model.get_input_embeddings = lambda: torch.nn.Embedding(1, 64)
-    served = types.SimpleNamespace(device=torch.device("cuda"), attention_layers=list(range(4)), num_kv_heads=2,
-                                   head_dim=64, dtype=torch.bfloat16, max_model_len=1024, vocab_size=1000, model=model)
+    served = types.SimpleNamespace(device=torch.device("cuda"),
+                                   attention_layers=list(range(4)), num_kv_heads=2,
+                                   head_dim=64, dtype=torch.bfloat16, max_model_len=1024,
+                                   vocab_size=1000, model=model)
     per_token = PagedKVCache.bytes_per_token(4, 2, 64, torch.bfloat16)
     own = kv_cache_tokens(None, served, 100_000, 16, 0.5, 8192, reserved_before=26 * GIB)
     counted_all = kv_cache_tokens(None, served, 100_000, 16, 0.5, 8192)

@@ -27,7 +27,8 @@ from asyncgrpo.modeling.load import BUNDLED_MODELS
 pytestmark = pytest.mark.process
 
 TINY_CHAT = BUNDLED_MODELS["asyncgrpo/tiny-chat"]
-MEDIA = {"image_token_id": 491, "video_token_id": 492, "vision_start_token_id": 493, "vision_end_token_id": 494}
+MEDIA = {"image_token_id": 491, "video_token_id": 492, "vision_start_token_id": 493,
+         "vision_end_token_id": 494}
 _TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512,
          "eos_token_id": 484, "pad_token_id": 482, "tie_word_embeddings": False, "linear_num_key_heads": 2,
@@ -69,7 +70,8 @@ def server(checkpoint, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
     # asynchronous steps, as on CUDA: each sequence's DeltaNet state advances once per recorded token
     with EmbeddedServer(checkpoint, log_path=log, extra_args=["--dtype", "float32", "--max-model-len", "256",
-                                                              "--max-num-seqs", "8", "--async-scheduling"]) as running:
+                                                              "--max-num-seqs", "8",
+                                                              "--async-scheduling"]) as running:
         yield running
 
 
@@ -108,10 +110,12 @@ def test_served_logprobs_equal_the_checkpoint_forward_across_concurrent_requests
         output = choice["token_ids"]
         assert len(output) == max_tokens
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + output]), use_cache=False).logits[0, len(prompt) - 1 : -1]
+            logits = model(input_ids=torch.tensor([prompt + output]),
+                           use_cache=False).logits[0, len(prompt) - 1 : -1]
         logprobs = torch.log_softmax(logits.float(), -1)
         served = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
-        torch.testing.assert_close(served, logprobs.gather(1, torch.tensor(output)[:, None])[:, 0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(served,
+                                   logprobs.gather(1, torch.tensor(output)[:, None])[:, 0], atol=1e-4, rtol=0)
         top = logprobs.topk(2, dim=-1)
         for j, entry in enumerate(choice["logprobs"]["content"]):
             listed = {e["token_id"]: e["logprob"] for e in entry["top_logprobs"]}
@@ -120,7 +124,8 @@ def test_served_logprobs_equal_the_checkpoint_forward_across_concurrent_requests
 
 
 def test_image_content_is_refused_with_a_400(server):
-    image_prompt = [10, MEDIA["vision_start_token_id"], MEDIA["image_token_id"], MEDIA["vision_end_token_id"], 11]
+    image_prompt = [10, MEDIA["vision_start_token_id"], MEDIA["image_token_id"],
+                    MEDIA["vision_end_token_id"], 11]
     status, body = post(server, "/inference/v1/generate", {"token_ids": image_prompt,
                                                           "sampling_params": {"max_tokens": 2}})
     assert status == 400 and "images are not supported yet" in body["error"]["message"]
@@ -128,8 +133,10 @@ def test_image_content_is_refused_with_a_400(server):
     status, body = post(server, "/v1/completions", {"prompt": [[10, 11], [12, MEDIA["video_token_id"]]],
                                                     "max_tokens": 2})
     assert status == 400 and "images are not supported yet" in body["error"]["message"]
-    status, body = post(server, "/inference/v1/generate", {"token_ids": [10, 11], "features": {"mm_hashes": ["x"]},
-                                                          "sampling_params": {"max_tokens": 2}})
+    status, body = post(server, "/inference/v1/generate",
+                        {"token_ids": [10, 11], "features": {"mm_hashes": ["x"]},
+                         "sampling_params": {"max_tokens": 2}})
     assert status == 400 and "images are not supported yet" in body["error"]["message"]
-    status, body = post(server, "/inference/v1/generate", {"token_ids": [10, 11], "sampling_params": {"max_tokens": 2}})
+    status, body = post(server, "/inference/v1/generate",
+                        {"token_ids": [10, 11], "sampling_params": {"max_tokens": 2}})
     assert status == 200 and len(body["choices"][0]["token_ids"]) >= 1

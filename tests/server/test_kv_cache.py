@@ -24,7 +24,8 @@ pytestmark = pytest.mark.engine
 def models(request):
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=128)
     reference = Qwen3ForCausalLM(config).eval()
     paged = Qwen3ForCausalLM(copy.deepcopy(config)).eval()  # set_attn_implementation edits the config
     paged.load_state_dict(reference.state_dict())
@@ -92,8 +93,8 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
     got = _step(paged, cache, seqs, ["a", "b"], ["c"])  # decode and a single prefill in one pass
     torch.testing.assert_close(got, expected(["a", "b", "c"]), atol=1e-5, rtol=1e-5)
     # fixed-shape decode path (what CUDA graphs replay): 3 rows padded to 4, tables to 4 blocks
-    graphs = StepGraphs(paged, cache, resolve_plan(paged, cache, torch.device("cpu")), max_num_seqs=8, max_blocks=8,
-                        use_graphs=False, vocab_size=97)
+    graphs = StepGraphs(paged, cache, resolve_plan(paged, cache, torch.device("cpu")),
+                        max_num_seqs=8, max_blocks=8, use_graphs=False, vocab_size=97)
     for _ in range(2):
         for n in "abc":
             grow(n)
@@ -101,8 +102,8 @@ def test_mixed_prefill_and_decode_steps_match_full_forward(models):
         table = np.zeros((8, 8), dtype=np.int64)
         for i, n in enumerate(names):
             table[i, : len(seqs[n][1])] = seqs[n][1]
-        inputs = decode_inputs(np.array([seqs[n][0][-1] for n in names]), np.array([len(seqs[n][0]) for n in names]),
-                               np.arange(3), table, 4)
+        inputs = decode_inputs(np.array([seqs[n][0][-1] for n in names]),
+                               np.array([len(seqs[n][0]) for n in names]), np.arange(3), table, 4)
         got = graphs.run(inputs)
         torch.testing.assert_close(got, expected(names), atol=1e-5, rtol=1e-5)
     grow("a"), grow("c")
@@ -178,8 +179,8 @@ def test_past_max_graphs_steps_of_new_shapes_run_the_static_path_eagerly(models,
     ([RuntimeError("operation not permitted when stream is capturing")], 1, True),  # not retried
     ([ValueError("anything else")], 1, True),
 ])
-def test_a_failed_capture_is_retried_only_when_it_ran_out_of_memory(models, monkeypatch, caplog, failures, captures,
-                                                                    eager):
+def test_a_failed_capture_is_retried_only_when_it_ran_out_of_memory(models, monkeypatch,
+                                                                    caplog, failures, captures, eager):
     """Out of memory: one more attempt; any other failure (a capture CUDA cut off can leave the allocator
     mid-capture, where emptying its cache fails too): none. Either way the step runs and, when no graph
     came of it, every later step runs eagerly, said once in the log."""

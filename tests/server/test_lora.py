@@ -38,8 +38,10 @@ def _adapter(path, seed: int, **kwargs) -> torch.nn.Module:
     return model.merge_and_unload().eval()
 
 
-@pytest.mark.parametrize("slot_a, slot_b", [(2, 0), (2, 1)])  # every slot in use; only some (their rows gathered)
-def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_reference(tmp_path, slot_a, slot_b):
+# every slot in use; only some (their rows gathered)
+@pytest.mark.parametrize("slot_a, slot_b", [(2, 0), (2, 1)])
+def test_one_forward_serves_two_adapters_and_the_base_model_each_as_its_merged_reference(
+        tmp_path, slot_a, slot_b):
     refs = [
         _adapter(tmp_path / "a", 1, r=4, lora_alpha=8, target_modules="all-linear"),
         _adapter(tmp_path / "b", 2, r=2, lora_alpha=16, use_rslora=True, target_modules=["k_proj", "up_proj"],
@@ -69,7 +71,8 @@ def test_adapter_files_are_checked_like_vllm(tmp_path):
     _adapter(tmp_path / "a", 1, r=4, lora_alpha=8, target_modules=["q_proj"])
     with pytest.raises(AdapterNotFound, match=r"Loading lora x failed: No adapter found for /nowhere"):
         read_adapter("x", "/nowhere", lora.targets(), 8)
-    with pytest.raises(AdapterLoadError, match=r"LoRA rank 4 is greater than max_lora_rank 1; restart the server "
+    with pytest.raises(AdapterLoadError,
+                       match=r"LoRA rank 4 is greater than max_lora_rank 1; restart the server "
                                                 r"with --max-lora-rank 8"):
         read_adapter("a", str(tmp_path / "a"), lora.targets(), 1)
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
@@ -82,7 +85,8 @@ def test_adapter_files_are_checked_like_vllm(tmp_path):
         with pytest.raises(AdapterLoadError, match=message):
             read_adapter("a", str(tmp_path / "a"), lora.targets(), 8)
     # inits that only set the first adapter weights leave a plain LoRA, which loads
-    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "gaussian"}))
+    (tmp_path / "a" / "adapter_config.json").write_text(
+        json.dumps({**config, "init_lora_weights": "gaussian"}))
     assert read_adapter("a", str(tmp_path / "a"), lora.targets(), 8).rank == 4
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config))
     (tmp_path / "a" / "adapter_model.safetensors").unlink()

@@ -32,12 +32,14 @@ peft = pytest.importorskip("peft")
 TINY = "asyncgrpo/tiny-chat"
 DEVICE = os.environ.get("ASYNCGRPO_TEST_SERVER_DEVICE", "cpu")  # cuda: the fused Triton path, eager decode
 TOL = 2e-4 if DEVICE == "cpu" else 2e-3  # float32 on both sides; the reference runs on the CPU
-PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 300, 2, 77, 140, 9, 33, 21, 180, 6, 55]  # > one 16-token block
+# > one 16-token block
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 8, 64, 12, 300, 2, 77, 140, 9, 33, 21, 180, 6, 55]
 
 
 def call(url: str, path: str, body: Any = None, method: str = "POST") -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             status, text, ctype = resp.status, resp.read().decode(), resp.headers.get("Content-Type", "")
@@ -72,9 +74,11 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
     return logp[len(prompt) - 1 : -1].gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
-def generate(url: str, model: str | None, prompt: list[int] = PROMPT, seed: int = 0, max_tokens: int = 8) -> dict:
-    body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-                                                      "logprobs": 0, "ignore_eos": True}}
+def generate(url: str, model: str | None, prompt: list[int] = PROMPT, seed: int = 0,
+             max_tokens: int = 8) -> dict:
+    body = {"token_ids": prompt,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "logprobs": 0,
+                                "ignore_eos": True}}
     if model is not None:
         body["model"] = model
     status, out = call(url, "/inference/v1/generate", body)
@@ -110,8 +114,8 @@ def adapters(tmp_path_factory):
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     # asynchronous steps, as on CUDA: adapter loads and unloads wait for the step in flight
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--dtype", "float32", "--max-model-len", "256",
-            "--async-scheduling"]
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--dtype", "float32",
+            "--max-model-len", "256", "--async-scheduling"]
     with EmbeddedServer(TINY, log_path=log, device=DEVICE, extra_args=args) as s:
         yield s
 
@@ -138,7 +142,8 @@ def test_served_adapter_equals_merged_peft_model_and_differs_from_base(server, a
         # the same prompt under the adapter again: its KV blocks are cached apart from the base model's
         assert gap(generate(server.url, "a1", seed=1), refs["a1"]) < TOL
         status, body = call(server.url, "/v1/completions", {"model": "a1", "prompt": PROMPT, "max_tokens": 4,
-                                                             "logprobs": 0, "seed": 3, "return_token_ids": True})
+                                                             "logprobs": 0, "seed": 3,
+                                                             "return_token_ids": True})
         assert status == 200 and body["model"] == "a1"
         choice = body["choices"][0]
         logprobs = torch.tensor(choice["logprobs"]["token_logprobs"])
@@ -185,7 +190,8 @@ def test_unloading_returns_requests_to_404_and_the_slot_to_new_adapters(server, 
         "param": "model", "code": 404}
     status, body = unload(server.url, "a1")
     assert status == 404 and body["error"] == {
-        "message": "The lora adapter 'a1' cannot be found.", "type": "NotFoundError", "param": None, "code": 404}
+        "message": "The lora adapter 'a1' cannot be found.", "type": "NotFoundError",
+        "param": None, "code": 404}
     assert gap(generate(server.url, None), _base_model()) < TOL
     # both slots free again: another adapter takes one, and serves its own weights (not a1's leftovers)
     assert load(server.url, "a3", root / "a3")[0] == 200

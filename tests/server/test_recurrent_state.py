@@ -61,7 +61,8 @@ def serve(model, num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_to
     cache = PagedKVCache(text.num_hidden_layers, num_blocks, 16, text.num_key_value_heads, text.head_dim,
                          torch.float32, CPU)
     # no prefix caching: the server leaves models with recurrent layers uncached
-    sched = Scheduler(BlockPool(num_blocks, enable_caching=False), 16, max_num_seqs, max_num_batched_tokens, MAX_LEN)
+    sched = Scheduler(BlockPool(num_blocks, enable_caching=False), 16, max_num_seqs,
+                      max_num_batched_tokens, MAX_LEN)
     recurrent = RecurrentState.for_model(model, max_num_seqs, CPU)
     assert recurrent is not None
     plan = resolve_plan(model, cache, CPU)
@@ -106,7 +107,8 @@ def check_against_forward(reference, seq: Sequence, top_k: int = 0) -> None:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     logprobs = torch.log_softmax(logits, -1)
     out = torch.tensor(seq.output)
-    torch.testing.assert_close(torch.tensor(seq.logprobs), logprobs.gather(1, out[:, None])[:, 0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(seq.logprobs),
+                               logprobs.gather(1, out[:, None])[:, 0], atol=1e-4, rtol=0)
     top = logprobs.topk(3, dim=-1)
     top_ids = [seq.top(i)[0] for i in range(len(seq.output))]
     top_logprobs = torch.tensor([seq.top(i)[1] for i in range(len(seq.output))])
@@ -123,8 +125,8 @@ def test_server_logprobs_equal_the_model_forward_with_sequences_joining_mid_way(
     # prompts shorter than the conv window (1, 2 tokens) and longer than a 64-token chunk; many
     # decode steps (9 + 58 tokens cross a chunk boundary of the reference's chunked forward)
     lengths = [(9, 58), (1, 12), (70, 6), (2, 30), (33, 5)]
-    seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)], params(i, n, top_k=20 * (i % 2)),
-                     MAX_LEN) for i, (p, n) in enumerate(lengths)]
+    seqs = [Sequence(i, f"r{i}", 0, [(7 * i + 3 * j) % 96 for j in range(p)],
+                     params(i, n, top_k=20 * (i % 2)), MAX_LEN) for i, (p, n) in enumerate(lengths)]
     run(sched, runner, seqs, join_every=3)
     for s in seqs:
         assert len(s.output) == s.params.max_tokens
@@ -182,7 +184,8 @@ def test_weights_pushed_into_the_server_land_in_the_deltanet_layers():
     pushed = tiny_hybrid("qwen3_5_text", seed=7)
     sched, runner = serve(model)
     names = WeightLoader(model).names()
-    assert any(".linear_attn.A_log" in n for n in names) and any(".linear_attn.conv1d.weight" in n for n in names)
+    assert (any(".linear_attn.A_log" in n for n in names)
+            and any(".linear_attn.conv1d.weight" in n for n in names))
     WeightLoader(model).load_all(pushed.named_parameters())
     seqs = [Sequence(i, f"w{i}", 0, [(11 * i + j) % 96 for j in range(4 + 5 * i)], params(i, 12), MAX_LEN)
             for i in range(3)]

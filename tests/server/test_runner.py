@@ -27,7 +27,8 @@ MAX_LEN = 64
 def _model():
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=128)
     model = Qwen3ForCausalLM(copy.deepcopy(config)).eval()
     model.set_attn_implementation(register_attention())
     return model
@@ -48,7 +49,8 @@ def _engine(model, static: bool, wide: bool = False):
 
 
 def _params(seed: int, max_tokens: int) -> SeqParams:
-    return SeqParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.0, seed=seed, max_tokens=max_tokens, min_tokens=0,
+    return SeqParams(temperature=1.0, top_k=10, top_p=0.9, min_p=0.0, seed=seed,
+                     max_tokens=max_tokens, min_tokens=0,
                      stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=3,
                      want_mask=True)
 
@@ -139,4 +141,5 @@ def test_repetition_penalty_and_min_tokens_ban_against_the_models_logits():
                                    atol=1e-4, rtol=0)
         top_ids, top_lps = seq.top(i)
         assert top_ids == ref.topk(5).indices.tolist()
-        torch.testing.assert_close(torch.tensor(top_lps, dtype=torch.float64), ref.topk(5).values, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(top_lps, dtype=torch.float64),
+                                   ref.topk(5).values, atol=1e-4, rtol=0)

@@ -128,7 +128,8 @@ def test_same_seed_same_tokens_regardless_of_batch_and_path():
     for pos in range(20):
         alone = sample(row, _batch([params], vocab, positions=[pos]))
         # other rows force the full-vocabulary path (top_k off, top_p < 1) and change the batch
-        mixed_rows = [{"top_p": 0.7, "seed": 7}, params, {"temperature": 0.5, "seed": 8}, {"top_k": 3, "seed": 9}]
+        mixed_rows = [{"top_p": 0.7, "seed": 7}, params, {"temperature": 0.5, "seed": 8},
+                      {"top_k": 3, "seed": 9}]
         logits = torch.cat([others[:1], row, others[1:]])
         mixed = sample(logits, _batch(mixed_rows, vocab, positions=[3, pos, 5, 6]))
         assert int(alone.token_ids[0]) == int(mixed.token_ids[1])
@@ -139,7 +140,8 @@ def test_different_seeds_and_positions_draw_differently():
     vocab = 100
     logits = torch.zeros(1, vocab)
     by_seed = {int(sample(logits, _batch([{"seed": s}], vocab)).token_ids[0]) for s in range(30)}
-    by_pos = {int(sample(logits, _batch([{"seed": 0}], vocab, positions=[p])).token_ids[0]) for p in range(30)}
+    by_pos = {int(sample(logits, _batch([{"seed": 0}], vocab, positions=[p])).token_ids[0])
+              for p in range(30)}
     assert len(by_seed) > 15 and len(by_pos) > 15
 
 

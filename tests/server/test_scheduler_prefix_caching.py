@@ -35,7 +35,8 @@ def tiny_qwen3() -> Qwen3ForCausalLM:
     """A tiny random Qwen3 (seed 0) attending through the server's paged KV cache."""
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512)
     model = Qwen3ForCausalLM(copy.deepcopy(config)).eval()
     model.set_attn_implementation(register_attention())
     return model
@@ -64,7 +65,8 @@ class Harness:
         # at most that many rows take the fixed-shape path (`step_rows.prompt_rows`) with all chunks as rows
         # varlen_prompts: prompt chunks packed as for FlashAttention (on the CPU through its reference
         # computation; None: the probe's choice)
-        flags = PlanFlags(shared_prefix=shared_prefix, continued_rows=continued_rows, packed_prompts=varlen_prompts)
+        flags = PlanFlags(shared_prefix=shared_prefix, continued_rows=continued_rows,
+                          packed_prompts=varlen_prompts)
         plan = resolve_plan(model, cache, dev, flags)
         graphs = StepGraphs(model, cache, plan, max_num_seqs, self.sched.max_blocks, False, VOCAB,
                             max_prompt_rows) if shared_prefix else None
@@ -77,7 +79,8 @@ class Harness:
     def add(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int = 12) -> list[Sequence]:
         seqs = []
         for prompt, seed in prompts_and_seeds:
-            params = SeqParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0, seed=seed, max_tokens=max_tokens,
+            params = SeqParams(temperature=1.0, top_k=20, top_p=1.0, min_p=0.0,
+                               seed=seed, max_tokens=max_tokens,
                                min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None,
                                extra_eos_ids=frozenset(), logprobs=4, want_mask=False)
             seqs.append(Sequence(self.num_ids, f"r{self.num_ids}", 0, list(prompt), params, MAX_LEN))
@@ -116,7 +119,8 @@ def _assert_same(cached: list[Sequence], plain: list[Sequence]) -> None:
         assert a.output == b.output
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
         assert a.top_ids == b.top_ids
-        torch.testing.assert_close(torch.tensor(a.top_logprobs), torch.tensor(b.top_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.top_logprobs),
+                                   torch.tensor(b.top_logprobs), atol=1e-4, rtol=0)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -182,7 +186,8 @@ def test_admitting_every_few_steps_batches_arrivals_and_changes_no_output(model)
                 seqs += h.add([work[len(seqs)]], max_tokens=10)
                 arrived[seqs[-1].seq_id] = len(h.plans)
             h.step()
-        first_chunk = {seq_id: i for i, (_, prefill) in reversed(list(enumerate(h.plans))) for seq_id, _, _ in prefill}
+        first_chunk = {seq_id: i for i, (_, prefill) in reversed(list(enumerate(h.plans)))
+                       for seq_id, _, _ in prefill}
         runs[interval] = seqs, h.plans, max(first_chunk[i] - arrived[i] for i in arrived)
     _assert_same(runs[4][0], runs[1][0])
     steps_with_prompts = {n: sum(1 for _, prefill in plans if prefill) for n, (_, plans, _) in runs.items()}
@@ -262,7 +267,8 @@ def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, b
 def test_short_chunks_as_decode_rows_beside_a_long_padded_one_match_an_uncached_server(model):
     """One step with both layouts of the chunks after cached tokens: a group's members computing their
     last blocks as rows of the decode attention, and a conversation's long next turn padded."""
-    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True, num_blocks=160, max_num_seqs=12)
+    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True,
+                   num_blocks=160, max_num_seqs=12)
     off = Harness(model, caching=False, num_blocks=160, max_num_seqs=12)
     first = rows.run([(_prompt(40, 5 * BS + 3), 1)], max_tokens=12)[0]
     turn2 = first.prompt + first.output + _prompt(41, 100)
@@ -279,8 +285,8 @@ def test_steps_with_prompt_chunks_as_graph_rows_match_an_uncached_server(model):
     token a row of the decode attention beside the decoding sequences: fresh prompts, a group's members
     after its cached blocks, next turns of conversations, chunks cut by the token budget; steps with more
     prompt rows than the graphs hold run eagerly. Same tokens and log-probs as an uncached server."""
-    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True, num_blocks=200, max_num_seqs=12,
-                   budget=48, max_prompt_rows=46)
+    rows = Harness(model, caching=True, shared_prefix=True, continued_rows=True,
+                   num_blocks=200, max_num_seqs=12, budget=48, max_prompt_rows=46)
     off = Harness(model, caching=False, num_blocks=200, max_num_seqs=12)
     kinds = []  # per fixed-shape step with prompt chunks: whether its rows had shared-prefix groups
     run = rows.runner.graphs.run
@@ -312,7 +318,8 @@ def test_a_step_whose_rows_would_read_too_much_runs_eagerly(model, monkeypatch):
     h = Harness(model, caching=True, shared_prefix=True, continued_rows=True, max_prompt_rows=64)
     seen = []
     run = h.runner.graphs.run
-    h.runner.graphs.run = lambda inputs, pending=None: seen.append(inputs.sample_rows is not None) or run(inputs, pending)
+    h.runner.graphs.run = lambda inputs, pending=None: (seen.append(inputs.sample_rows is not None)
+                                                        or run(inputs, pending))
     monkeypatch.setattr(rows_module, "ROW_STEP_READS", 30)
     h.run([(_prompt(70, 20), 0)], max_tokens=3)  # 2 runs x 20 > 30: the prompt's step is eager
     monkeypatch.setattr(rows_module, "ROW_STEP_READS", 40)

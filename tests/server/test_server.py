@@ -169,7 +169,8 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 def _same_shape(ours, ref, where="$"):
     """Same keys at every level; null exactly where the reference is null or ours is null by design."""
     if isinstance(ref, dict) and ref and all(isinstance(v, float) for v in ref.values()):
-        assert isinstance(ours, dict) and all(isinstance(v, float) for v in ours.values()), where  # token -> lp
+        # token -> lp
+        assert isinstance(ours, dict) and all(isinstance(v, float) for v in ours.values()), where
     elif isinstance(ref, dict):
         assert isinstance(ours, dict), where
         assert set(ours) == set(ref), (where, set(ours) ^ set(ref))
@@ -246,7 +247,8 @@ def test_description_routes(main, fixtures):
     assert main.call("GET", "/get_world_size?include_dp=true") == (200, {"world_size": 1})
     status, info = main.call("GET", "/server_info?config_format=json")
     mc, cc = info["vllm_config"]["model_config"], info["vllm_config"]["cache_config"]
-    assert (mc["max_model_len"], mc["dtype"], mc["logprobs_mode"]) == (256, "torch.float32", "processed_logprobs")
+    assert ((mc["max_model_len"], mc["dtype"], mc["logprobs_mode"])
+            == (256, "torch.float32", "processed_logprobs"))
     assert mc["return_sampling_mask"] is True and mc["max_logprobs"] == 20
     assert cc["block_size"] == 16 and cc["kv_cache_size_tokens"] == 64 * 256
     assert cc["num_gpu_blocks"] * 16 == cc["kv_cache_size_tokens"]
@@ -264,9 +266,11 @@ def test_metrics_series_and_labels(main):
     assert status == 200
     labels = f'engine="0",model_name="{main.call("GET", "/v1/models")[1]["data"][0]["id"]}"'
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
         assert f"{name}{{{labels}}} " in text, name
-    assert "# TYPE vllm:num_preemptions_total counter" in text or "# TYPE vllm:num_preemptions counter" in text
+    assert ("# TYPE vllm:num_preemptions_total counter" in text
+            or "# TYPE vllm:num_preemptions counter" in text)
 
 
 # --- generation ---------------------------------------------------------------------------------
@@ -332,11 +336,13 @@ def test_stream_framing_matches_fixture_and_non_stream_result(main, fixtures):
           "ignore_eos": True}
     full = main.gen(PROMPT, **sp)[1]["choices"][0]
     status, text = main.call("POST", "/inference/v1/generate", {
-        "token_ids": PROMPT, "sampling_params": sp, "stream": True, "stream_options": {"include_usage": True}})
+        "token_ids": PROMPT, "sampling_params": sp, "stream": True,
+        "stream_options": {"include_usage": True}})
     assert status == 200
     ref_events = fixtures["generate_stream"]["response"].split("\n\n")
     events = text.split("\n\n")
-    assert events[-1] == "" and events[-2] == "data: [DONE]" and all(e.startswith("data: ") for e in events[:-1])
+    assert (events[-1] == "" and events[-2] == "data: [DONE]"
+            and all(e.startswith("data: ") for e in events[:-1]))
     chunks = [json.loads(e[6:]) for e in events[:-2]]
     ref_chunks = [json.loads(e[6:]) for e in ref_events[:-3]]
     _same_shape(chunks[0], ref_chunks[0])
@@ -399,7 +405,8 @@ def test_sixty_four_requests_share_one_forward_pass(main):
     assert info["embedded"]["num_steps"] - before["num_steps"] == 6
     assert info["embedded"]["num_prefill_steps"] - before["num_prefill_steps"] == 1
     assert info["embedded"]["step_seconds"] > before["step_seconds"]
-    phases = {k: v - before["step_phase_seconds"][k] for k, v in info["embedded"]["step_phase_seconds"].items()}
+    phases = {k: v - before["step_phase_seconds"][k]
+              for k, v in info["embedded"]["step_phase_seconds"].items()}
     assert set(phases) == {"schedule", "forward", "record", "device_wait"} and min(phases.values()) > 0
     parts = phases["schedule"] + phases["forward"] + phases["record"]
     assert parts <= info["embedded"]["step_seconds"] - before["step_seconds"]
@@ -543,7 +550,8 @@ def test_invalid_sampling_params_are_400(main, sp, param):
 
 def test_bad_ids_model_and_json(main, fixtures):
     for ids in ([], [-1], [10**6], ["a"]):
-        assert main.call("POST", "/inference/v1/generate", {"token_ids": ids, "sampling_params": {"top_k": 5}})[0] == 400
+        assert main.call("POST", "/inference/v1/generate",
+                         {"token_ids": ids, "sampling_params": {"top_k": 5}})[0] == 400
     status, body = main.call("POST", "/inference/v1/generate", {"token_ids": PROMPT, "model": "other",
                                                                 "sampling_params": {"top_k": 5}})
     assert status == 404 and body["error"]["type"] == "NotFoundError" and body["error"]["code"] == 404
@@ -563,7 +571,8 @@ def test_completions_shapes_text_and_token_prompts(main, fixtures):
     _same_shape(body, ref["response"])
     choice = body["choices"][0]
     lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(choice["token_ids"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert (len(lp["tokens"]) == len(choice["token_ids"]) == len(lp["token_logprobs"])
+            == len(lp["top_logprobs"]))
     assert all(1 <= len(t) <= 6 for t in lp["top_logprobs"])  # texts of byte tokens may collide
     assert body["usage"]["prompt_tokens"] == len(PROMPT)
     status, body = main.call("POST", "/v1/completions", {"prompt": "hello world", "top_k": 5, "max_tokens": 3,
@@ -686,7 +695,8 @@ def test_weight_routes_state_machine_and_versions(main):
     assert main.call("GET", "/weight_info")[1] == {"weight_version": "v7"}
     choice = main.gen(PROMPT, top_k=5, max_tokens=3, ignore_eos=True)[1]["choices"][0]
     assert choice["weight_versions"] == [{"version": "v7", "start": 0, "end": 3}]
-    assert main.call("POST", "/shutdown_weight_transfer_engine")[1] == {"message": "Weight transfer shut down"}
+    assert (main.call("POST", "/shutdown_weight_transfer_engine")[1]
+            == {"message": "Weight transfer shut down"})
     main.call("POST", "/update_weight_version", {"new_version": "default"})
 
 
@@ -701,7 +711,8 @@ def test_weight_loader_applies_and_validates(model_dir):
     new = torch.randn_like(model.lm_head.weight)
     loader.load("lm_head.weight", new)
     assert torch.equal(model.lm_head.weight, new)
-    loader.check(["model.layers.0.self_attn.q_proj.weight"], ["float32"], [list(model.model.layers[0].self_attn.q_proj.weight.shape)])
+    loader.check(["model.layers.0.self_attn.q_proj.weight"], ["float32"],
+                 [list(model.model.layers[0].self_attn.q_proj.weight.shape)])
     with pytest.raises(WeightTransferError, match="unknown parameter"):
         loader.check(["model.nope"], ["float32"], [[1]])
     with pytest.raises(WeightTransferError, match="dtype bfloat16"):
@@ -710,7 +721,8 @@ def test_weight_loader_applies_and_validates(model_dir):
         loader.load("lm_head.weight", torch.zeros(2, 2))
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tied = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    tied = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16,
+                                        intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
                                         tie_word_embeddings=True))
     embed = torch.randn(32, 16)

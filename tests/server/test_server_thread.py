@@ -38,10 +38,12 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
     before = sys.getswitchinterval()
     with ServerThread(config) as running:
         assert running.url == f"http://127.0.0.1:{port}"
-        assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())  # the engine is in this process
+        # the engine is in this process
+        assert any(t.name == "asyncgrpo-engine" for t in threading.enumerate())
         assert sys.getswitchinterval() == pytest.approx(min(IN_PROCESS_SWITCH_INTERVAL_S, before))
         status, body = post(running, "/inference/v1/generate",
-                            {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5, "ignore_eos": True,
+                            {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 5,
+                                                                            "ignore_eos": True,
                                                                            "temperature": 1.0, "seed": 3}})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 5
         assert post(running, "/start_profile", {})[0] == 404  # no profiler directory: no route, as vLLM
@@ -60,7 +62,8 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
             if transport is not None:
                 transport.close()
             link.close()
-    assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive() for t in threading.enumerate())
+    assert not any(t.name in ("asyncgrpo-engine", "asyncgrpo-server") and t.is_alive()
+                   for t in threading.enumerate())
     assert sys.getswitchinterval() == before  # the interpreter's own again
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
@@ -92,7 +95,8 @@ def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
                 link.close()
     """)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", script], check=False,
+                          capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout and "inside the trainer's process" in done.stdout
@@ -103,8 +107,10 @@ def test_prompt_attention_is_chosen_at_start_and_a_flash_request_it_cannot_serve
     from asyncgrpo.server.loading import ModelLoadError
     from asyncgrpo.server.serve import build_server
 
-    config = ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256", "--prompt-attention", "flash_varlen")
-    with pytest.raises(ModelLoadError, match="--prompt-attention flash_varlen.*use --prompt-attention auto or padded"):
+    config = ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256",
+                            "--prompt-attention", "flash_varlen")
+    with pytest.raises(ModelLoadError,
+                       match="--prompt-attention flash_varlen.*use --prompt-attention auto or padded"):
         build_server(config)
     for choice in ("auto", "padded"):  # CPU: the padded layouts either way
         server = build_server(ServeConfig.of("asyncgrpo/tiny-chat", "--max-model-len", "256",

@@ -49,7 +49,8 @@ FAMILIES = {
 
 # soft-capped layers (Gemma 2) keep the padded layouts (a test below checks the refusal)
 @pytest.mark.parametrize("family,varlen", [pytest.param(f, v, id=f"{f}-{'packed' if v else 'padded'}")
-                                           for f in sorted(FAMILIES) for v in (False, True) if not (v and f == "gemma2")])
+                                           for f in sorted(FAMILIES) for v in (False, True)
+                                           if not (v and f == "gemma2")])
 def test_logprobs_equal_the_models_own_forward(family, varlen):
     torch.manual_seed(0)
     reference = FAMILIES[family]().eval()
@@ -63,10 +64,11 @@ def test_logprobs_equal_the_models_own_forward(family, varlen):
     plan = resolve_plan(served, cache, torch.device("cpu"), PlanFlags(packed_prompts=varlen))
     runner = ModelRunner(served, cache, plan, VOCAB, sched.block_table)
     params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, max_tokens=14, min_tokens=0,
-                       stop_token_ids=frozenset(), eos_token_id=None, extra_eos_ids=frozenset(), logprobs=None,
-                       want_mask=False)
+                       stop_token_ids=frozenset(), eos_token_id=None,
+                       extra_eos_ids=frozenset(), logprobs=None, want_mask=False)
     prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(1)).tolist()
-    seqs = [Sequence(i, f"r{i}", 0, prompt, SeqParams(**{**params.__dict__, "seed": i}), 256) for i in range(3)]
+    seqs = [Sequence(i, f"r{i}", 0, prompt, SeqParams(**{**params.__dict__, "seed": i}), 256)
+            for i in range(3)]
     for i, seq in enumerate(seqs):
         sched.add(seq)
         if i == 0:  # the later two find the first one's prompt blocks in the prefix cache

@@ -35,7 +35,8 @@ pytestmark = pytest.mark.engine
 
 VOCAB, BS, MAX_LEN = 97, 16, 256
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": MAX_LEN}
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "max_position_embeddings": MAX_LEN}
 
 
 def _mistral(window: int) -> MistralForCausalLM:
@@ -59,7 +60,8 @@ def models():
 class Harness:
     """An engine without its thread that also records the blocks every running sequence holds."""
 
-    def __init__(self, model, caching: bool, num_blocks: int, budget: int = 4096, free_window: bool = True) -> None:
+    def __init__(self, model, caching: bool, num_blocks: int, budget: int = 4096,
+                 free_window: bool = True) -> None:
         cache = PagedKVCache(2, num_blocks, BS, 2, 16, torch.float32, torch.device("cpu"))
         window = kv_window(model, range(2)) if free_window else None
         self.sched = Scheduler(BlockPool(num_blocks, caching), BS, 8, budget, MAX_LEN, window=window)
@@ -73,7 +75,8 @@ class Harness:
     def run(self, prompts_and_seeds: list[tuple[list[int], int]], max_tokens: int) -> list[Sequence]:
         seqs = []
         for prompt, seed in prompts_and_seeds:
-            params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=max_tokens,
+            params = SeqParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                               seed=seed, max_tokens=max_tokens,
                                min_tokens=0, stop_token_ids=frozenset(), eos_token_id=None,
                                extra_eos_ids=frozenset(), logprobs=None, want_mask=False)
             seqs.append(Sequence(self.num_ids, f"r{self.num_ids}", 0, list(prompt), params, MAX_LEN))
@@ -83,7 +86,8 @@ class Harness:
             plan = self.sched.schedule()
             self.num_preempted += len(plan.preempted)
             self.max_running = max(self.max_running, len(self.sched.running))
-            for s in plan.prefill:  # a chunk the pool could not grow is left for a later step, not planned empty
+            # a chunk the pool could not grow is left for a later step, not planned empty
+            for s in plan.prefill:
                 assert s.prefill_end > s.prefill_start, (s.prefill_start, s.prefill_end)
             for s in self.sched.running:
                 held = [b for b in s.blocks if b != self.sched.null_block]

@@ -25,8 +25,8 @@ def mistral(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_mistral_sw8")
     torch.manual_seed(0)
     config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                           sliding_window=WINDOW, bos_token_id=1, eos_token_id=2)
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=256, sliding_window=WINDOW, bos_token_id=1, eos_token_id=2)
     model = MistralForCausalLM(config).eval()
     model.save_pretrained(path)
     model.set_attn_implementation("eager")
@@ -52,11 +52,13 @@ def test_requests_as_long_as_the_whole_cache_decode_together_past_the_window(mis
     path, reference = mistral
     args = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-tokens", "128", "--max-num-seqs", "8"]
     log = tmp_path / "server.log"
-    prompts = [torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    prompts = [torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(4)]
     with EmbeddedServer(str(path), extra_args=args, log_path=log) as server:
         def generate(i: int) -> dict:
             sp = {"max_tokens": 100, "temperature": 1.0, "seed": i, "ignore_eos": True, "logprobs": 1}
-            return _post(server.url, "/inference/v1/generate", {"token_ids": prompts[i], "sampling_params": sp})
+            return _post(server.url, "/inference/v1/generate",
+                         {"token_ids": prompts[i], "sampling_params": sp})
 
         with ThreadPoolExecutor(4) as pool:
             bodies = list(pool.map(generate, range(4)))

@@ -11,7 +11,8 @@ import sys
 from asyncgrpo.launch import free_port
 
 
-def run_torchrun(args: list[str], *, nproc: int, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+def run_torchrun(args: list[str], *, nproc: int, env: dict[str, str],
+                 timeout_s: float) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc_per_node NPROC ARGS...` on a free local port."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *args]

@@ -55,4 +55,5 @@ def test_update_without_handle_or_names_is_rejected():
     with pytest.raises(ValueError, match="ipc_buffer"):
         parse_embedded_update({"names": [], "dtype_names": [], "shapes": []})
     with pytest.raises(ValueError, match="no reuse"):
-        parse_embedded_update({"names": [], "dtype_names": [], "shapes": [], "ipc_buffer": handle().to_json()})
+        parse_embedded_update({"names": [], "dtype_names": [], "shapes": [],
+                               "ipc_buffer": handle().to_json()})

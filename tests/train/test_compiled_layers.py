@@ -37,7 +37,8 @@ def _train_model(compiled_backend: str | None):
 def _logprobs_and_grad(model, row):
     model.zero_grad()
     with tree_attention_context(TreeMask.from_row(row)):
-        hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
+        hidden = model.model(input_ids=row.input_ids[None],
+                             position_ids=row.position_ids[None]).last_hidden_state
     lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
     lp.sum().backward()
     return lp.detach(), model.model.embed_tokens.weight.grad.clone()
@@ -95,10 +96,13 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
     for n in (5, 7, 9, 11):
         samples = [s for _ in range(n) for s in grpo_like_samples(rng)]
         row = pack_row(samples)
-        mask = TreeMask.from_row(row, backend="flex", kernel_options=dict(kernel_options) if kernel_options else None)
+        mask = TreeMask.from_row(row, backend="flex",
+                                 kernel_options=dict(kernel_options) if kernel_options else None)
         with torch.no_grad(), tree_attention_context(mask):
-            hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
-            lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+            hidden = model.model(input_ids=row.input_ids[None],
+                                 position_ids=row.position_ids[None]).last_hidden_state
+            lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index,
+                                row.target_ids).target_logprobs
         torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[-1] <= 2, graphs
@@ -129,8 +133,10 @@ def test_a_mask_capacity_leaves_no_symbolic_size_in_the_compiled_mask_function()
             row = pack_row(samples)
             mask = TreeMask.from_row(row, backend="flex", mask_capacity=capacity)
             with torch.no_grad(), tree_attention_context(mask):
-                hidden = model.model(input_ids=row.input_ids[None], position_ids=row.position_ids[None]).last_hidden_state
-                lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids).target_logprobs
+                hidden = model.model(input_ids=row.input_ids[None],
+                                     position_ids=row.position_ids[None]).last_hidden_state
+                lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index,
+                                    row.target_ids).target_logprobs
             torch.testing.assert_close(lp, unpacked_logprobs(reference, samples), atol=1e-5, rtol=0)
         torch._dynamo.reset()
     without, with_capacity = captured[0], captured[-1]

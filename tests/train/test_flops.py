@@ -21,7 +21,8 @@ H, I, L, HEADS, KV, HD, V = 32, 64, 2, 4, 2, 8, 97
 
 def tiny(model_type: str, **extra):
     config = CONFIG_MAPPING[model_type](vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
-                                        num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD, **extra)
+                                        num_attention_heads=HEADS,
+                                        num_key_value_heads=KV, head_dim=HD, **extra)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -34,8 +35,8 @@ def test_dense_model_counts_its_layer_matmuls_head_and_attention_pairs():
 
 
 def test_moe_counts_only_the_active_experts():
-    model = tiny("qwen3_moe", num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, decoder_sparse_step=1,
-                 mlp_only_layers=[])
+    model = tiny("qwen3_moe", num_experts=4, num_experts_per_tok=1,
+                 moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[])
     flops = FlopModel.for_model(model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     others = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and ".experts." not in n)
@@ -76,7 +77,8 @@ def test_mfu_is_the_steps_flops_over_the_peak_times_the_time_on_every_process():
 def test_a_gated_deltanet_hybrid_counts_attention_on_its_full_layers_and_the_delta_rule_per_token():
     config = CONFIG_MAPPING["qwen3_5_text"](
         vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=4, num_attention_heads=HEADS,
-        num_key_value_heads=KV, head_dim=HD, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        num_key_value_heads=KV, head_dim=HD, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8,
         linear_value_head_dim=16, layer_types=["linear_attention", "linear_attention", "linear_attention",
                                                 "full_attention"])
     flops = FlopModel.for_config(config, layer_params=1000)

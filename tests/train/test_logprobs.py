@@ -342,7 +342,8 @@ def test_tokens_without_a_candidate_set_use_the_full_vocabulary_beside_tokens_wi
 def test_model_logit_scale_matches_fp64_brute_force_values_and_grads(scale, softcap):
     # Cohere multiplies hidden @ W by logit_scale, Granite divides by logits_scaling (scale 1/4).
     inputs, candidate_sets = _make_inputs(11, dtype=torch.float64, bias=True, cands=True)
-    out = token_logprobs(**inputs, temperature=0.8, logit_scale=scale, logit_softcapping=softcap, chunk_size=3)
+    out = token_logprobs(**inputs, temperature=0.8, logit_scale=scale,
+                         logit_softcapping=softcap, chunk_size=3)
     ref_inputs = _clone_leaves(inputs)
     want = _brute_force(ref_inputs, candidate_sets, 0.8, softcap, scale)
     torch.testing.assert_close(out.target_logprobs, want[0])
@@ -355,9 +356,11 @@ def test_model_logit_scale_matches_fp64_brute_force_values_and_grads(scale, soft
 
 @pytest.mark.parametrize(
     "temperature,scale,softcap,bias,chunk_size",
-    [(1.0, 1.0, None, False, 4), (0.7, 1.0, None, True, 3), (1.3, 0.25, 5.0, False, 64), (0.6, 4.0, 2.0, True, 1)],
+    [(1.0, 1.0, None, False, 4), (0.7, 1.0, None, True, 3), (1.3, 0.25, 5.0, False, 64),
+     (0.6, 4.0, 2.0, True, 1)],
 )
-def test_fused_epilogue_matches_fp64_brute_force_values_and_grads(temperature, scale, softcap, bias, chunk_size):
+def test_fused_epilogue_matches_fp64_brute_force_values_and_grads(temperature, scale,
+                                                                  softcap, bias, chunk_size):
     """`fused=True` (the kernels compiled on CUDA, run eagerly here) against the per-token fp64 loop:
     values, top-K with pad entries, entropy, and the gradients of hidden, weight and bias."""
     inputs, _ = _make_inputs(21, dtype=torch.float64, bias=bias)
@@ -368,7 +371,8 @@ def test_fused_epilogue_matches_fp64_brute_force_values_and_grads(temperature, s
     torch.testing.assert_close(out.target_logprobs, want[0])
     torch.testing.assert_close(out.topk_logprobs, want[1])
     torch.testing.assert_close(out.entropy, want[2])
-    for got, expected in zip(_grads(inputs, (out.target_logprobs, out.topk_logprobs)), _grads(ref_inputs, want[:2])):
+    for got, expected in zip(_grads(inputs, (out.target_logprobs, out.topk_logprobs)),
+                             _grads(ref_inputs, want[:2])):
         torch.testing.assert_close(got, expected)
 
 

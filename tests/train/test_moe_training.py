@@ -49,10 +49,12 @@ def test_a_tiny_moe_trains_against_the_embedded_server_with_aux_loss_logged(tmp_
     with EmbeddedServer(str(path), log_path=tmp_path / "server.log") as server:
         args = AsyncGRPOConfig(
             output_dir=str(tmp_path / "out"), vllm_server_base_url=server.url, num_generations=4,
-            max_completion_length=16, learning_rate=1e-3, bf16=False, use_cpu=True, gradient_checkpointing=False,
-            save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1, max_steps=2, seed=0, token_budget=256,
+            max_completion_length=16, learning_rate=1e-3, bf16=False, use_cpu=True,
+            gradient_checkpointing=False, save_strategy="no", report_to="none", disable_tqdm=True,
+            logging_steps=1, max_steps=2, seed=0, token_budget=256,
         )
-        trainer = AsyncGRPOTrainer(model=str(path), reward_funcs=text_length_reward, train_dataset=rows, args=args)
+        trainer = AsyncGRPOTrainer(model=str(path), reward_funcs=text_length_reward,
+                                   train_dataset=rows, args=args)
         gate = trainer.model.model.layers[0].mlp.gate.weight
         before = gate.detach().clone()
         trainer.train()

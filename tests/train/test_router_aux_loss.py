@@ -37,7 +37,8 @@ def tiny_moe(seed: int = 0, **overrides) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
 
 
-def plain_load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+def plain_load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int,
+                              top_k: int) -> torch.Tensor:
     """num_experts * sum_e f_e * P_e over every (layer, token): f_e the share of top-k assignments that
     went to expert e (they sum to top_k), P_e its mean router probability."""
     probs = torch.cat([torch.softmax(logits.double(), dim=-1) for logits in router_logits])  # [L*T, E]
@@ -78,9 +79,11 @@ def test_training_step_loss_is_policy_loss_plus_coef_times_the_models_own_aux_lo
     logprobs, advantages, sampler, owner, router = [], [], [], [], [[], []]
     with torch.no_grad():
         for i, s in enumerate(samples):
-            out = model(input_ids=torch.as_tensor(s.token_ids, dtype=torch.long)[None], output_router_logits=True)
+            out = model(input_ids=torch.as_tensor(s.token_ids, dtype=torch.long)[None],
+                        output_router_logits=True)
             t = torch.as_tensor(np.flatnonzero(s.trained_mask))
-            lp = torch.log_softmax(out.logits[0, t - 1].double(), -1).gather(-1, torch.as_tensor(s.token_ids)[t, None].long())
+            lp = torch.log_softmax(out.logits[0, t - 1].double(), -1).gather(
+                -1, torch.as_tensor(s.token_ids)[t, None].long())
             logprobs.append(lp[:, 0])
             sampler.append(torch.as_tensor(s.sampler_logprobs[t]))
             advantages.append(torch.full((t.numel(),), s.advantage))
@@ -89,18 +92,21 @@ def test_training_step_loss_is_policy_loss_plus_coef_times_the_models_own_aux_lo
                 router[layer].append(logits)
     num_trained = sum(s.num_trained for s in samples)
     policy = policy_loss(torch.cat(logprobs), torch.cat(sampler), torch.cat(advantages), torch.cat(owner),
-                         num_trained_tokens_global=num_trained, gradient_accumulation_steps=1, score_centering=False)
+                         num_trained_tokens_global=num_trained,
+                         gradient_accumulation_steps=1, score_centering=False)
     aux = plain_load_balancing_loss([torch.cat(layer) for layer in router], NUM_EXPERTS, TOP_K)
     weight = 0.01 if coef is None else coef  # None: the model config's router_aux_loss_coef
 
     trainer = _trainer(tmp_path, model, router_aux_loss_coef=coef)
-    loss = trainer.training_step(trainer.model, MicroBatchInput(samples, num_trained_tokens_global=num_trained))
+    loss = trainer.training_step(trainer.model,
+                                 MicroBatchInput(samples, num_trained_tokens_global=num_trained))
     assert policy.loss.abs() > 1e-3 and weight * aux > 1e-3  # both terms matter
     torch.testing.assert_close(loss.double(), policy.loss.double() + weight * aux, rtol=1e-5, atol=1e-6)
     gate = trainer.model.model.layers[0].mlp.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0  # the router learns from the aux loss
     logged = loss_metrics(trainer._metrics.loss_stats)
-    torch.testing.assert_close(torch.tensor(logged["aux_loss"], dtype=torch.float64), aux, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(logged["aux_loss"], dtype=torch.float64),
+                               aux, rtol=1e-5, atol=1e-7)
 
 
 def test_zero_coefficient_adds_nothing_and_logs_no_aux_loss(tmp_path):

@@ -69,8 +69,9 @@ def test_short_run_updates_parameters_and_logs_the_seed_metrics(tmp_path, server
     keys = set().union(*logs)
     for name in (
         "loss", "reward", "num_tokens", "entropy",
-        "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max", "sampling/masked_mean",
-        "clip_ratio/region_mean", "batch/packing_ratio", "batch/samples_per_row", "batch/trained_tokens_per_step",
+        "sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max",
+        "sampling/masked_mean", "clip_ratio/region_mean", "batch/packing_ratio", "batch/samples_per_row",
+        "batch/trained_tokens_per_step",
         "perf/step_s", "perf/fwd_bwd_s", "perf/weight_sync_s", "perf/rollout_wait_s",
         "sample/staleness_max", "rollout/generated_tokens_per_s", "completions/mean_length",
     ):
@@ -82,7 +83,8 @@ def test_short_run_updates_parameters_and_logs_the_seed_metrics(tmp_path, server
     # report_to=tensorboard received the same scalars
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    runs = [root for root, _, files in os.walk(tmp_path / "out") if any(f.startswith("events.") for f in files)]
+    runs = [root for root, _, files in os.walk(tmp_path / "out")
+            if any(f.startswith("events.") for f in files)]
     assert runs, "no tensorboard event file written"
     events = EventAccumulator(runs[0])
     events.Reload()
@@ -106,7 +108,8 @@ def raising_reward(completions, **kwargs):
 
 def test_raising_reward_fails_fast_with_its_traceback(tmp_path, server):
     trainer = AsyncGRPOTrainer(
-        model=MODEL, reward_funcs=raising_reward, train_dataset=_dataset(16), args=_config(tmp_path, server, max_steps=2)
+        model=MODEL, reward_funcs=raising_reward, train_dataset=_dataset(16),
+        args=_config(tmp_path, server, max_steps=2)
     )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="reward exploded on purpose") as info:
@@ -116,8 +119,8 @@ def test_raising_reward_fails_fast_with_its_traceback(tmp_path, server):
 
 
 def test_the_dtype_warning_compares_the_precision_of_the_trainers_matmuls(tmp_path, server, caplog):
-    """float32 weights under bf16 autocast multiply in bfloat16: against this float32 server that is the mismatch
-    to report (not the weights' float32, which matches it)."""
+    """float32 weights under bf16 autocast multiply in bfloat16: against this float32 server that is the
+    mismatch to report (not the weights' float32, which matches it)."""
     trainer = AsyncGRPOTrainer(model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
                                args=_config(tmp_path, server, max_steps=1, bf16=True))
     assert next(trainer.model.parameters()).dtype == torch.float32
@@ -234,7 +237,8 @@ class CurriculumTrainer(AsyncGRPOTrainer):
 
 def test_seed_curriculum_loop_runs_unchanged(tmp_path, server):
     config = _config(tmp_path, server, cls=CurriculumConfig, max_steps=2, pass_rate_cap=0.5)
-    trainer = CurriculumTrainer(model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(32), args=config)
+    trainer = CurriculumTrainer(model=MODEL, reward_funcs=accuracy_reward,
+                                train_dataset=_dataset(32), args=config)
     trainer.train()
     assert trainer.state.global_step == 2
 
@@ -246,7 +250,8 @@ def test_torch_compile_compiles_each_decoder_layer_not_the_whole_model(tmp_path,
     layers in whole-layer checkpointing, even where gradient_checkpointing=True asks for it."""
     import torch._functorch.config
 
-    with torch._functorch.config.patch(activation_memory_budget=1.0):  # the process-wide value comes back after
+    # the process-wide value comes back after
+    with torch._functorch.config.patch(activation_memory_budget=1.0):
         trainer = AsyncGRPOTrainer(
             model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(16),
             args=_config(tmp_path, server, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager",

@@ -134,7 +134,8 @@ def test_forest_gradients_equal_the_plain_recurrence():
     q, k = normalized(*inputs[:2])
     loss = 0
     for s, (seg_out, seg_final) in enumerate(plain_forest(q, k, *inputs[2:5], FOREST, inputs[5])):
-        loss = loss + (seg_out * weight[start[s]: start[s] + length[s]]).sum() + (seg_final * final_weight[s]).sum()
+        loss = loss + (seg_out * weight[start[s]: start[s]
+                                        + length[s]]).sum() + (seg_final * final_weight[s]).sum()
     want = torch.autograd.grad(loss, inputs)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial"), got, want):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=name)
@@ -164,7 +165,8 @@ def test_a_padded_batch_of_one_token_chunks_is_the_token_recurrence():
     q, k, v, g, beta = random_inputs(6, seed=6)
     q, k = normalized(q, k)
     state = torch.randn(2, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], state[None], chunk_size=1)
+    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                        state[None], chunk_size=1)
     want_out, want_final = plain_delta_rule(q, k, v, g, beta, state, normalize=False)
     torch.testing.assert_close(out[0], want_out, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(final[0], want_final, atol=1e-12, rtol=1e-10)

@@ -57,7 +57,8 @@ def test_on_the_cpu_by_default_decode_rows_gather_and_prompt_chunks_are_padded()
     assert set(kinds) == {DECODE, FRESH, CONTINUED}  # no shared pass (auto: CUDA only), hence no rows
     assert set(kinds[DECODE].values()) == {GatherDecode}  # the Triton kernel declares CUDA only
     assert set(kinds[FRESH].values()) == {PaddedFresh} and set(kinds[CONTINUED].values()) == {PaddedContinued}
-    assert (plan.shared_members, plan.row_members, plan.packed_prompts, plan.unsplit_rows) == (0, 0, False, None)
+    assert (plan.shared_members, plan.row_members, plan.packed_prompts,
+            plan.unsplit_rows) == (0, 0, False, None)
     assert plan.prompt_attention == "padded" and plan.graphs_capture
     assert plan.downgraded() is None
     with pytest.raises(dataclasses.FrozenInstanceError):  # nothing changes a plan once resolved
@@ -114,13 +115,15 @@ def test_the_graph_key_comes_from_the_plan(monkeypatch):
     shared = probe_plan(_probe(PlanFlags(shared_prefix=True), members=16))
     assert shared.graph_key(8, 4, 3, True, max_blocks=64) == (8, 4, 3, True)
     wide = dataclasses.replace(plan, unsplit_rows=8)
-    assert wide.graph_key(4, 4, 0, False, 64) == (4, 4, 0, False) and wide.graph_key(8, 4, 0, False, 64)[1] == 64
+    assert (wide.graph_key(4, 4, 0, False, 64) == (4, 4, 0, False)
+            and wide.graph_key(8, 4, 0, False, 64)[1] == 64)
     # the Triton kernel's declaration is what keeps it off the CPU; allowed there (its check stubbed), it
     # serves every variant and the plan takes whole tables from its unsplit rows on
     monkeypatch.setattr(TritonDecode, "support", Support(graphs=True))
     monkeypatch.setattr(TritonDecode, "check", classmethod(lambda cls, probe, variant: True))
     triton = probe_plan(_probe())
-    assert set(_kinds(triton)[DECODE].values()) == {TritonDecode} and triton.unsplit_rows == 1  # 2 x 1 SM / 2 kv heads
+    # 2 x 1 SM / 2 kv heads
+    assert set(_kinds(triton)[DECODE].values()) == {TritonDecode} and triton.unsplit_rows == 1
 
 
 def test_a_new_layout_is_one_file_and_one_line_of_the_probe(monkeypatch):

@@ -38,9 +38,10 @@ CPU = torch.device("cpu")
 # for layers of every variant; and with packed prompt chunks (their reference computation), which no
 # soft-capped layer takes
 ROWS_PLAN = probe_plan(Probe(CPU, torch.float64, HEADS, KV_HEADS, DIM, ALL_VARIANTS,
-                             PlanFlags(shared_prefix=True, continued_rows=True), max_members(HEADS, KV_HEADS)))
-PACKED_PLAN = probe_plan(Probe(CPU, torch.float64, HEADS, KV_HEADS, DIM, frozenset({(False, False), (True, False)}),
-                               PlanFlags(packed_prompts=True)))
+                             PlanFlags(shared_prefix=True, continued_rows=True),
+                             max_members(HEADS, KV_HEADS)))
+PACKED_PLAN = probe_plan(Probe(CPU, torch.float64, HEADS, KV_HEADS, DIM,
+                               frozenset({(False, False), (True, False)}), PlanFlags(packed_prompts=True)))
 
 
 def rows_attention(q, k_pool, v_pool, rows, scale, window=None, softcap=None):
@@ -59,7 +60,8 @@ def continued_varlen_attention(q, k_pool, v_pool, packed, scale, window=None):
 def fresh_attention(q, k, v, packed, scale, window=None):
     """q [H, T, D], k/v [KVH, T, D] of prompts from token 0, packed -> [T, H, D]."""
     assert packed.kind == FRESH
-    return PACKED_PLAN.backend(FRESH, variant_of(window, None)).forward(q, k, v, None, None, packed, scale, window,
+    return PACKED_PLAN.backend(FRESH, variant_of(window, None)).forward(q, k, v, None,
+                                                                        None, packed, scale, window,
                                                                        None)
 
 
@@ -124,10 +126,11 @@ def test_rows_layout_with_a_window_or_softcap(window, softcap):
     q, k_pool, v_pool, tables, null = _case(1, STARTS, LENS)
     ref = _reference(q, k_pool, v_pool, tables, STARTS, LENS, window, softcap)
     rows = continued_rows(BS, null, LENS, STARTS, tables, q.device, 4)
-    torch.testing.assert_close(rows_attention(q, k_pool, v_pool, rows, DIM**-0.5, window, softcap), ref, **TOL)
-    padded = continued_layout(BS, null * BS, LENS, STARTS, tables, q.device)
-    torch.testing.assert_close(continued_attention(q, k_pool, v_pool, padded, DIM**-0.5, window, softcap), ref,
+    torch.testing.assert_close(rows_attention(q, k_pool, v_pool, rows, DIM**-0.5, window, softcap), ref,
                                **TOL)
+    padded = continued_layout(BS, null * BS, LENS, STARTS, tables, q.device)
+    torch.testing.assert_close(continued_attention(q, k_pool, v_pool, padded, DIM**-0.5, window, softcap),
+                               ref, **TOL)
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -150,7 +153,8 @@ def test_packed_layout_matches_a_plain_computation(window):
 def test_packed_prompts_from_token_zero_attend_over_their_own_keys(window):
     lens = [7, 1, 12]
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(h, sum(lens), DIM, generator=g, dtype=torch.float64) for h in (HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(h, sum(lens), DIM, generator=g, dtype=torch.float64)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
     packed = varlen_chunks(lens, [0] * len(lens), None, BS, q.device)
     assert packed.key_slots is None and packed.key_lens == lens
     got = fresh_attention(q, k, v, packed, DIM**-0.5, window)
@@ -161,7 +165,8 @@ def test_packed_prompts_from_token_zero_attend_over_their_own_keys(window):
         vv = v.transpose(0, 1)[rows].repeat_interleave(HEADS // KV_HEADS, 1)
         scores = torch.einsum("hid,shd->his", q[:, at: at + n], kk) * DIM**-0.5
         pos = torch.arange(n)
-        visible = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
+        visible = (pos[None, :] <= pos[:, None]) & (
+            (pos[None, :] > pos[:, None] - window) if window else True)
         outs.append(torch.einsum("his,shd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv))
         at += n
     torch.testing.assert_close(got, torch.cat(outs))
@@ -239,10 +244,10 @@ def test_both_layouts_take_the_schedulers_block_table_rows_as_well_as_block_list
     rows = np.full((len(tables), 20), 5, dtype=np.int64)  # 5: a stale block past every sequence's own
     for b, t in enumerate(tables):
         rows[b, : len(t) - 1] = t[:-1]
-    ref = continued_attention(q, k_pool, v_pool, continued_layout(BS, null * BS, LENS, STARTS, tables, q.device),
-                              DIM**-0.5)
-    got = continued_attention(q, k_pool, v_pool, continued_layout(BS, null * BS, LENS, STARTS, rows, q.device),
-                              DIM**-0.5)
+    ref = continued_attention(q, k_pool, v_pool,
+                              continued_layout(BS, null * BS, LENS, STARTS, tables, q.device), DIM**-0.5)
+    got = continued_attention(q, k_pool, v_pool,
+                              continued_layout(BS, null * BS, LENS, STARTS, rows, q.device), DIM**-0.5)
     torch.testing.assert_close(got, ref, **TOL)
     from_lists = continued_rows(BS, null, LENS, STARTS, tables, q.device, 2)
     from_rows = continued_rows(BS, null, LENS, STARTS, rows, q.device, 2)

@@ -76,15 +76,16 @@ def test_windows_and_softcaps_match_the_gather(window, softcap):
         k_pool, v_pool, tables = _behind_windows_poisoned(k_pool, v_pool, tables, lens, window)
     # 21 splits: more partial results than the merge takes at once (16), some of them empty
     for tile, num_splits in [(16, 1), (16, 3), (32, 7)] + [(16, 21)] * (window is None):
-        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=tile, num_splits=num_splits,
-                                         window=window, softcap=softcap)
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25,
+                                         tile=tile, num_splits=num_splits, window=window, softcap=softcap)
         assert _relative_error(out, ref) < 1e-5, (tile, num_splits)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 1), (2, 2)])
 def test_window_and_softcap_with_other_head_groups(heads, kv_heads):
     q, k_pool, v_pool, tables, lens = _case(1, [5, 40, 131, 200], heads, kv_heads, head_dim=32)
-    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.2, 37, 30.0)
+    ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(),
+                                     tables, lens, 0.2, 37, 30.0)
     out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.2, tile=16, num_splits=2, window=37,
                                      softcap=30.0)
     assert _relative_error(out, ref) < 1e-5
@@ -116,9 +117,10 @@ def test_softcap_in_the_shared_prefix_pass():
     ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25,
                                       softcap=30.0)
     for num_splits, num_shared_splits in [(1, 1), (2, 3), (3, 17)]:
-        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=16, num_splits=num_splits,
-                                         shared=shared.to(torch.device("cpu")), num_shared_splits=num_shared_splits,
-                                         softcap=30.0)
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25,
+                                         tile=16, num_splits=num_splits,
+                                         shared=shared.to(torch.device("cpu")),
+                                         num_shared_splits=num_shared_splits, softcap=30.0)
         assert _relative_error(out, ref) < 1e-5, (num_splits, num_shared_splits)
 
 
@@ -141,7 +143,8 @@ def test_chunks_after_cached_tokens_as_rows_of_the_kernels():
     for members in (0, 4, 16):
         rows = continued_rows(BLOCK, num_blocks, lens, starts, tables, q.device, members)
         assert (rows.shared is not None) == (members > 0)
-        out = da.decode_attention_triton(q.transpose(0, 1), k_pool, v_pool, rows.block_tables, rows.context_lens,
+        out = da.decode_attention_triton(q.transpose(0, 1), k_pool, v_pool,
+                                         rows.block_tables, rows.context_lens,
                                          0.25, tile=16, shared=rows.shared)
         assert _relative_error(out, ref) < 1e-5, members
 
@@ -178,8 +181,8 @@ def test_a_step_of_decode_rows_and_prompt_rows_in_the_kernels():
     ref = da.decode_attention_gather(q.double(), k_pool.double(), v_pool.double(), tables, lens, 0.25)
     shared = step.shared.to(q.device)
     for num_splits in (1, 3):
-        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25, tile=16, num_splits=num_splits,
-                                         shared=shared)
+        out = da.decode_attention_triton(q, k_pool, v_pool, tables, lens, 0.25,
+                                         tile=16, num_splits=num_splits, shared=shared)
         assert _relative_error(out, ref) < 1e-5, num_splits
 
 

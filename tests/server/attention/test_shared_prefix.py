@@ -64,12 +64,14 @@ def test_released_blocks_and_short_prefixes_are_not_shared():
     assert find_shared_prefixes(_tables(rows), np.array([20, 20]), BS, 4, NULL, min_blocks=1) is None
     rows = [[0, 1, 2, 9], [0, 1, 3, 8]]  # two common blocks, fewer than min_blocks
     assert find_shared_prefixes(_tables(rows), np.array([16, 16]), BS, 4, NULL, min_blocks=3) is None
-    assert find_shared_prefixes(_tables(rows), np.array([16, 16]), BS, 4, NULL, min_blocks=2).lens.tolist() == [8, 8]
+    assert find_shared_prefixes(_tables(rows), np.array([16, 16]), BS, 4, NULL,
+                                min_blocks=2).lens.tolist() == [8, 8]
 
 
 def test_groups_behind_a_common_system_prompt_keep_their_own_prompts():
     """Every GRPO prompt starts with the same system prompt (block 0): groups still share their prompts."""
-    rows = [[0, 1 + 10 * g, 2 + 10 * g, 3 + 10 * g, 4 + 10 * g, 100 + 8 * g + i] for g in range(3) for i in range(4)]
+    rows = [[0, 1 + 10 * g, 2 + 10 * g, 3 + 10 * g, 4 + 10 * g, 100 + 8 * g + i]
+            for g in range(3) for i in range(4)]
     rows.append(list(range(500, 540)))  # and a long conversation of its own
     lens = np.r_[np.full(12, 23), 40 * BS]
     sp = find_shared_prefixes(_tables(rows), lens, BS, members=8, null_block=NULL, min_blocks=1)
@@ -126,6 +128,7 @@ def test_groups_of_two_parts_of_a_batch_concatenate_with_the_second_parts_rows_o
     assert both.lens.tolist() == [32, 32, 0, 0, 16, 16, 16]
     assert both.groups.tolist() == [[32, 0, 1, -1], [16, 4, 5, 6]]
     only_second = SharedPrefixes.concat(None, 2, second, 4)
-    assert only_second.lens.tolist() == [0, 0, 0, 16, 16, 16] and only_second.groups.tolist() == [[16, 3, 4, 5]]
+    assert (only_second.lens.tolist() == [0, 0, 0, 16, 16, 16]
+            and only_second.groups.tolist() == [[16, 3, 4, 5]])
     assert SharedPrefixes.concat(first, 3, None, 5).lens.tolist() == [32, 32, 0, 0, 0, 0, 0, 0]
     assert SharedPrefixes.concat(None, 3, None, 5) is None

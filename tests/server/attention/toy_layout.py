@@ -43,7 +43,8 @@ class OneTokenBackend(AttentionBackend):
     def build(self, chunks: Chunks, cache, device: torch.device) -> OneTokenPrompts:
         return OneTokenPrompts(len(chunks))
 
-    def forward(self, q, k, v, k_pool, v_pool, segment: OneTokenPrompts, scale, window, softcap) -> torch.Tensor:
+    def forward(self, q, k, v, k_pool, v_pool, segment: OneTokenPrompts, scale, window,
+                softcap) -> torch.Tensor:
         type(self).forwards += 1
         return v.repeat_interleave(q.shape[0] // v.shape[0], dim=0).transpose(0, 1)  # [T, H, D]
 

@@ -1,7 +1,8 @@
 """Streaming (server-sent events) on the embedded server's OpenAI routes (server/routes/chat.py,
 server/routes/completions.py) through the `openai` SDK, on the bundled tiny model on CPU: the deltas add
 up to the answer the same request gets whole, the usage chunk comes when asked, tool calls come as deltas
-at the end, stop strings end the stream, and the framing is vLLM's. The plain server of the pool (tests/conftest.py).
+at the end, stop strings end the stream, and the framing is vLLM's. The plain server of the pool
+(tests/conftest.py).
 """
 
 from __future__ import annotations

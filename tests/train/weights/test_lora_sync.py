@@ -331,8 +331,9 @@ def test_a_server_with_too_little_lora_room_stops_training_at_start_with_the_res
 
 @pytest.fixture
 def plain_server(embedded_server):
-    """A server without LoRA: the pool's plain one for tests that push weights (tests/train/test_trainer.py
-    trains against it too; the tiny model serves in float32 on CPU, as `--dtype float32` asked here before)."""
+    """A server without LoRA: the pool's plain one for tests that push weights
+    (tests/train/test_trainer.py trains against it too; the tiny model serves in float32 on CPU, as
+    `--dtype float32` asked here before)."""
     return embedded_server(TINY, purpose="trained")
 
 
