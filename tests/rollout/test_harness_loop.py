@@ -21,11 +21,14 @@ def test_the_completion_is_the_last_calls_conversation_after_the_task_then_its_r
         {"role": "assistant", "content": "", "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_0", "content": "3"},
     ]}
-    reply = {"choices": [{"message": {"role": "assistant", "content": "The counter is at 3.", "refusal": None}}]}
+    reply = {"choices": [
+        {"message": {"role": "assistant", "content": "The counter is at 3.", "refusal": None}}
+    ]}
     completion = recorded_completion(RecordedCall(CHAT_PATH, request, reply, []))
     assert completion == [
         {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "increment", "arguments": {"step": 3}}, "id": "call_0"}]},
+            {"type": "function", "function": {"name": "increment", "arguments": {"step": 3}},
+             "id": "call_0"}]},
         {"role": "tool", "tool_call_id": "call_0", "content": "3"},
         {"role": "assistant", "content": "The counter is at 3."},
     ]

@@ -298,8 +298,9 @@ class GenerationClient(ServerTransport):
     ) -> tuple[int, Any]:
         """POST one streaming OpenAI-compatible request (`"stream": true`) and await `on_event(chunk)` for
         each server-sent event until `[DONE]`: (status, None), or a 4xx's (status, JSON body) with no event.
-        A connection that fails before the first event is tried again (up to `max_retries`); one that fails
-        after it, a 5xx and a timeout raise (`ServerConnectionError`, `ServerRequestError`, `TimeoutError`)."""
+        A connection that fails before the first event is tried again (up to `max_retries`); one that
+        fails after it, a 5xx and a timeout raise (`ServerConnectionError`, `ServerRequestError`,
+        `TimeoutError`)."""
         if self._session is None:
             raise RuntimeError(f"{type(self).__name__}.start() must be awaited before making requests")
         url = self.base_url + path
@@ -318,7 +319,9 @@ class GenerationClient(ServerTransport):
                                    "`vllm_server_timeout` if the server is just slow") from exc
             except _STREAM_TRANSPORT_ERRORS as exc:
                 if sent[0] or attempt >= self.max_retries:
-                    raise ServerConnectionError(f"POST {url} (stream) failed: {connection_failure(exc)}") from exc
+                    raise ServerConnectionError(
+                        f"POST {url} (stream) failed: {connection_failure(exc)}"
+                    ) from exc
                 attempt += 1
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), 5.0))
 

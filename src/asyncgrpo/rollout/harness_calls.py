@@ -271,8 +271,14 @@ class StreamedReply:
                         function.get("arguments") or "")
             else:
                 choice["text"] += part.get("text") or ""
-                choice["logprobs"] += list(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [],
-                                               logprobs.get("top_logprobs") or [], strict=False))
+                choice["logprobs"] += list(
+                    zip(
+                        logprobs.get("tokens") or [],
+                        logprobs.get("token_logprobs") or [],
+                        logprobs.get("top_logprobs") or [],
+                        strict=False,
+                    )
+                )
 
     def reply(self) -> dict[str, Any]:
         """The gathered reply, as the server would have answered the call unstreamed."""
