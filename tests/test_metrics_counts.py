@@ -66,3 +66,10 @@ def test_the_harness_counts_are_declared_for_a_harness_trainer():
     assert HarnessAsyncGRPOTrainer.runs_harness and not AsyncGRPOTrainer.runs_harness
     window = MetricsWindow(names)
     assert all(window.reduce()[name] == 0.0 for name in M.HARNESS_COUNTS)
+
+
+def test_a_reduce_without_filling_leaves_the_counts_out():
+    window = MetricsWindow(counts=[M.SAMPLE_DROPPED_STALE_COUNT])
+    assert window.reduce(fill_counts=False) == {}
+    window.record(M.SAMPLE_DROPPED_STALE_COUNT, 1)
+    assert window.reduce(fill_counts=False) == {M.SAMPLE_DROPPED_STALE_COUNT: 1.0}

@@ -311,10 +311,11 @@ class MetricsWindow:
         """Mark the end of an optimizer step (the divisor of `_per_step` metrics)."""
         self._num_steps += 1
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self, fill_counts: bool = True) -> dict[str, float]:
         """The window's metrics, one float per recorded name; then start a new, empty window.
 
-        A `_per_step` metric recorded in a window with no `end_step()` is the mean of its records.
+        A `_per_step` metric recorded in a window with no `end_step()` is the mean of its records. The
+        counts known so far and not recorded in the window are 0, unless `fill_counts` is False.
         """
         out: dict[str, float] = {}
         for name, acc in self._acc.items():
@@ -330,7 +331,7 @@ class MetricsWindow:
                 out[name] = acc.total / acc.weight if acc.weight else math.nan
             if acc.kind == SUM:
                 self._counts.add(name)
-        for name in self._counts.difference(out):
+        for name in self._counts.difference(out) if fill_counts else ():
             out[name] = 0.0
         self._acc = {}
         self._num_steps = 0

@@ -185,7 +185,10 @@ class TrainerMetrics:
     def logs(self, logs: dict[str, float]) -> dict[str, float]:
         """`logs` with the window reduced, num_tokens and the loss metrics since the last call (every rank
         must call this, in step: the loss statistics are all-reduced)."""
-        logs = {**logs, **self.window.reduce(), M.NUM_TOKENS: self.num_tokens_forwarded}
+        # the Trainer's end-of-training summary (train_runtime, ...) is no window: no zero counts in it
+        summary = "train_runtime" in logs
+        window = self.window.reduce(fill_counts=not summary)
+        logs = {**logs, **window, M.NUM_TOKENS: self.num_tokens_forwarded}
         if self.loss_stats is not None:
             logs.update(loss_metrics(all_reduce_loss_stats(self.loss_stats)))
             self.loss_stats = None
