@@ -85,3 +85,13 @@ def test_real_model_recipe_runs_and_reports_held_out_accuracy(example, tmp_path)
                               "--output-dir", str(tmp_path)])
     assert result["steps"] == 2 and 0 <= result["accuracy_before"] <= 1 and 0 <= result["accuracy_after"] <= 1
     assert (tmp_path / "result.json").exists()
+
+
+def test_the_openai_agent_trains_with_its_tool_calls(example, tmp_path):
+    steps = _steps(example("harness_openai").main(["--max-steps", "2", "--output-dir", str(tmp_path)]))
+    assert len(steps) == 2
+    keys = set().union(*steps)
+    assert {"reward", "harness/calls_mean", "harness/failed_count", "rollout/turns_mean"} <= keys
+    # the agent sent tool results back: rollouts have several model calls, joined into training sequences
+    assert max(entry["rollout/turns_mean"] for entry in steps) > 1.0
+    assert all(entry["harness/failed_count"] == 0 and entry["harness/timeout_count"] == 0 for entry in steps)

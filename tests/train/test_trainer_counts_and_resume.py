@@ -7,8 +7,9 @@ import os
 
 import pytest
 from datasets import Dataset
+from support.short_run import short_run_config
 
-from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo import AsyncGRPOTrainer
 from asyncgrpo.checkpoint import read_rollout_state
 from asyncgrpo.rewards import accuracy_reward
 from asyncgrpo.tasks import arithmetic
@@ -31,26 +32,6 @@ def server(embedded_server):
     return embedded_server(MODEL, purpose="trained")  # the trainers push weights into it
 
 
-def _config(out, server, **overrides) -> AsyncGRPOConfig:
-    kwargs = {
-        "output_dir": str(out),
-        "vllm_server_base_url": server.url,
-        "num_generations": 4,
-        "max_completion_length": 16,
-        "learning_rate": 1e-4,
-        "bf16": False,
-        "use_cpu": True,
-        "gradient_checkpointing": False,
-        "save_strategy": "no",
-        "report_to": "none",
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "seed": 0,
-    }
-    kwargs.update(overrides)
-    return AsyncGRPOConfig(**kwargs)
-
-
 def _dataset() -> Dataset:
     return Dataset.from_list(arithmetic.make_dataset(64, seed=1))
 
@@ -65,7 +46,7 @@ def test_count_metrics_are_zero_in_windows_without_events_then_num_tokens_resume
         model=MODEL,
         reward_funcs=accuracy_reward,
         train_dataset=_dataset(),
-        args=_config(out, server, max_steps=2, save_strategy="steps", save_steps=2),
+        args=short_run_config(out, server.url, max_steps=2, save_strategy="steps", save_steps=2),
     )
     first.train()
     logs = _logged(first)
@@ -83,7 +64,7 @@ def test_count_metrics_are_zero_in_windows_without_events_then_num_tokens_resume
         model=MODEL,
         reward_funcs=accuracy_reward,
         train_dataset=_dataset(),
-        args=_config(out, server, max_steps=3),
+        args=short_run_config(out, server.url, max_steps=3),
     )
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     after = [
