@@ -68,6 +68,21 @@ def test_a_run_that_never_reaches_the_on_policy_accuracy_has_no_ratio_and_diverg
     assert summary["async"]["diverged"] == {0: True}
 
 
+def test_async_against_trl_is_the_time_each_takes_to_the_lower_final_accuracy():
+    report = {
+        "initial": {"accuracy": 0.0},
+        "runs": [
+            run("async", 0, curve((0, 0.0), (30, 0.20), (60, 0.50)), train_s=60),
+            run("trl", 0, curve((0, 0.0), (30, 0.10), (60, 0.30)), train_s=60),
+        ],
+    }
+    common = summarize(report)["async_vs_trl"]
+    # TRL ends lower (0.30): async first reaches it at 60 s (0.20 at 30 s), TRL at its end
+    assert common == {"accuracy": 0.30, "async_s": 60, "trl_s": 60}
+    report["runs"][0]["curve"] = curve((0, 0.0), (30, 0.35), (60, 0.50))
+    assert summarize(report)["async_vs_trl"] == {"accuracy": 0.30, "async_s": 30, "trl_s": 60}
+
+
 def test_first_time_reaching_and_mean_curve():
     points = curve((0, 0.1), (5, 0.3), (9, 0.2))
     assert first_time_reaching(points, 0.25) == 5
