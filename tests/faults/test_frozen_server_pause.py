@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.scripts import script_env
 from fault_helpers import TINY, call
 
 pytestmark = pytest.mark.process
@@ -54,10 +55,7 @@ def test_a_pause_held_through_a_freeze_ends_within_its_lease_after_the_thaw(
         stdout=subprocess.PIPE,
         stderr=errors,
         text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-        },
+        env=script_env(Path(__file__)),
     )
     try:
         line = trainer.stdout.readline().strip()

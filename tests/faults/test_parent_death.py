@@ -4,7 +4,6 @@ multiprocessing's resource tracker die with it)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.scripts import script_env
 
 pytestmark = pytest.mark.process
 
@@ -58,7 +58,7 @@ def _trainer_after_its_first_step(
         tmp_path, url: str) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
     """`train_until_killed.py` against `url`, once it has taken a step: (its process, its descendants).
     Whatever is left of them is killed on the way out."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPT.parent), *sys.path])}
+    env = script_env(SCRIPT)
     log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 -- closed below
     trainer = subprocess.Popen([sys.executable, str(SCRIPT), url, str(tmp_path)],
                                stdout=log, stderr=log, env=env)

@@ -4,7 +4,6 @@ ones are trained after the resume (not skipped, not regenerated)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from support.scripts import script_env
 from fault_helpers import MODEL, spread_reward
 from train_until_straddle import NUM_PROMPTS, straddle_config
 
@@ -32,7 +32,7 @@ class Recording(AsyncGRPOTrainer):
 @pytest.mark.timeout(600)
 def test_a_kill_at_a_straddling_step_then_resume_trains_every_sample_once(tmp_path, server):
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    env = script_env(here / "train_until_straddle.py")
     proc = subprocess.run(
         [sys.executable, str(here / "train_until_straddle.py"), server.url, str(tmp_path)],
         capture_output=True,
