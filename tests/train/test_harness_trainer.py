@@ -40,6 +40,7 @@ def _config(tmp_path, server, **overrides) -> AsyncGRPOConfig:
         "max_completion_length": 32, "learning_rate": 1e-4, "bf16": False, "use_cpu": True,
         "gradient_checkpointing": False, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
         "logging_steps": 1, "seed": 0,
+        "token_budget": 192,  # rows of two or three groups: a step waits for fewer harness runs
     }
     kwargs.update(overrides)
     return AsyncGRPOConfig(**kwargs)

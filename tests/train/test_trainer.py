@@ -42,6 +42,7 @@ def _config(tmp_path, server, cls=AsyncGRPOConfig, **overrides) -> AsyncGRPOConf
         "disable_tqdm": True,
         "logging_steps": 1,
         "seed": 0,
+        "token_budget": 256,  # rows of a few groups: a step waits for less generation
     }
     kwargs.update(overrides)
     return cls(**kwargs)
