@@ -10,6 +10,7 @@ import pytest
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 
+@pytest.mark.slow
 def test_demo_trains_and_writes_accuracy_metrics_and_plot(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "demo", "--output-dir", str(out), "--max-steps", "2",

@@ -39,6 +39,7 @@ def _steps(log_history: list[dict]) -> list[dict]:
     return [entry for entry in log_history if "perf/step_s" in entry]
 
 
+@pytest.mark.slow
 def test_multi_env_routes_rows_to_both_environments(example, tmp_path):
     steps = _steps(example("multi_env").main(["--max-steps", "2", "--output-dir", str(tmp_path)]))
     assert len(steps) == 2
@@ -47,6 +48,7 @@ def test_multi_env_routes_rows_to_both_environments(example, tmp_path):
     assert "env/reset_s" in keys
 
 
+@pytest.mark.slow
 def test_tools_example_runs_its_plain_tools(example, tmp_path):
     steps = _steps(example("tools").main(["--max-steps", "2", "--output-dir", str(tmp_path)]))
     assert len(steps) == 2
@@ -87,6 +89,7 @@ def test_real_model_recipe_runs_and_reports_held_out_accuracy(example, tmp_path)
     assert (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow
 def test_the_openai_agent_trains_with_its_tool_calls(example, tmp_path):
     steps = _steps(example("harness_openai").main(["--max-steps", "2", "--output-dir", str(tmp_path)]))
     assert len(steps) == 2

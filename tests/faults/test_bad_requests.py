@@ -59,6 +59,7 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
     (("/nonexistent/model/dir",), ["/nonexistent/model/dir", "does not exist", "config.json"]),
     (("nonexistent-org/no-such-model",), ["nonexistent-org/no-such-model", "hub"]),
 ])
+@pytest.mark.slow
 def test_bad_serve_flags_exit_2_with_a_message_and_no_traceback(args, words):
     proc = _serve(*args)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -38,6 +38,7 @@ def _paused(server) -> bool:
     return call(server.url, "GET", "/is_paused", timeout=10)[1]["is_paused"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen_for_s", [2 * TRAINER_TIMEOUT_S])
 def test_a_pause_held_through_a_freeze_ends_within_its_lease_after_the_thaw(
     frozen_server, frozen_for_s, tmp_path

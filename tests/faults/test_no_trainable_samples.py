@@ -22,6 +22,7 @@ def nan_reward(completions, **kwargs) -> list[float]:
     return [math.nan] * len(completions)
 
 
+@pytest.mark.slow
 def test_a_reward_nan_for_every_completion_stops_the_run_naming_the_cause(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=nan_reward, train_dataset=arithmetic.make_dataset(256, seed=0),

@@ -50,6 +50,7 @@ def _assert_finite_and_served(trainer, url):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_an_inf_reward_stops_the_run_naming_the_function_and_nothing_nan_reaches_the_server(tmp_path, server):
     trainer = AsyncGRPOTrainer(
@@ -87,6 +88,7 @@ class Snapshots(TrainerCallback):
         self.end[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_nan_gradient_skips_the_step_and_the_push_and_training_goes_on(tmp_path, server):
     snapshots = Snapshots()

@@ -96,6 +96,7 @@ def test_sigkilled_trainer_leaves_no_descendant_running(tmp_path, server):
         assert not survivors, f"still running 5 s after the trainer was killed: {survivors}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_sigtermed_trainer_cleans_up_and_gives_the_server_back_at_once(tmp_path, server):
     """SIGTERM (a scheduler's preemption) stops training as Ctrl-C would: exit status 143, the rollout

@@ -144,6 +144,7 @@ def test_no_server_at_start_is_announced_within_seconds_then_waited_for(tmp_path
     assert time.monotonic() - t0 >= 6  # it kept waiting until the timeout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_token_budget_no_sample_fits_stops_the_run_instead_of_dropping_forever(tmp_path, server):
     """Every sample is longer than the budget: each is dropped (said once), and after OVERSIZE_LIMIT of them

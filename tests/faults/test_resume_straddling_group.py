@@ -29,6 +29,7 @@ class Recording(AsyncGRPOTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_kill_at_a_straddling_step_then_resume_trains_every_sample_once(tmp_path, server):
     here = Path(__file__).parent

@@ -31,6 +31,7 @@ class _KillServerAt(TrainerCallback):
             self.killed_at = time.monotonic()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_server_killed_mid_training_stops_the_trainer_with_what_to_do(tmp_path):
     with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as server:

@@ -91,6 +91,7 @@ class _RestartServerAt(TrainerCallback):
     1,  # the trainer's next push (the restart interrupts the step) finds it
     1000,  # no push for the rest of the run: the trainer finds it while it waits for samples
 ])
+@pytest.mark.slow
 def test_a_server_restarted_mid_training_gets_the_weights_back_and_training_goes_on(tmp_path, caplog,
                                                                                   weight_sync_steps):
     with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as server:

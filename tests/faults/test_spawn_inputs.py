@@ -52,6 +52,7 @@ def _run(tmp_path, body: str, from_stdin: bool) -> subprocess.CompletedProcess:
                           cwd=tmp_path, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", ["unguarded script", "standard input", "guarded script"])
 def test_a_reward_function_from_the_training_script_is_checked_at_train(tmp_path, case):

@@ -53,6 +53,7 @@ def _wait_unpaused(server, within_s: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_pause_nobody_renews_runs_out_and_generation_resumes(leased_server):
     assert call(leased_server.url, "POST", "/pause?mode=keep") == (200, {"status": "paused"})  # vLLM-shaped
     waited = _wait_unpaused(leased_server, within_s=LEASE_S + 5)

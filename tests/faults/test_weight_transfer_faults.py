@@ -28,6 +28,7 @@ def _init_info(port: int) -> dict:
                           "packed_buffer_size_bytes": 1 << 20}}
 
 
+@pytest.mark.slow
 def test_inits_to_a_dead_address_are_bounded_and_sigterm_still_stops_the_server(tmp_path):
     from asyncgrpo.launch import EmbeddedServer
 

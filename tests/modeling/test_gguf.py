@@ -145,6 +145,7 @@ def test_a_replaced_file_is_converted_again(tmp_path, tokenizer, llama):
     assert resolve_model_path(str(path)) != first
 
 
+@pytest.mark.slow
 def test_two_processes_asking_at_once_convert_once_into_one_folder(files, cache):
     script = textwrap.dedent("""
         import logging, sys

@@ -146,6 +146,7 @@ def test_a_healthy_worker_queues_samples_and_stops_cleanly():
     worker.check_health()  # a requested stop is not a failure
 
 
+@pytest.mark.slow
 def test_stuck_child_times_out_on_heartbeat_and_stop_escalates_to_kill():
     channel = _channel()
     worker = RolloutWorker(StuckLoop, _loop_kwargs([length_reward]), channel, heartbeat_timeout_s=3.0)

@@ -85,6 +85,7 @@ def post(server, path: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+@pytest.mark.slow
 def test_served_logprobs_equal_the_checkpoint_forward_across_concurrent_requests(server, checkpoint):
     requests = [(list(range(10, 10 + p)), n) for p, n in ((5, 40), (1, 20), (70, 12), (2, 30), (17, 8))]
     results: dict[int, dict] = {}

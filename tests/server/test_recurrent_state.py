@@ -116,6 +116,7 @@ def check_against_forward(reference, seq: Sequence, top_k: int = 0) -> None:
     torch.testing.assert_close(top_logprobs, top.values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixed", [False, True], ids=["eager", "fixed-shape decode"])
 @pytest.mark.parametrize("model_type", sorted(HYBRIDS))
 def test_server_logprobs_equal_the_model_forward_with_sequences_joining_mid_way(model_type, fixed):

@@ -244,6 +244,7 @@ def test_blocks_of_a_sequence_that_outlived_a_weight_change_are_never_cached(mod
     assert on.sched.pool.num_cached == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["padded", "rows", "packed"])
 @pytest.mark.parametrize("budget", [7, 16, 40])
 def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decodes(model, budget, layout):

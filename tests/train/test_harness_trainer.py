@@ -96,6 +96,7 @@ async def counting_agent(run):
         _RUNNING["now"] -= 1
 
 
+@pytest.mark.slow
 def test_max_concurrent_harnesses_bounds_the_runs_in_flight(tmp_path, server, monkeypatch):
     monkeypatch.setenv("PEAK_FILE", str(tmp_path / "peak"))  # the spawned rollout process inherits it
     trainer = HarnessAsyncGRPOTrainer(
@@ -130,6 +131,7 @@ def test_an_sdk_agent_trains_the_model_with_the_usual_metrics(tmp_path, server):
     assert all(0.5 < entry["sampling/importance_sampling_ratio/mean"] < 2.0 for entry in logs)
 
 
+@pytest.mark.slow
 def test_raising_hanging_and_silent_harnesses_are_counted_not_fatal(tmp_path, server, capfd):
     trainer = HarnessAsyncGRPOTrainer(
         model=MODEL, harness=flaky_agent, train_dataset=_dataset(64),
@@ -149,6 +151,7 @@ def test_raising_hanging_and_silent_harnesses_are_counted_not_fatal(tmp_path, se
         assert any(cause in line for line in warnings), (cause, warnings[:5])
 
 
+@pytest.mark.slow
 def test_a_command_harness_trains(tmp_path, server):
     trainer = HarnessAsyncGRPOTrainer(
         model=MODEL, harness=HarnessCommand((sys.executable, str(AGENT))), train_dataset=_dataset(64),

@@ -55,6 +55,7 @@ def served_logprobs(url: str, prompt: list[int], max_tokens: int) -> tuple[list[
     return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
 
+@pytest.mark.slow
 def test_a_hybrid_vision_language_checkpoint_trains_against_the_embedded_server(tmp_path):
     path = save_hybrid_vision_language(tmp_path / "qwen3_5", media=False)
     rows = [{"prompt": [{"role": "user", "content": f"say {i}"}]} for i in range(16)]

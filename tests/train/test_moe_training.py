@@ -39,6 +39,7 @@ def text_length_reward(completions, **kwargs) -> list[float]:
     return [float(len(str(c[-1]["content"])) % 3) for c in completions]
 
 
+@pytest.mark.slow
 def test_a_tiny_moe_trains_against_the_embedded_server_with_aux_loss_logged(tmp_path):
     path = tmp_path / "tiny-moe"
     tiny_moe().save_pretrained(path)

@@ -31,6 +31,7 @@ def server(embedded_server):
     return embedded_server("asyncgrpo/tiny-chat", purpose="trained")
 
 
+@pytest.mark.slow
 def test_two_processes_train_in_step_and_rank0_syncs_the_weights(tmp_path, server):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     config = {"max_steps": NUM_STEPS}
@@ -64,6 +65,7 @@ def step_sums(ranks: list[dict], step: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_step_metrics_and_token_allowance_count_every_process(tmp_path, server):
     """batch/*_per_step, num_tokens and the allowance are sums over both ranks' rows (not rank 0's x 2)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

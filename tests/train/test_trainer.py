@@ -119,6 +119,7 @@ def test_raising_reward_fails_fast_with_its_traceback(tmp_path, server):
     assert "raising_reward" in str(info.value)  # the child's traceback names the function
 
 
+@pytest.mark.slow
 def test_the_dtype_warning_compares_the_precision_of_the_trainers_matmuls(tmp_path, server, caplog):
     """float32 weights under bf16 autocast multiply in bfloat16: against this float32 server that is the
     mismatch to report (not the weights' float32, which matches it)."""
@@ -160,6 +161,7 @@ def constant_reward_for_even_rows(completions, answer, **kwargs):
     return [1.0 if int(a) % 2 == 0 else s for a, s in zip(answer, scores)]
 
 
+@pytest.mark.slow
 def test_zero_std_groups_are_dropped_and_counted(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=constant_reward_for_even_rows, train_dataset=_dataset(24, seed=5),
@@ -179,6 +181,7 @@ class SlowTrainer(AsyncGRPOTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
+@pytest.mark.slow
 def test_stale_samples_are_dropped_under_a_slow_trainer(tmp_path, server):
     trainer = SlowTrainer(
         model=MODEL, reward_funcs=accuracy_reward, train_dataset=_dataset(64, seed=7),
@@ -192,6 +195,7 @@ def test_stale_samples_are_dropped_under_a_slow_trainer(tmp_path, server):
     assert max(entry["sample/staleness_max"] for entry in logs) >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_on_policy_training_with_gradient_accumulation_and_sparse_syncs(tmp_path, server):
     """max_staleness=0 while the weight version lags the steps: two micro-batches per step and a sync
@@ -244,6 +248,7 @@ def test_seed_curriculum_loop_runs_unchanged(tmp_path, server):
     assert trainer.state.global_step == 2
 
 
+@pytest.mark.slow
 def test_torch_compile_compiles_each_decoder_layer_not_the_whole_model(tmp_path, server):
     """torch_compile=True: the layers are compiled in place (parameter names unchanged for the weight
     sync), accelerate leaves the model itself alone, and training runs (aot_eager: no code generation).

@@ -40,6 +40,7 @@ def _logged(trainer) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.slow
 def test_count_metrics_are_zero_in_windows_without_events_then_num_tokens_resumes(tmp_path, server):
     out = tmp_path / "out"
     first = AsyncGRPOTrainer(

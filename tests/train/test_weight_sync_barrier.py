@@ -21,6 +21,7 @@ def server(embedded_server):
     return embedded_server("asyncgrpo/tiny-chat", purpose="trained")  # the ranks push weights into it
 
 
+@pytest.mark.slow
 def test_the_barrier_time_is_the_wait_for_a_late_rank(tmp_path, server):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     proc = run_torchrun([str(JOB), server.url, str(tmp_path), str(SLOW_S)], nproc=2, env=env, timeout_s=300)

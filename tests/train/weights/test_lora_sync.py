@@ -282,6 +282,7 @@ class _Watch:
         self.callback = Callback()
 
 
+@pytest.mark.slow
 def test_training_with_adapter_only_sync_serves_each_version_and_rotates_them(server, tmp_path, caplog):
     config = _config(tmp_path, server, max_steps=4)
     watch = _Watch(server.url, tmp_path / "out" / ".vllm_lora")
@@ -337,6 +338,7 @@ def plain_server(embedded_server):
     return embedded_server(TINY, purpose="trained")
 
 
+@pytest.mark.slow
 def test_without_lora_on_the_server_training_falls_back_to_merged_sync(plain_server, tmp_path, caplog):
     trainer = AsyncGRPOTrainer(model=TINY, reward_funcs=accuracy_reward, train_dataset=_dataset(32),
                                args=_config(tmp_path, plain_server, max_steps=2), peft_config=_lora())

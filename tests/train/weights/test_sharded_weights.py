@@ -49,6 +49,7 @@ def ranks() -> list[dict]:
     return [replies[0][0], replies[1][0]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["layers+root", "layers+tail+root"])
 def test_two_rank_gradient_equals_the_one_process_gradient_of_the_same_rows(ranks, layout):
     for found in ranks:
