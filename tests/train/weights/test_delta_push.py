@@ -271,4 +271,3 @@ def test_training_with_delta_pushes_keeps_the_server_on_the_trainers_weights(tmp
     for entry in logs:  # every step's push is a delta (the first, full, push was at train() start)
         assert entry["perf/weight_sync_delta_frac"] == 1.0
         assert 0 < entry["perf/weight_sync_bytes"] < 0.5 * full, (entry["perf/weight_sync_bytes"], full)
-    print("full push", full, "bytes; delta pushes of steps 1-3:", [e["perf/weight_sync_bytes"] for e in logs])
