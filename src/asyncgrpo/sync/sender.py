@@ -302,9 +302,12 @@ class WeightSender:
                 await asyncio.wait(
                     {sent, update}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
                 )
-                if update.done() and update.exception() is not None:
+                failure = update.exception() if update.done() else None
+                if failure is not None and delta_rejection(failure) is None:
                     update.result()  # the server failed mid-transfer: raise its error
-                if update.done() and not sent.done():  # its reply may overtake our last broadcast's return
+                # its reply (a success, or a delta refused once received) may overtake our last broadcast's
+                # return: the broadcast completes, the server read it all
+                if update.done() and not sent.done():
                     await asyncio.wait({sent}, timeout=self.timeout_s)
                 if not sent.done():
                     raise TimeoutError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.request
 
 import pytest
@@ -190,13 +191,22 @@ def test_a_server_that_holds_another_version_gets_the_full_weights(pushing, capl
     assert served_matches(link, model) == []
 
 
-def test_the_server_refuses_a_delta_of_another_base_or_result_and_the_group_stays_in_step(pushing, caplog):
+def test_the_server_refuses_a_delta_of_another_base_or_result_and_the_group_stays_in_step(
+    pushing, caplog, monkeypatch
+):
     link, model, transport = pushing
     collective = transport.transport
     transport.push(model, WeightVersion(0))
     nudge(model, 1)
     update = collective.last.advance(weights_for_server(model, SERVED), server_weight_metas(model, SERVED))
     sender = collective.sender
+    send = sender._send
+
+    def slow_send(buffer, stream):  # the server's refusal overtakes the broadcast's return, as under load
+        send(buffer, stream)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(sender, "_send", slow_send)
 
     async def push_delta(delta: DeltaUpdate) -> str:
         await link.client.pause(mode="keep")
@@ -213,6 +223,7 @@ def test_the_server_refuses_a_delta_of_another_base_or_result_and_the_group_stay
     wrong = DeltaUpdate(update.metas, update.deltas, ((1, 2), *update.sketches[1:]), base_version="v0")
     message = link.run(push_delta(wrong))
     assert f"1 of {len(update.metas)} tensors differ from the trainer's ({update.metas[0].name})" in message
+    monkeypatch.undo()
     # the same group then takes the next push, which the trainer sends full after a refused delta
     collective.last.forget()
     pushed = transport.push(model, WeightVersion(1))
