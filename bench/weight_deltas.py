@@ -9,6 +9,8 @@ cost against the full push:
     full     every word: 2 bytes each
     delta    per tensor the cheaper of (a) the changed words' int32 indices and bf16 values (6 bytes each)
              and (b) a bitmask of the changed words plus their values (1/8 byte per word + 2 each)
+    sent     what `weight_push="delta"` sends (`asyncgrpo.sync.delta.encode_delta`): per tensor (a), or
+             the whole tensor when (a) would not be smaller
 
 The steps are real AdamW steps (the trainer's settings: betas 0.9/0.999, eps 1e-8, no weight decay, the
 gradient clipped to norm 1.0) of a GRPO-shaped loss: advantage-weighted log-probs of sampled-looking
@@ -36,6 +38,7 @@ import torch
 from provenance import command_line, package_versions
 
 from asyncgrpo.modeling.load import resolve_model_path
+from asyncgrpo.sync.delta import encode_delta
 from asyncgrpo.tasks import arithmetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +54,7 @@ def served(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def compare(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict:
-    words = changed = delta = 0
+    words = changed = delta = sent = 0
     for name, old in before.items():
         new = after[name]
         n = old.numel()
@@ -59,11 +62,14 @@ def compare(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> 
         words += n
         changed += c
         delta += push_bytes(c, n)
+        sent += encode_delta(old, new).nbytes
     return {
         "changed_fraction": changed / words,
         "full_bytes": words * 2,
         "delta_bytes": delta,
         "delta_over_full": delta / (words * 2),
+        "sent_bytes": sent,
+        "sent_over_full": sent / (words * 2),
     }
 
 
@@ -145,7 +151,8 @@ def main() -> None:
             steps.append(entry)
             print(
                 f"lr {lr:g} step {step}: {entry['changed_fraction']:.2%} of bf16 words changed, "
-                f"delta push {entry['delta_over_full']:.1%} of full ({time.perf_counter() - t:.1f}s)",
+                f"delta push {entry['delta_over_full']:.1%} of full, sent by weight_push='delta' "
+                f"{entry['sent_over_full']:.1%} ({time.perf_counter() - t:.1f}s)",
                 flush=True,
             )
         later = steps[1:] or steps
@@ -155,6 +162,7 @@ def main() -> None:
                 "steps": steps,
                 "changed_fraction_after_step_1": sum(s["changed_fraction"] for s in later) / len(later),
                 "delta_over_full_after_step_1": sum(s["delta_over_full"] for s in later) / len(later),
+                "sent_over_full_after_step_1": sum(s["sent_over_full"] for s in later) / len(later),
             }
         )
 

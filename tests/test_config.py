@@ -46,7 +46,7 @@ SEED_FIELDS = {
 EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
                     "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0,
                     "activation_memory_budget": None, "flex_attention_backend": "triton",
-                    "harness_timeout": 600.0, "max_concurrent_harnesses": None}
+                    "harness_timeout": 600.0, "max_concurrent_harnesses": None, "weight_push": "full"}
 
 
 def make(**kwargs):
@@ -154,6 +154,7 @@ def test_bad_json_dict_names_the_field(value):
         ({"vllm_importance_sampling_clip_max": 0.9}, ["vllm_importance_sampling_clip_max=0.9"]),
         ({"max_staleness": -1}, ["max_staleness=-1"]),
         ({"weight_sync_steps": 0}, ["weight_sync_steps=0"]),
+        ({"weight_push": "sparse"}, ["weight_push='sparse'", "'delta'"]),
         ({"dtype": "fp8"}, ["dtype='fp8'"]),
         ({"top_k": -1}, ["top_k=-1"]),
         ({"max_concurrent_rollouts": 0}, ["max_concurrent_rollouts=0"]),

@@ -24,6 +24,8 @@ logger = logging.getLogger("asyncgrpo.config")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # flex_attention_backend: FlexAttention's Triton kernels, or FlashAttention-4
 FLEX_BACKENDS = ("triton", "flash")
+# weight_push: every served weight, or the words changed since the last push
+WEIGHT_PUSHES = ("full", "delta")
 _TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -262,6 +264,9 @@ def validate(args: AsyncGRPOConfig) -> None:
         f"max_staleness={args.max_staleness} must be >= 0 (0 trains only samples of the current weights)",
     )
     _require(args.weight_sync_steps >= 1, f"weight_sync_steps={args.weight_sync_steps} must be >= 1")
+    _require(args.weight_push in WEIGHT_PUSHES,
+             f"weight_push={args.weight_push!r} is not one of {WEIGHT_PUSHES}: 'full' sends every weight, "
+             "'delta' the words changed since the last push")
     _require(
         args.rollout_worker_timeout > 0,
         f"rollout_worker_timeout={args.rollout_worker_timeout} must be > 0 seconds",

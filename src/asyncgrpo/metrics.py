@@ -131,6 +131,8 @@ PERF_WEIGHT_SYNC_S = "perf/weight_sync_s"
 PERF_WEIGHT_SYNC_PAUSE_S = "perf/weight_sync_pause_s"
 PERF_WEIGHT_SYNC_BARRIER_S = "perf/weight_sync_barrier_s"
 PERF_WEIGHT_SYNC_TRANSFER_S = "perf/weight_sync_transfer_s"
+PERF_WEIGHT_SYNC_BYTES = "perf/weight_sync_bytes"  # bytes a push sent
+PERF_WEIGHT_SYNC_DELTA_FRAC = "perf/weight_sync_delta_frac"  # pushes sent as a delta (weight_push="delta")
 PERF_FWD_BWD_FORWARDED_TOKENS_PER_S = "perf/fwd_bwd_forwarded_tokens_per_s"
 PERF_WALL_CLOCK_FORWARDED_TOKENS_PER_S = "perf/wall_clock_forwarded_tokens_per_s"
 PERF_WALL_CLOCK_TRAINED_TOKENS_PER_S = "perf/wall_clock_trained_tokens_per_s"

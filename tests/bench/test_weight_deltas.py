@@ -39,3 +39,4 @@ def test_compare_counts_changed_bf16_words():
     assert result["changed_fraction"] == plain / words
     assert result["full_bytes"] == words * 2
     assert result["delta_bytes"] == 5 * 6 + 1 * 6
+    assert result["sent_bytes"] == result["delta_bytes"]  # what weight_push="delta" sends: the same forms

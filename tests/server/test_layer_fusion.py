@@ -74,6 +74,37 @@ def test_weight_updates_land_in_the_fused_weights():
     assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.numel() * 4
 
 
+def test_weight_deltas_land_in_the_fused_weights_and_keep_each_parameters_sketch():
+    """A delta (`weight_push="delta"`) writes the changed elements into the parameters in place, as a full
+    load copies into them, so the fused storage sees them too; the loader's sketch of each parameter,
+    moved by the delta alone, is the sketch of what it holds."""
+    from asyncgrpo.server.weights import WeightLoader
+    from asyncgrpo.sync.delta import encode_delta, tensor_sketch
+
+    model = _model("qwen2")
+    fused = copy.deepcopy(model)
+    fuse_layers(fused, triton=False)
+    loader = WeightLoader(fused)
+    g = torch.Generator().manual_seed(2)
+    fused_params = dict(fused.named_parameters())
+    for name, param in model.named_parameters():
+        if not any(part in name for part in ("q_proj", "k_proj", "v_proj", "up_proj", "gate_proj")):
+            continue
+        before = loader.sketch(name)  # known before the delta: the delta moves it
+        new = param.detach().clone()
+        where = torch.randperm(new.numel(), generator=g)[: new.numel() // 20]
+        new.view(-1)[where] += 0.5
+        delta = encode_delta(fused_params[name].detach(), new)
+        assert delta.num_changed == where.numel()
+        loader.load_delta(name, delta)
+        with torch.no_grad():
+            param.copy_(new)
+        assert loader.sketch(name) == tensor_sketch(new) != before, name
+    ids = torch.randint(0, 300, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_qwen3_norm_weights_are_shared_too():
     fused = _model("qwen3")
     # CPU weights: the Triton path is never taken

@@ -68,7 +68,9 @@ class ServerDevice:
     (the embedded server: its default). `accepts_ipc`: the server copies weights from CUDA IPC handles
     (vLLM: backend "ipc"; the embedded server: its JSON IPC path). `insecure_serialization`: vLLM's
     `VLLM_ALLOW_INSECURE_SERIALIZATION` (its ipc backend unpickles the handles only with it). `pid`: the
-    embedded server's process id (equal to the trainer's when it runs inside it), None for vLLM."""
+    embedded server's process id (equal to the trainer's when it runs inside it), None for vLLM.
+    `accepts_deltas`: /update_weights takes a delta of the changed words over NCCL or gloo (the embedded
+    server's extension, `asyncgrpo.sync.delta`; vLLM does not)."""
 
     device_type: str | None
     device_uuid: str | None
@@ -77,6 +79,7 @@ class ServerDevice:
     embedded: bool
     insecure_serialization: bool = False
     pid: int | None = None
+    accepts_deltas: bool = False
 
 
 def parse_server_device(body: dict[str, Any]) -> ServerDevice:
@@ -100,6 +103,7 @@ def parse_server_device(body: dict[str, Any]) -> ServerDevice:
         insecure_serialization=str(env.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "")).lower() in ("1", "true"),
         pid=(embedded.get("pid") if isinstance(embedded, dict) and isinstance(embedded.get("pid"), int)
              else None),
+        accepts_deltas=isinstance(embedded, dict) and embedded.get("weight_deltas") is True,
     )
 
 

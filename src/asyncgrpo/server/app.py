@@ -51,7 +51,7 @@ from asyncgrpo.server.routes.models import ModelNames, ServiceRoutes
 from asyncgrpo.server.routes.profile import EngineProfiler, ProfileRoutes
 from asyncgrpo.server.routes.text import TextCodec, TextRoutes
 from asyncgrpo.server.routes.weights import WeightRoutes
-from asyncgrpo.server.weights import WeightTransfer, WeightTransferError
+from asyncgrpo.server.weights import WeightDeltaRejected, WeightTransfer, WeightTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +131,14 @@ class Server:
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Errors as vLLM answers them: an `ApiError`'s body and status, a weight-transfer failure or any other
-    exception a 500 ErrorResponse (logged with its traceback), unknown routes and methods as JSON."""
+    exception a 500 ErrorResponse (logged with its traceback), unknown routes and methods as JSON; a
+    rejected weight delta (an extension) 412."""
     try:
         return await handler(request)
     except P.ApiError as exc:
         return json_response(exc.body(), exc.status)
+    except WeightDeltaRejected as exc:  # the trainer pushes the full weights next
+        return json_response(P.error_body(str(exc), "PreconditionFailedError", 412), 412)
     except WeightTransferError as exc:
         return json_response(P.error_body(str(exc), "InternalServerError", 500), 500)
     except web.HTTPNotFound:

@@ -9,6 +9,14 @@
 Names are Hugging Face checkpoint names (`model.layers.3.self_attn.q_proj.weight`,
 `lm_head.weight`); tied embeddings resolve to the same tensor. Every payload is checked against the
 model BEFORE receiving, so a bad request fails fast (the sender must not broadcast into it).
+
+A delta update (an embedded-server extension, `asyncgrpo.sync.delta`) carries only the changed words
+and applies them in place, as a full update copies in place (the parameters' storage, which fused
+layers and CUDA graphs read, stays the same). It is rejected (`WeightDeltaRejected`, HTTP 412) when
+the server holds another weight version than the delta's base, or when a tensor's sketch differs from
+the trainer's once applied; either way after receiving all of it, so the group stays in step, and the
+trainer pushes the full weights next. The loader keeps each parameter's sketch from the first delta
+after a full load on (computed over the whole tensor once, then moved by the changed words alone).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from collections.abc import Iterable
 
 import torch
 
+from asyncgrpo.sync.delta import Sketch, TensorDelta, apply_delta, read_at, sketch_update, tensor_sketch
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,11 +35,19 @@ class WeightTransferError(RuntimeError):
     """A weight-transfer request in the wrong state or with a bad payload (HTTP 500, like vLLM)."""
 
 
+class WeightDeltaRejected(WeightTransferError):
+    """A weight delta this server does not take (HTTP 412): it applies to another weight version than the
+    one held, or it leaves tensors that differ from the trainer's. Raised only once the whole delta was
+    received; the trainer pushes the full weights instead."""
+
+
 class WeightLoader:
     """Copies named tensors into the model's parameters (in place, same dtype and shape)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        # id(parameter) -> the sketch of its bits (tied names share one parameter); a full load drops it
+        self._sketches: dict[int, Sketch] = {}
 
     def names(self) -> list[str]:
         return list(self._params)
@@ -59,17 +77,48 @@ class WeightLoader:
             shown = "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
             raise WeightTransferError(f"update_info does not match the served model: {shown}")
 
-    @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
+    def _param(self, name: str) -> torch.nn.Parameter:
         param = self._params.get(name)
         if param is None:
             raise WeightTransferError(f"unknown parameter {name!r}; names are Hugging Face checkpoint names")
+        return param
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._param(name)
         if tensor.shape != param.shape or tensor.dtype != param.dtype:
             raise WeightTransferError(
                 f"{name}: received shape {tuple(tensor.shape)} dtype {tensor.dtype}, the server holds shape "
                 f"{tuple(param.shape)} dtype {param.dtype}"
             )
         param.copy_(tensor)
+        self._sketches.pop(id(param), None)
+
+    @torch.no_grad()
+    def load_delta(self, name: str, delta: TensorDelta) -> None:
+        """Apply one tensor's delta in place (a whole tensor is a full load); the parameter's sketch, when
+        known, moves by the changed words."""
+        param = self._param(name)
+        if delta.indices is None:
+            self.load(name, delta.values)
+            return
+        if delta.values.dtype != param.dtype:
+            raise WeightTransferError(f"{name}: delta values are {delta.values.dtype}, the server holds "
+                                      f"{param.dtype}")
+        known = self._sketches.get(id(param))
+        old = read_at(param, delta.indices) if known is not None else None
+        apply_delta(param, delta)
+        if known is not None:
+            self._sketches[id(param)] = sketch_update(known, delta.indices, old, delta.values, param.numel())
+
+    def sketch(self, name: str) -> Sketch:
+        """The sketch of the parameter's bits as they are (`asyncgrpo.sync.delta`), over the whole tensor
+        when not known yet."""
+        param = self._param(name)
+        known = self._sketches.get(id(param))
+        if known is None:
+            known = self._sketches[id(param)] = tensor_sketch(param)
+        return known
 
     def load_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> int:
         n = 0
@@ -138,8 +187,9 @@ class WeightTransfer:
             raise WeightTransferError("A weight update is already active; call /finish_weight_update first")
         self.active = True
 
-    def update(self, update_info) -> int:
-        """Blocking (engine thread): validate, receive every tensor, load it. Returns the count."""
+    def update(self, update_info, weight_version: str | None = None) -> int:
+        """Blocking (engine thread): validate, receive every tensor, load it. Returns the count.
+        `weight_version`: the version the server holds (what a delta update must apply to)."""
         if not self.active:
             raise WeightTransferError("No weight update is active; call /start_weight_update first")
         info = update_info
@@ -156,11 +206,44 @@ class WeightTransfer:
                 names, dtypes, shapes = (self._last_info[k] for k in ("names", "dtype_names", "shapes"))
             self.loader.check(names, dtypes, shapes)
             self._last_info = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            if "delta" in info:
+                return self._update_delta(info, weight_version)
         try:
             n = self.loader.load_all(self.receiver.receive(update_info))
         except ValueError as exc:
             raise WeightTransferError(str(exc)) from exc
         logger.info("loaded %d tensors", n)
+        return n
+
+    def _update_delta(self, update_info: dict, weight_version: str | None) -> int:
+        """Receive a delta update to its end, then apply it if its base is the version held, and check every
+        tensor's sketch against the trainer's (module docstring)."""
+        receive_delta = getattr(self.receiver, "receive_delta", None)
+        if receive_delta is None:
+            raise WeightTransferError(
+                "weight deltas travel over the gloo or NCCL group only, and this transfer is CUDA IPC: send "
+                "the full weights")
+        try:
+            metas, info, deltas = receive_delta(update_info)
+        except ValueError as exc:
+            raise WeightTransferError(str(exc)) from exc
+        if info.base_version != weight_version:
+            for _ in deltas:  # received to the end and dropped: the group stays in step
+                pass
+            raise WeightDeltaRejected(
+                f"the weight delta applies to version {info.base_version!r} and this server holds "
+                f"{weight_version!r}: push the full weights")
+        n = 0
+        for meta, delta in deltas:
+            self.loader.load_delta(meta.name, delta)
+            n += 1
+        wrong = [m.name for m, sketch in zip(metas, info.sketches) if self.loader.sketch(m.name) != sketch]
+        if wrong:
+            raise WeightDeltaRejected(
+                f"after the weight delta {len(wrong)} of {len(metas)} tensors differ from the trainer's "
+                f"({', '.join(wrong[:3])}{', ...' if len(wrong) > 3 else ''}): the base this server held was "
+                "not the trainer's last push; push the full weights")
+        logger.info("applied a weight delta to %d of %d tensors", n, len(metas))
         return n
 
     def finish(self) -> None:

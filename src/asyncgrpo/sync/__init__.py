@@ -1,6 +1,7 @@
 """Weight transfer from the trainer to the inference server (vllm-protocol.md section 5).
 
     packed.py        pure: update metadata, chunk plan (strict `t > B`), pack/unpack bytes
+    delta.py         pure: weight deltas (the changed words) and the sketch that checks their result
     communicator.py  the `Communicator` interface both communicators offer, and `in_daemon_thread`
     nccl.py          ctypes NCCL communicator (vLLM, or the embedded server on GPU)
     gloo.py          standalone gloo communicator (the embedded server on CPU)

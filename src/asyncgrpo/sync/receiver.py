@@ -5,6 +5,9 @@ broadcasts of one `update_weights` call back into named tensors.
     r.init(init_info)                        # POST /init_weight_transfer_engine: blocking
     for name, tensor in r.receive(update_info):   # POST /update_weights: blocking
         model.load_weight(name, tensor)
+    metas, info, deltas = r.receive_delta(update_info)   # an update_info with "delta" (sync/delta.py)
+    for meta, delta in deltas:
+        apply_delta(model.weight(meta.name), delta)
     r.shutdown()
 
 The backend follows `init_info`: `nccl_unique_id_b64` -> NCCL, `"backend": "gloo"` -> gloo. Invalid
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from asyncgrpo.sync.communicator import Communicator
+from asyncgrpo.sync.delta import DeltaInfo, TensorDelta, delta_wire_metas, split_wire
 from asyncgrpo.sync.packed import TensorMeta, TransferInit, metas_from_update_info, plan_chunks, unpack
 
 logger = logging.getLogger(__name__)
@@ -101,12 +105,7 @@ class WeightReceiver:
         """Validate `update_info` now and return an iterator that receives and yields each
         `(name, tensor)` in `names` order (declared dtype and shape, on `device`). Three empty
         lists reuse the previous update's metadata."""
-        if self._comm is None or self.config is None:
-            raise RuntimeError("weight transfer is not initialised: call init_weight_transfer_engine first")
-        if self._broken is not None:
-            raise RuntimeError(
-                f"weight transfer group is out of step ({self._broken}); shut it down and initialise again"
-            )
+        self._check_ready()
         metas = metas_from_update_info(update_info)
         if not metas:
             if self._last_metas is None:
@@ -116,6 +115,32 @@ class WeightReceiver:
             metas = self._last_metas
         self._last_metas = metas
         return self._receive(metas)
+
+    def receive_delta(
+        self, update_info: Any
+    ) -> tuple[list[TensorMeta], DeltaInfo, Iterator[tuple[TensorMeta, TensorDelta]]]:
+        """Validate a delta update (an update_info with a `delta` object, `asyncgrpo.sync.delta`) now and
+        return every tensor's meta, the delta's description, and an iterator that receives the
+        broadcast and yields `(meta, TensorDelta)` for each tensor something was sent for (an
+        unchanged one is not yielded). As with `receive`, consume it to the end."""
+        self._check_ready()
+        if not isinstance(update_info, dict) or "delta" not in update_info:
+            raise ValueError("Invalid update_info: a delta update needs a 'delta' object")
+        metas = metas_from_update_info({k: v for k, v in update_info.items() if k != "delta"})
+        if not metas:
+            raise ValueError("Invalid update_info: a delta update names every tensor it describes")
+        info = DeltaInfo.from_json(update_info["delta"], metas)
+        self._last_metas = metas
+        wire = self._receive(delta_wire_metas(metas, info))
+        return metas, info, split_wire(metas, info, (tensor for _, tensor in wire))
+
+    def _check_ready(self) -> None:
+        if self._comm is None or self.config is None:
+            raise RuntimeError("weight transfer is not initialised: call init_weight_transfer_engine first")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"weight transfer group is out of step ({self._broken}); shut it down and initialise again"
+            )
 
     def _receive(self, metas: list[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
         comm, config = self._comm, self.config

@@ -5,6 +5,8 @@
     push():  POST /start_weight_update
              POST /update_weights {update_info}              ||  broadcast the chunks in order
              POST /finish_weight_update {"weight_version"}
+    push_delta():  the same, with the update_info and chunks of a delta (`asyncgrpo.sync.delta`; the
+             embedded server only): a 412 after the last chunk is `DeltaRejected`, the group in step
 
 `||` = concurrently: the HTTP call returns only once the server side finished its part, so the
 trainer's part runs beside it; if the HTTP call fails first, its error is raised at once (the group
@@ -27,6 +29,7 @@ import torch
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.transport import ServerRequestError
 from asyncgrpo.sync.communicator import Communicator, in_daemon_thread
+from asyncgrpo.sync.delta import DeltaUpdate
 from asyncgrpo.sync.packed import (
     DEFAULT_BUFFER_SIZE_BYTES,
     TensorMeta,
@@ -44,6 +47,21 @@ _REJECT_WINDOW_S = 0.05
 
 class WeightTransferError(RuntimeError):
     """A weight transfer failed; the group is out of step and must be re-initialised."""
+
+
+class DeltaRejected(WeightTransferError):
+    """The server refused a weight delta (HTTP 412: it holds another base, or would end with other weights
+    than the trainer's) after receiving all of it: the group is in step, the update still open; push the
+    full weights."""
+
+
+def delta_rejection(exc: BaseException | None) -> ServerRequestError | None:
+    """The server's 412 refusal of a weight delta behind `exc` (itself or its cause), if it is one."""
+    while exc is not None:
+        if isinstance(exc, ServerRequestError) and exc.status == 412:
+            return exc
+        exc = exc.__cause__
+    return None
 
 
 class WeightSender:
@@ -204,12 +222,7 @@ class WeightSender:
         full shape of every tensor, in order) and an iterator yielding exactly those tensors; at most
         one chunk of tensors is then held at a time. Returns `{"transfer_s", "bytes", "num_tensors",
         "num_chunks"}`."""
-        if self._comm is None:
-            raise RuntimeError("WeightSender.init() must complete before push()")
-        if self._broken is not None:
-            raise WeightTransferError(
-                f"the transfer group is out of step ({self._broken}); close() and init() again"
-            )
+        self._check_ready()
         if metas is None:
             named_tensors = list(named_tensors)
             metas = [TensorMeta.of(name, tensor) for name, tensor in named_tensors]
@@ -219,6 +232,44 @@ class WeightSender:
                 "push() needs at least one tensor (empty lists mean 'reuse the last metadata' to vLLM)"
             )
         update_info = update_info_from_metas(metas)  # checks every dtype can be sent
+        stats, reply = await self._transfer(update_info, metas, named_tensors, version=version)
+        logger.info("pushed weights %s: %d tensors, %.1f MB in %d chunks, %.2fs (%s)", version, len(metas),
+                    stats["bytes"] / 1e6, stats["num_chunks"], stats["transfer_s"], reply)
+        return {**stats, "num_tensors": float(len(metas))}
+
+    async def push_delta(self, update: DeltaUpdate, *, version: str) -> dict[str, float]:
+        """Send one delta update (`asyncgrpo.sync.delta`: the changed words of every tensor against the
+        server's weight version `update.base_version`; the embedded server only) and label it `version`.
+        A server that holds another version, or whose weights then differ from the trainer's, rejects
+        it after receiving all of it: `DeltaRejected`, and the group stays in step (push the full
+        weights). Returns what `push` does, with `bytes` those of the delta."""
+        self._check_ready()
+        stats, reply = await self._transfer(update.update_info(), update.wire_metas(), iter(update.wire()),
+                                            version=version)
+        logger.info("pushed a weight delta %s -> %s: %.2f MB of %.1f MB (%.2f%% of the elements changed) in "
+                    "%d chunks, %.2fs (%s)", update.base_version, version, stats["bytes"] / 1e6,
+                    update.full_nbytes / 1e6, 100 * update.changed_frac, stats["num_chunks"],
+                    stats["transfer_s"], reply)
+        return {**stats, "num_tensors": float(len(update.metas))}
+
+    def _check_ready(self) -> None:
+        if self._comm is None:
+            raise RuntimeError("WeightSender.init() must complete before push()")
+        if self._broken is not None:
+            raise WeightTransferError(
+                f"the transfer group is out of step ({self._broken}); close() and init() again"
+            )
+
+    async def _transfer(
+        self,
+        update_info: dict[str, Any],
+        wire_metas: Sequence[TensorMeta],
+        wire: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: str,
+    ) -> tuple[dict[str, float], str]:
+        """start / update_weights(update_info) || broadcast `wire` (exactly `wire_metas`) / finish.
+        Returns `{"transfer_s", "bytes", "num_chunks"}` and the server's reply."""
         t0 = time.monotonic()
         await self._start_session()
         self._session_open = True  # until finish succeeds: a failed push leaves the server mid-update
@@ -227,6 +278,9 @@ class WeightSender:
         try:
             await asyncio.wait({update}, timeout=_REJECT_WINDOW_S)
             if update.done() and update.exception() is not None:
+                rejected = delta_rejection(update.exception())
+                if rejected is not None:
+                    raise DeltaRejected(str(rejected)) from rejected
                 raise WeightTransferError(
                     f"the server rejected update_weights before any byte was sent: {update.exception()}; "
                     "the update is not finished: the next push resends every tensor"
@@ -235,9 +289,10 @@ class WeightSender:
             if not update.done():
                 update.cancel()
             raise
+        sent_all = False
         try:
             stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            for buffer in self._buffers(metas, named_tensors):
+            for buffer in self._buffers(list(wire_metas), wire):
                 if update.done():
                     update.result()  # the server failed: raise its error
                     raise WeightTransferError(
@@ -247,9 +302,12 @@ class WeightSender:
                 await asyncio.wait(
                     {sent, update}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
                 )
-                if update.done() and update.exception() is not None:
+                failure = update.exception() if update.done() else None
+                if failure is not None and delta_rejection(failure) is None:
                     update.result()  # the server failed mid-transfer: raise its error
-                if update.done() and not sent.done():  # its reply may overtake our last broadcast's return
+                # its reply (a success, or a delta refused once received) may overtake our last broadcast's
+                # return: the broadcast completes, the server read it all
+                if update.done() and not sent.done():
                     await asyncio.wait({sent}, timeout=self.timeout_s)
                 if not sent.done():
                     raise TimeoutError(
@@ -258,31 +316,24 @@ class WeightSender:
                     )
                 sent.result()
                 num_chunks += 1
+            sent_all = True
             reply = await asyncio.wait_for(update, timeout=self.timeout_s)
         except BaseException as exc:
+            rejected = delta_rejection(exc)
+            if rejected is not None and sent_all:  # the server received it all, then refused it
+                raise DeltaRejected(str(rejected)) from rejected
             self._broken = f"an update failed: {exc}"
             if not update.done():
                 update.cancel()
             raise
         await self._client.finish_weight_update(version)
         self._session_open = False
-        transfer_s = time.monotonic() - t0
-        nbytes = sum(m.nbytes for m in metas)
-        logger.info(
-            "pushed weights %s: %d tensors, %.1f MB in %d chunks, %.2fs (%s)",
-            version,
-            len(metas),
-            nbytes / 1e6,
-            num_chunks,
-            transfer_s,
-            reply.get("message", "ok"),
-        )
-        return {
-            "transfer_s": transfer_s,
-            "bytes": float(nbytes),
-            "num_tensors": float(len(metas)),
+        stats = {
+            "transfer_s": time.monotonic() - t0,
+            "bytes": float(sum(m.nbytes for m in wire_metas)),
             "num_chunks": float(num_chunks),
         }
+        return stats, reply.get("message", "ok")
 
     async def _start_session(self) -> None:
         """POST /start_weight_update. After a failed push some servers keep that update's session

@@ -129,9 +129,10 @@ class ServerLink:
 
     def while_paused(self, push: Callable[[], Coroutine]) -> dict[str, float]:
         """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()`
-        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure
-        leaves the server resumed and raises; a server that restarted since the last push (its
-        weight-transfer group gone with it) is `ServerRestartedError`."""
+        returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks` (and
+        `delta` where a transport may send one, passed on). A failure leaves the server resumed and
+        raises; a server that restarted since the last push (its weight-transfer group gone with it) is
+        `ServerRestartedError`."""
         t0 = time.perf_counter()
         self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
         t_paused = time.perf_counter()
@@ -155,6 +156,7 @@ class ServerLink:
             "total_s": t_done - t0,
             "bytes": pushed["bytes"],
             "num_chunks": pushed["num_chunks"],
+            **({"delta": pushed["delta"]} if "delta" in pushed else {}),  # a delta push, or a full one
         }
 
     def restarted(self) -> bool:

@@ -137,6 +137,10 @@ class StepTotals:
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
             r(M.PERF_WEIGHT_SYNC_BARRIER_S, self.sync_barrier_s)
+            if "bytes" in sync_s:
+                r(M.PERF_WEIGHT_SYNC_BYTES, sync_s["bytes"])
+            if "delta" in sync_s:  # only a transport that may send a delta says whether it did
+                r(M.PERF_WEIGHT_SYNC_DELTA_FRAC, sync_s["delta"])
 
 
 class TrainerMetrics:

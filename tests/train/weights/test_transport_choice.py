@@ -54,6 +54,14 @@ def test_server_info_carries_the_device_to_the_client():
     assert not parse_server_device(vllm_body("nccl")).accepts_ipc
 
 
+def test_server_info_says_whether_the_server_takes_weight_deltas():
+    assert not parse_server_device(embedded_body()).accepts_deltas  # an embedded server that predates them
+    newer = embedded_body()
+    newer["embedded"]["weight_deltas"] = True
+    assert parse_server_device(newer).accepts_deltas
+    assert not parse_server_device(vllm_body()).accepts_deltas
+
+
 def test_cpu_trainer_uses_gloo():
     assert choose_transport("cpu", parse_server_device(embedded_body("cpu", None, ipc=False)), None) == "gloo"
     assert choose_transport("cpu", parse_server_device(embedded_body()), None) == "gloo"

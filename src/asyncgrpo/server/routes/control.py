@@ -108,6 +108,8 @@ class ControlRoutes(RouteTable):
             "prompt_attention": runner.plan.prompt_attention,
             # what /init_weight_transfer_engine accepts here ("ipc": JSON handles, same GPU only)
             "weight_transfer_backends": ["nccl", "gloo", "ipc"] if s.device.type == "cuda" else ["gloo"],
+            # /update_weights takes a delta of the changed words over nccl and gloo (asyncgrpo.sync.delta)
+            "weight_deltas": True,
             "pid": os.getpid(),  # a trainer sees whether the server runs in its own process (ServerThread)
         }
         steps = request.query.get("steps")

@@ -6,7 +6,8 @@ group's init and shutdown, an update's start / chunks / finish, the served weigh
          /shutdown_weight_transfer_engine  /update_weight_version
 
 Errors are vLLM's ErrorResponse with 500 (`weights.WeightTransferError`), 409 while another live trainer
-holds the server (`lease.TrainerHold`). Weights load in the engine thread between two steps.
+holds the server (`lease.TrainerHold`), 412 for a weight delta whose base this server does not hold
+(`weights.WeightDeltaRejected`, an extension). Weights load in the engine thread between two steps.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class WeightRoutes(RouteTable):
         """Engine thread: receive and load; cached prefixes of the old weights are dropped even when
         loading fails half way (some tensors may already have changed)."""
         try:
-            return self.transfer.update(update_info)
+            return self.transfer.update(update_info, weight_version=self.engine.weight_version)
         finally:
             self.engine.scheduler.invalidate_prefix_cache()
 

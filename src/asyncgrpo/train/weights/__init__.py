@@ -14,6 +14,7 @@
     gather.py      the weights the server receives (`weights_for_server`, the metas) and the push
                    through a transport's `send`, FSDP2 bucket by bucket on every rank
     collective.py  `CollectiveTransport`: NCCL or gloo, it owns the `WeightSender`
+    delta.py       `LastPush`: the copy of the last push a weight delta is taken against (weight_push="delta")
     ipc.py         `IpcTransport`: CUDA IPC on the server's GPU (embedded server or vLLM's ipc backend)
     adapters.py    `AdapterSync`: LoRA adapter-only sync (files the server loads), and whether a PEFT run
                    can use it (`choose_lora_sync`)

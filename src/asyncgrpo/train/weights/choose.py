@@ -15,6 +15,10 @@ and on the other ranks (no server link) it gives `OtherRank`. NCCL refuses two r
 (`ncclCommInitRank ... invalid usage`), hence IPC there. The embedded server reports its GPU's UUID;
 vLLM does not, so with vLLM "same GPU" is known only when this host has a single GPU (all visible to
 the trainer) and the server is local. `choose_transport` is pure; `same_gpu` gathers the facts.
+
+With `weight_push="delta"` the collective transport sends weight deltas (delta.py) where the server
+takes them; otherwise a warning says why not (`delta_refusal`: vLLM, an older embedded server, a sharded
+model; or CUDA IPC, or adapter-only LoRA sync).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class WeightSettings:
     output_dir: str  # adapter folders go under <output_dir>/.vllm_lora
     timeout_s: float  # vllm_server_timeout (adapter loads; the link's own calls use the link's)
     api_key: str | None
+    weight_push: str = "full"  # or "delta": the words changed since the last push
 
     @classmethod
     def from_config(cls, args: AsyncGRPOConfig) -> WeightSettings:
@@ -63,6 +68,7 @@ class WeightSettings:
             output_dir=args.output_dir,
             timeout_s=args.vllm_server_timeout,
             api_key=args.vllm_server_api_key,
+            weight_push=args.weight_push,
         )
 
 
@@ -88,6 +94,10 @@ def make_transport(
             "PEFT weight sync: %s (%s)", "adapter only" if choice.adapter_only else "merged", choice.reason
         )
         if choice.adapter_only:
+            if settings.weight_push == "delta":
+                logger.warning("weight_push='delta' has no effect with adapter-only LoRA sync: each "
+                               "version's adapter is written whole (it is small); set weight_push='full' to "
+                               "silence this")
             return AdapterSync(
                 link.base_url,
                 output_dir=settings.output_dir,
@@ -96,14 +106,34 @@ def make_transport(
                 dtype=dtype,
                 api_key=settings.api_key,
             )
-    full = full_weight_transport(link, settings.device, dtype, info.device)
+    delta = settings.weight_push == "delta"
+    if delta:
+        refusal = delta_refusal(info.device, sharded=is_sharded(model))
+        if refusal is not None:
+            logger.warning("weight_push='delta': %s; every push sends the full weights (set "
+                           "weight_push='full' to silence this)", refusal)
+            delta = False
+    full = full_weight_transport(link, settings.device, dtype, info.device, delta=delta)
     return ServerRestarts(full, link, world_size=settings.world_size)
 
 
+def delta_refusal(server: ServerDevice | None, *, sharded: bool) -> str | None:
+    """Why weight deltas cannot be pushed to this server from this model (None: they can)."""
+    if server is None or not server.embedded:
+        return ("vLLM takes no weight deltas (they are an extension of the embedded server, `asyncgrpo "
+                "serve`)")
+    if not server.accepts_deltas:
+        return "this embedded server takes no weight deltas (an older asyncgrpo: upgrade it and restart it)"
+    if sharded:
+        return ("the model is sharded (FSDP2), and the copy of the last push that a delta is taken against "
+                "would be the whole model on rank 0")
+    return None
+
+
 def full_weight_transport(link: ServerLink, device: torch.device, dtype: torch.dtype,
-                          server: ServerDevice | None) -> FullWeights:
+                          server: ServerDevice | None, *, delta: bool = False) -> FullWeights:
     """The full-weight transport `choose_transport` picks for this trainer and server (ValueError: a
-    setup that cannot work, with what to restart)."""
+    setup that cannot work, with what to restart); `delta`: a collective one pushes weight deltas."""
     device = torch.device(device)
     uuid = None
     if device.type == "cuda":
@@ -117,11 +147,15 @@ def full_weight_transport(link: ServerLink, device: torch.device, dtype: torch.d
     hint = sharing_hint(choice, server, os.getpid())
     if hint is not None:  # a warning where the fix is at hand (the embedded server can move in), else a note
         (logger.warning if server.embedded else logger.info)(hint)
+    if delta and choice in ("ipc", "vllm_ipc"):
+        logger.warning("weight_push='delta' has no effect over CUDA IPC (the trainer and the server share a "
+                       "GPU, where a full push is a copy at memory speed); set weight_push='full' to silence "
+                       "this")
     if choice == "ipc":
         return IpcTransport(link, device, dtype, "embedded")
     if choice == "vllm_ipc":
         return IpcTransport(link, device, dtype, "vllm")
-    return CollectiveTransport(link, device, dtype, choice)
+    return CollectiveTransport(link, device, dtype, choice, delta=delta)
 
 def choose_transport(trainer_device_type: str, server: ServerDevice | None, same_gpu: bool | None) -> str:
     """"gloo", "nccl", "ipc" or "vllm_ipc" (module doc); `same_gpu` None means unknown."""

@@ -8,34 +8,50 @@ from a CPU one (vllm-protocol.md section 5). It owns rank 0's `asyncgrpo.sync.se
                                  POST /resume
     close()  leave the group (`init()` forms a new one: what restart recovery does)
 
+With `delta` (`weight_push="delta"`, a server that takes deltas) it keeps `LastPush`, the copy of the
+weights the server holds (delta.py), and a push sends only the words changed since the last one:
+
+    send()   LastPush.advance: the copy takes the new weights, the delta comes back     (not paused)
+             link.while_paused:  GET /weight_info == the version of the last push
+                                   -> WeightSender.push_delta     (refused, 412 -> the full push below)
+                                 otherwise -> WeightSender.push of the copy (the first push, a new group)
+
 NCCL refuses two ranks on one GPU: a trainer on the server's GPU gets an error naming CUDA IPC
 (`ipc.py`), which `choose.py` picks by itself when it knows the two share a GPU.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
 
+from asyncgrpo.sync.delta import DeltaUpdate
 from asyncgrpo.sync.packed import DEFAULT_BUFFER_SIZE_BYTES, TensorMeta
 from asyncgrpo.train.server_link import ServerLink
 from asyncgrpo.train.weights.base import FullWeights
+from asyncgrpo.train.weights.delta import LastPush
 from asyncgrpo.train.weights.gather import NamedTensors
 from asyncgrpo.train.weights.ipc import INSECURE_RISK, VLLM_IPC_RESTART
+
+logger = logging.getLogger(__name__)
 
 
 class CollectiveTransport(FullWeights):
     """Rank 0 of the server's weight-transfer group; `backend` "nccl" or "gloo" (default: NCCL from a
-    CUDA `device`, gloo from the CPU). `device` is where the chunks are packed and sent from."""
+    CUDA `device`, gloo from the CPU). `device` is where the chunks are packed and sent from, and where
+    the copy of the last push lives with `delta` (module docstring)."""
 
     def __init__(self, link: ServerLink, device: torch.device, dtype: torch.dtype, backend: str | None = None,
-                 *, bucket_bytes: int = DEFAULT_BUFFER_SIZE_BYTES) -> None:
+                 *, bucket_bytes: int = DEFAULT_BUFFER_SIZE_BYTES, delta: bool = False) -> None:
         super().__init__(dtype, bucket_bytes)
         self.link = link
         self.device = torch.device(device)
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.sender = None  # the WeightSender, while the group is formed
+        self.last = LastPush(self.device) if delta else None
 
     def init(self) -> None:
         """Form the group (raises with the fix when NCCL refuses it)."""
@@ -43,6 +59,8 @@ class CollectiveTransport(FullWeights):
 
         self.sender = WeightSender(self.link.client, backend=self.backend, device=self.device,
                                    buffer_size_bytes=self.bucket_bytes, timeout_s=self.link.timeout_s)
+        if self.last is not None:  # a new group (a restarted server): the next push is full
+            self.last.forget()
         try:
             self.link.run(self.sender.init())
         except RuntimeError as exc:
@@ -54,10 +72,47 @@ class CollectiveTransport(FullWeights):
     def send(self, named_tensors: NamedTensors, *, label: str,
              metas: Sequence[TensorMeta] | None = None) -> dict[str, float]:
         """Pause (keep), broadcast, resume (`ServerLink.while_paused`); also returns the transfer's size
-        (`bytes`, `num_chunks`)."""
+        (`bytes`, `num_chunks`) and, with `delta`, whether it was a delta (`delta` 1.0 or 0.0) and the
+        time taken to encode it before pausing (`encode_s`, part of `total_s`)."""
         assert self.sender is not None, "init() must run before a push"
-        sender = self.sender
-        return self.link.while_paused(lambda: sender.push(named_tensors, version=label, metas=metas))
+        sender, last = self.sender, self.last
+        if last is None:
+            return self.link.while_paused(lambda: sender.push(named_tensors, version=label, metas=metas))
+        if metas is None:
+            tensors = list(named_tensors)
+            metas, named_tensors = [TensorMeta.of(name, t) for name, t in tensors], iter(tensors)
+        t0 = time.perf_counter()
+        update = last.advance(named_tensors, metas)
+        encode_s = time.perf_counter() - t0
+        try:
+            timings = self.link.while_paused(lambda: self._push(update, label, metas))
+        except BaseException:
+            last.forget()
+            raise
+        last.label = label
+        return {**timings, "encode_s": encode_s, "total_s": timings["total_s"] + encode_s}
+
+    async def _push(self, update: DeltaUpdate | None, label: str,
+                    metas: Sequence[TensorMeta]) -> dict[str, float]:
+        """The delta when the server holds its base and it is smaller, else the copy in full."""
+        from asyncgrpo.sync.sender import DeltaRejected
+
+        assert self.sender is not None and self.last is not None
+        if update is not None and update.nbytes < update.full_nbytes:
+            held = await self.link.client.weight_info()
+            if held == update.base_version:
+                try:
+                    return {**await self.sender.push_delta(update, version=label), "delta": 1.0}
+                except DeltaRejected as exc:
+                    logger.warning("the server refused the weight delta (%s): pushing the full weights", exc)
+            else:
+                logger.warning("the server serves weight version %r, not %r that this trainer pushed last: "
+                               "pushing the full weights", held, update.base_version)
+        elif update is not None:
+            logger.debug("the weight delta of %s would be no smaller than the full weights: pushing those",
+                         label)
+        pushed = await self.sender.push(self.last.named_tensors(metas), version=label, metas=metas)
+        return {**pushed, "delta": 0.0}
 
     def close(self) -> None:
         """Leave the group (`init()` forms a new one)."""
