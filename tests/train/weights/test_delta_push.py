@@ -263,6 +263,7 @@ class ServedWeights(TrainerCallback):
             self.mismatches.append(served_matches(self.link, model))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_with_delta_pushes_keeps_the_server_on_the_trainers_weights(tmp_path, server):
     from support.short_run import short_run_config
