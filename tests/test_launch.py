@@ -62,6 +62,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
     log = tmp_path / "server.log"
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(model_dir), str(log)],
@@ -87,6 +88,7 @@ def test_server_exits_when_its_launcher_is_killed(model_dir, tmp_path):
             os.kill(server_pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX_PROC, reason="reads the server's CPU time from /proc")
 def test_idle_server_does_not_burn_cpu(model_dir, tmp_path):
     with EmbeddedServer(str(model_dir), extra_args=["--max-model-len", "64"],

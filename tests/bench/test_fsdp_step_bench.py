@@ -15,6 +15,7 @@ pytestmark = pytest.mark.process
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "fsdp_step.py"
 
 
+@pytest.mark.slow
 def test_fsdp_step_bench_smoke_on_two_cpu_ranks(tmp_path):
     out = tmp_path / "fsdp_step.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

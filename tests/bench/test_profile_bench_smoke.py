@@ -16,6 +16,7 @@ pytestmark = pytest.mark.process
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.slow
 def test_training_step_profile_on_cpu_adds_up_to_the_wall_time(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(BENCH / "profile_step.py"), "--device", "cpu", "--groups", "3",

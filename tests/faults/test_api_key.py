@@ -48,6 +48,7 @@ def test_state_is_unchanged_by_refused_requests_and_the_key_opens_every_route(ke
     assert status == 200, out
 
 
+@pytest.mark.slow
 def test_trainer_and_rollout_process_train_against_a_keyed_server(keyed_server, tmp_path, monkeypatch):
     from datasets import Dataset
 

@@ -67,6 +67,7 @@ def test_bad_serve_flags_exit_2_with_a_message_and_no_traceback(args, words):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_port_another_process_listens_on_exits_2_before_loading_the_model():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -88,6 +89,7 @@ def test_a_port_out_of_range_exits_2_naming_the_range():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_host_address_this_machine_lacks_exits_2_before_loading_the_model():
     # 192.0.2.1 is reserved for documentation (RFC 5737): no machine's interface has it
     proc = subprocess.run([sys.executable, "-m", "asyncgrpo.cli", "serve", TINY, "--host", "192.0.2.1"],

@@ -72,6 +72,7 @@ def test_the_server_converts_the_file_and_generates_under_the_name_it_was_given(
     assert "tiny-chat.gguf: converting this qwen3 model" in log.read_text()
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_from_the_same_file_on_the_servers_weights(server, gguf_file, tmp_path, caplog):
     s, _ = server
     args = AsyncGRPOConfig(

@@ -190,6 +190,7 @@ def _start(loop_cls, config, tokenizer, reward_funcs, dataset, *, allowance=1_00
 # -- tests -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_samples_markers_advantages_and_zero_std_groups(tmp_path, server, tokenizer):
     dataset = arithmetic.make_dataset(8, seed=3)
     worker, trainer = _start(AsyncRolloutLoop, _config(tmp_path, server), tokenizer, [parity_reward], dataset)
@@ -248,6 +249,7 @@ def test_samples_markers_advantages_and_zero_std_groups(tmp_path, server, tokeni
     assert rates and all(r[2] is not None and r[2] > 0 for r in rates)  # rate records: tokens / seconds
 
 
+@pytest.mark.slow
 def test_token_allowance_holds_generation_back_until_the_trainer_consumes(tmp_path, server, tokenizer):
     dataset = arithmetic.make_dataset(6, seed=4)
     worker, trainer = _start(
@@ -271,6 +273,7 @@ def test_token_allowance_holds_generation_back_until_the_trainer_consumes(tmp_pa
     assert waits and max(waits) >= 2.5
 
 
+@pytest.mark.slow
 def test_seed_curriculum_loop_runs_unchanged(tmp_path, server, tokenizer):
     dataset = [dict(row, idx=i) for i, row in enumerate(arithmetic.make_dataset(4, seed=5))]
     config = _config(tmp_path, server, cls=CurriculumConfig, pass_rate_cap=0.5)
@@ -288,6 +291,7 @@ def test_seed_curriculum_loop_runs_unchanged(tmp_path, server, tokenizer):
         assert marker.num_samples == (0 if rejected else G), marker
 
 
+@pytest.mark.slow
 def test_counter_environment_runs_the_tool_loop(tmp_path, server, tokenizer):
     dataset = counter.make_dataset(4, seed=6)
     config = _config(tmp_path, server, max_tool_calling_iterations=8,

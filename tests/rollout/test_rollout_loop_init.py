@@ -191,6 +191,7 @@ def test_a_form_missing_a_primitive_or_mixing_both_is_refused_naming_it():
     channel.close()
 
 
+@pytest.mark.slow
 @pytest.mark.process
 def test_a_subclass_with_the_references_init_runs_in_the_rollout_process():
     channel = RolloutChannel.create(mp.get_context("spawn"), initial_allowance=1_000_000)

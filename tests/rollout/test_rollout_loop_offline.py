@@ -326,6 +326,7 @@ def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
 
 
+@pytest.mark.slow
 def test_on_policy_groups_that_give_the_trainer_nothing_do_not_fill_the_step():
     # every group is dropped (equal rewards): waiting for a sync would wait forever, since the trainer
     # has nothing to step on; the loop keeps generating under the same version instead

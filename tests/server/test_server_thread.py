@@ -72,6 +72,7 @@ def test_a_server_thread_serves_refuses_collectives_and_stops():
         pass
 
 
+@pytest.mark.slow
 def test_a_refused_weight_group_does_not_hold_the_trainer_at_exit():
     """The trainer's side of a group the server refused to join waits for it until its timeout (60 s
     here); the error reaches the trainer at once, and the process exits without waiting for that."""

@@ -171,6 +171,7 @@ def test_a_later_turn_finds_its_history_after_the_first_blocks_were_evicted(mode
     _assert_model_logprobs(reference, [second])
 
 
+@pytest.mark.slow
 def test_preemption_with_a_shared_prompt_matches_an_uncached_server_with_room_to_spare(models):
     served, reference = models[40]  # a window of 40 tokens: up to 4 blocks held per sequence
     prompt = _prompt(5, 40)

@@ -48,6 +48,7 @@ def _metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
+@pytest.mark.slow
 def test_requests_as_long_as_the_whole_cache_decode_together_past_the_window(mistral, tmp_path):
     path, reference = mistral
     args = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-tokens", "128", "--max-num-seqs", "8"]

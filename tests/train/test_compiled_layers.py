@@ -104,6 +104,7 @@ def test_compiled_layers_read_flex_block_masks_of_any_row_length_from_one_graph(
     assert graphs[1] == graphs[-1] <= 2, graphs
 
 
+@pytest.mark.slow
 def test_a_mask_capacity_leaves_no_symbolic_size_in_the_compiled_mask_function():
     """With `mask_capacity` the mask function of layers compiled for any row length reads tensors of a
     static size: its captured inputs hold no SymInt (FlexAttention's FLASH backend refuses one), and

@@ -93,6 +93,7 @@ def test_short_run_updates_parameters_and_logs_the_seed_metrics(tmp_path, server
     assert {"train/reward", "train/loss", "train/batch/packing_ratio"} <= tags, sorted(tags)
 
 
+@pytest.mark.slow
 def test_one_epoch_stops_after_every_prompt_is_trained(tmp_path, server):
     dataset = _dataset(6, seed=3)
     trainer = AsyncGRPOTrainer(
@@ -107,6 +108,7 @@ def raising_reward(completions, **kwargs):
     raise ValueError("reward exploded on purpose")
 
 
+@pytest.mark.slow
 def test_raising_reward_fails_fast_with_its_traceback(tmp_path, server):
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=raising_reward, train_dataset=_dataset(16),
@@ -240,6 +242,7 @@ class CurriculumTrainer(AsyncGRPOTrainer):
     loop_cls = CurriculumRolloutLoop
 
 
+@pytest.mark.slow
 def test_seed_curriculum_loop_runs_unchanged(tmp_path, server):
     config = _config(tmp_path, server, cls=CurriculumConfig, max_steps=2, pass_rate_cap=0.5)
     trainer = CurriculumTrainer(model=MODEL, reward_funcs=accuracy_reward,

@@ -121,6 +121,7 @@ def _sync(server, tmp_path) -> AdapterSync:
     return sync
 
 
+@pytest.mark.slow
 def test_each_synced_version_serves_the_merged_peft_model_and_old_versions_rotate_out(server, tmp_path):
     model, base = _peft_model(0), _base_model()
     sync = _sync(server, tmp_path)

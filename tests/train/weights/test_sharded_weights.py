@@ -26,7 +26,7 @@ from asyncgrpo.launch import free_port
 VOCAB = 96
 BUCKET_BYTES = 3000
 
-pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]  # two torchrun ranks
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,6 @@ def ranks() -> list[dict]:
     return [replies[0][0], replies[1][0]]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["layers+root", "layers+tail+root"])
 def test_two_rank_gradient_equals_the_one_process_gradient_of_the_same_rows(ranks, layout):
     for found in ranks:
