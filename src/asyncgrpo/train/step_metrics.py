@@ -137,6 +137,10 @@ class StepTotals:
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])
             r(M.PERF_WEIGHT_SYNC_BARRIER_S, self.sync_barrier_s)
+            for key, seconds in sync_s.items():  # several servers: each one's part (`total_s/<i>`)
+                prefix, _, index = key.partition("/")
+                if prefix == "total_s" and index:
+                    r(M.per_server(M.PERF_WEIGHT_SYNC_S, int(index)), seconds)
 
 
 class TrainerMetrics:

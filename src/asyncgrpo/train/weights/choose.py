@@ -15,6 +15,9 @@ and on the other ranks (no server link) it gives `OtherRank`. NCCL refuses two r
 (`ncclCommInitRank ... invalid usage`), hence IPC there. The embedded server reports its GPU's UUID;
 vLLM does not, so with vLLM "same GPU" is known only when this host has a single GPU (all visible to
 the trainer) and the server is local. `choose_transport` is pure; `same_gpu` gathers the facts.
+
+With several servers, `make_transports` makes one transport per server this way (each server its own
+choice) and `EveryServer` (every_server.py) pushes to all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -31,11 +35,12 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.server_info import ServerDevice, ServerInfo
-from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.server_link import ServerLink, ServerLinks
 from asyncgrpo.train.serving import serving_dtype
 from asyncgrpo.train.weights.adapters import AdapterSync, choose_lora_sync
 from asyncgrpo.train.weights.base import FullWeights, OtherRank, WeightTransport
 from asyncgrpo.train.weights.collective import CollectiveTransport
+from asyncgrpo.train.weights.every_server import EveryServer
 from asyncgrpo.train.weights.gather import is_sharded
 from asyncgrpo.train.weights.ipc import INSECURE_RISK, VLLM_IPC_RESTART, IpcTransport
 from asyncgrpo.train.weights.restarts import ServerRestarts
@@ -98,6 +103,29 @@ def make_transport(
             )
     full = full_weight_transport(link, settings.device, dtype, info.device)
     return ServerRestarts(full, link, world_size=settings.world_size)
+
+
+def make_transports(
+    links: ServerLinks | None,
+    infos: Sequence[ServerInfo],
+    model: torch.nn.Module,
+    settings: WeightSettings,
+    *,
+    peft_config: Any = None,
+) -> WeightTransport:
+    """The weight transport of this process for every server of the run (`infos` in the order of
+    `vllm_server_base_url`): `make_transport` for each, and with several servers `EveryServer` pushing
+    to all of them. `links` is rank 0's (None on the other ranks: one `OtherRank` per server, so that
+    they take part in each server's push). One server: its transport alone, as `make_transport` gives it."""
+    if links is None:
+        transports = [make_transport(None, info, model, settings) for info in infos]
+    else:
+        assert len(links) == len(infos), "one server description per link"
+        transports = [make_transport(link, info, model, settings, peft_config=peft_config)
+                      for link, info in zip(links, infos)]
+    if len(transports) == 1:
+        return transports[0]
+    return EveryServer(transports, links)
 
 
 def full_weight_transport(link: ServerLink, device: torch.device, dtype: torch.dtype,
