@@ -73,6 +73,12 @@ def test_adapter_transports_pause_no_server_as_with_one_server():
     assert events == ["push t0 v2", "push t1 v2"] and timings["pause_s"] == 0
 
 
+def test_servers_that_take_the_weights_differently_are_refused():
+    events: list[str] = []
+    with pytest.raises(ValueError, match="full weights to server 0, LoRA adapters to server 1"):
+        EveryServer([Noting("t0", events), Noting("t1", events, lora_name="lora-v{version}")], None)
+
+
 def test_init_idle_and_close_reach_every_transport_and_close_survives_a_failure():
     events: list[str] = []
 

@@ -62,8 +62,11 @@ class EveryServer:
 
     def __init__(self, transports: Sequence[WeightTransport], links: ServerLinks | None) -> None:
         assert transports, "one transport per server"
-        names = {t.lora_name for t in transports}
-        assert len(names) == 1, f"the servers' transports ask rollouts for different models: {names}"
+        if len({t.lora_name for t in transports}) > 1:  # rollouts would ask some servers for a missing model
+            kinds = ", ".join(f"{'full weights' if t.lora_name is None else 'LoRA adapters'} to server {i}"
+                              for i, t in enumerate(transports))
+            raise ValueError(f"the servers take this run's weights differently ({kinds}): start every server "
+                             "with the same LoRA settings (--enable-lora and its limits, or none)")
         self.transports = list(transports)
         self.links = links
         # full weights replace the served model's: pause every server; LoRA adapters pause none
