@@ -14,17 +14,19 @@ PAUSE_S = 0.3
 
 
 class FakeClient:
+    """`fails`: "pause" or "resume" fail (connection refused), "all" both (a dead server), None neither."""
+
     def __init__(self, url: str, events: list[str], fails: str | None) -> None:
         self.url, self.events, self.fails = url, events, fails
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
         await asyncio.sleep(PAUSE_S)
-        if self.fails == "pause":
+        if self.fails in ("pause", "all"):
             raise ServerConnectionError(f"POST {self.url}/pause failed: connection refused")
         self.events.append(f"pause {self.url}")
 
     async def resume(self) -> None:
-        if self.fails == "resume":
+        if self.fails in ("resume", "all"):
             raise ServerConnectionError(f"POST {self.url}/resume failed: connection refused")
         self.events.append(f"resume {self.url}")
 
@@ -42,6 +44,9 @@ class FakeLink:
 
     def wait(self, future, timeout_s=None):
         return future.result(timeout=10)
+
+    def answers(self, timeout_s: float = 2.0) -> bool:
+        return self.client.fails != "all"
 
 
 def links(*fails: str | None) -> tuple[ServerLinks, list[str]]:

@@ -24,8 +24,8 @@ def test_every_server_is_paused_at_once_before_the_push_and_resumed_after_it():
     assert time.perf_counter() - t0 < 3 * PAUSE_S  # the pauses ran at the same time, not one by one
     assert events[3] == "push" and sorted(events[4:]) == [f"resume http://s{i}:8000" for i in range(3)]
     assert not any(link.held for link in group)
-    assert len(timings["pause_s"]) == 3 and min(timings["pause_s"]) >= PAUSE_S
-    assert len(timings["resume_s"]) == 3
+    assert sorted(timings["pause_s"]) == [0, 1, 2] and min(timings["pause_s"].values()) >= PAUSE_S
+    assert sorted(timings["resume_s"]) == [0, 1, 2] and timings["unreachable"] == {}
 
 
 def test_a_server_that_fails_to_pause_is_named_and_the_others_are_resumed():
@@ -59,6 +59,36 @@ def test_a_server_that_fails_to_resume_is_named_after_the_others_resumed():
         with group.paused():
             pass
     assert "resume http://s1:8000" in events
+
+
+def test_with_spare_unreachable_a_server_that_cannot_be_reached_is_left_out_not_an_error():
+    group, events = links(None, "all", None)
+    with group.paused(spare_unreachable=True) as timings:
+        assert [link.held for link in group] == [True, False, True]
+    assert list(timings["unreachable"]) == [1] and "connection refused" in str(timings["unreachable"][1])
+    assert sorted(timings["resume_s"]) == [0, 2]  # the unreachable one is not resumed
+    assert "pause http://s1:8000" not in events and "resume http://s1:8000" not in events
+
+
+def test_a_server_the_push_could_not_reach_is_not_resumed():
+    group, events = links(None, None)
+    with group.paused(spare_unreachable=True) as timings:
+        timings["unreachable"][1] = ConnectionError("the push found it gone")
+    assert sorted(timings["resume_s"]) == [0] and "resume http://s1:8000" not in events
+
+
+def test_when_no_server_can_be_reached_the_pause_is_an_error_even_with_spare_unreachable():
+    group, _ = links("all", "all")
+    with pytest.raises(RuntimeError, match="could not pause the inference server at http://s0:8000"):
+        with group.paused(spare_unreachable=True):
+            pass
+
+
+def test_only_the_servers_named_are_paused():
+    group, events = links(None, None, None)
+    with group.paused([0, 2]) as timings:
+        assert [link.held for link in group] == [True, False, True]
+    assert sorted(timings["pause_s"]) == [0, 2] and not any("s1" in e for e in events)
 
 
 def test_a_held_link_only_pushes_its_server_is_paused_and_resumed_by_the_group():

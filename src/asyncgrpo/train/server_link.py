@@ -142,6 +142,14 @@ class ServerLink:
         """Run a coroutine of this link's client on its loop (bounded by `timeout_s`)."""
         return self._run(coro, timeout_s)
 
+    def answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server's /health answers 200 within `timeout_s` (no retries past it)."""
+        try:
+            self._run(self.client.wait_until_ready(timeout_s), timeout_s=timeout_s + 5)
+        except TimeoutError:
+            return False
+        return True
+
     def is_open(self) -> bool:
         """Whether calls can still run (`close()` not yet called)."""
         return self._thread.is_alive()
@@ -297,61 +305,76 @@ class ServerLinks:
         return infos
 
     @contextmanager
-    def paused(self) -> Iterator[dict[str, list[float]]]:
-        """Every server paused at once for a push, and resumed at once after it (a failed push included).
-        Inside, the links are `held`: their `while_paused` only pushes. Yields a dict that holds, on exit,
-        each server's `pause_s` and `resume_s` (lists in server order).
+    def paused(self, indices: Sequence[int] | None = None, *,
+               spare_unreachable: bool = False) -> Iterator[dict[str, Any]]:
+        """The servers `indices` (default: all) paused at once for a push, and resumed at once after it (a
+        failed push included). Inside, their links are `held`: their `while_paused` only pushes. Yields a
+        dict that holds, on exit, each server's `pause_s` and `resume_s` ({index: seconds}), and
+        `unreachable` ({index: error}).
 
         A server that fails to pause: the ones already paused are resumed, then `RuntimeError` names it.
         A server that fails to resume after a push that went through: `RuntimeError` names it, after every
-        other server was resumed."""
-        timings: dict[str, list[float]] = {}
-        pause_s = self._on_every_server("pause", ServerLink.pause, self.links)
-        for link in self.links:
-            link.held = True
+        other server was resumed. With `spare_unreachable`, a server that cannot be reached
+        (`ServerConnectionError`) while another can is not an error: it goes into `unreachable` and is
+        neither held nor resumed; the caller adds a server its push could not reach to `unreachable`."""
+        indices = list(range(len(self.links))) if indices is None else list(indices)
+        timings: dict[str, Any] = {"unreachable": {}}
+        pause_s, lost = self._on_every_server("pause", ServerLink.pause, indices, spare_unreachable)
+        timings["unreachable"].update(lost)
+        paused = [i for i in indices if i not in lost]
+        for i in paused:
+            self.links[i].held = True
         try:
             yield timings
         except BaseException:
-            self._release()
+            self._release(paused)
             try:
-                self._on_every_server("resume", ServerLink.resume, self.links)
+                self._on_every_server("resume", ServerLink.resume,
+                                      [i for i in paused if i not in timings["unreachable"]], False)
             except RuntimeError as exc:  # the push's error is the one to report; log this one
                 logger.error("%s", exc)
             raise
-        self._release()
-        timings["pause_s"] = pause_s
-        timings["resume_s"] = self._on_every_server("resume", ServerLink.resume, self.links)
+        self._release(paused)
+        resume_s, lost = self._on_every_server(
+            "resume", ServerLink.resume, [i for i in paused if i not in timings["unreachable"]],
+            spare_unreachable)
+        timings["unreachable"].update(lost)
+        timings["pause_s"], timings["resume_s"] = pause_s, resume_s
 
-    def _release(self) -> None:
-        for link in self.links:
-            link.held = False
+    def _release(self, indices: Sequence[int]) -> None:
+        for i in indices:
+            self.links[i].held = False
 
-    def _on_every_server(self, what: str, call: Callable[[ServerLink], Coroutine],
-                         links: Sequence[ServerLink]) -> list[float]:
-        """Run `call(link)` (pause or resume) on every link's loop at once; the seconds each took. A pause
-        that fails resumes the links it paused before raising; a resume that fails raises once all ran."""
-        futures = [link.submit(call(link)) for link in links]
-        seconds: list[float] = []
-        failed: tuple[ServerLink, BaseException] | None = None
-        done: list[ServerLink] = []
-        for link, future in zip(links, futures):
+    def _on_every_server(self, what: str, call: Callable[[ServerLink], Coroutine], indices: Sequence[int],
+                         spare_unreachable: bool) -> tuple[dict[int, float], dict[int, BaseException]]:
+        """Run `call(link)` (pause or resume) on the links `indices`, each on its own loop, at once: the
+        seconds each took, and (`spare_unreachable`) the ones that could not be reached while others
+        could. Otherwise a pause that fails resumes the links it paused before raising; a resume that
+        fails raises once all ran."""
+        futures = {i: self.links[i].submit(call(self.links[i])) for i in indices}
+        seconds: dict[int, float] = {}
+        failures: dict[int, BaseException] = {}
+        for i, future in futures.items():
             try:
-                seconds.append(link.wait(future))
-                done.append(link)
-            except Exception as exc:  # noqa: BLE001 -- every link is waited for; the first failure is raised
-                seconds.append(float("nan"))
-                failed = failed or (link, exc)
-        if failed is None:
-            return seconds
-        link, exc = failed
-        if what == "pause" and done:
+                seconds[i] = self.links[i].wait(future)
+            except Exception as exc:  # noqa: BLE001 -- every link is waited for; the failures are raised below
+                failures[i] = exc
+        unreachable = all(isinstance(e, ServerConnectionError) for e in failures.values())
+        if spare_unreachable and seconds and unreachable:  # some answered: the others are left out
+            return seconds, failures
+        if not failures:
+            return seconds, {}
+        index, exc = next(iter(failures.items()))
+        if what == "pause" and seconds:
             try:
-                self._on_every_server("resume", ServerLink.resume, done)
+                self._on_every_server("resume", ServerLink.resume, list(seconds), False)
             except RuntimeError as resume_exc:
                 logger.error("%s", resume_exc)
-        others = f"; the {len(done)} other server(s) paused were resumed" if what == "pause" and done else ""
+        others = (f"; the {len(seconds)} other server(s) paused were resumed" if what == "pause" and seconds
+                  else "")
         raise RuntimeError(
-            f"could not {what} the inference server at {link.base_url} around a weight push: {exc}{others}"
+            f"could not {what} the inference server at {self.links[index].base_url} around a weight push: "
+            f"{exc}{others}"
         ) from exc
 
     def close(self) -> None:

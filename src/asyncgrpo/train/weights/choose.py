@@ -125,7 +125,8 @@ def make_transports(
                       for link, info in zip(links, infos)]
     if len(transports) == 1:
         return transports[0]
-    return EveryServer(transports, links)
+    # one training process: a server that stops answering is left out (several must push alike)
+    return EveryServer(transports, links, failover=settings.world_size == 1)
 
 
 def full_weight_transport(link: ServerLink, device: torch.device, dtype: torch.dtype,
