@@ -83,3 +83,27 @@ def test_a_per_server_name_keeps_the_totals_window_rule():
     assert M.reduction_for(M.per_server(M.ROLLOUT_CONCURRENCY, 0)) == M.MEAN
     with pytest.raises(AssertionError):
         M.per_server(M.ROLLOUT_VLLM_PREEMPTION_COUNT, 0)  # a count split as ".../0" would be averaged
+
+
+def test_a_request_whose_server_is_gone_moves_to_another_server_which_counts_its_rollout(caplog):
+    servers, _ = loads(3)
+    assert [servers.start_group(4) for _ in range(2)] == [0, 1]
+    gone = ConnectionError("POST http://server-0:8000/inference/v1/generate failed: connection refused. "
+                           "The rest")
+    with caplog.at_level("WARNING", logger="asyncgrpo.rollout.server_load"):
+        assert servers.fail_over(0, gone) == 2  # the most free capacity among the others
+        assert servers.fail_over(0, gone) == 2
+    assert [load.in_flight for load in servers.loads] == [2, 4, 2]
+    assert caplog.text.count("the inference server at http://server-0:8000 does not answer") == 1  # once
+    assert "connection refused)" in caplog.text and "The rest" not in caplog.text
+    assert servers.loads[0].cap() == 0 and servers.cap() == 8  # out of the cap and of the choice
+    assert [servers.start_group(4) for _ in range(2)] == [2, 1]
+
+
+def test_with_no_other_server_left_the_request_does_not_move():
+    one, _ = loads(1)
+    one.start_group(4)
+    assert one.fail_over(0, ConnectionError("gone")) is None and not one.loads[0].out
+    two, _ = loads(2)
+    two.fail_over(1, ConnectionError("gone"))
+    assert two.fail_over(0, ConnectionError("gone")) is None and not two.loads[0].out  # the last one stays in

@@ -48,7 +48,7 @@ from asyncgrpo.config_rules import server_urls
 from asyncgrpo.data.prompts import PromptItem, end_position, prompt_stream, row_reward_kwargs
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.generation.transport import ServerRequestError
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
 from asyncgrpo.rollout.admission_gate import AdmissionGate
@@ -65,7 +65,7 @@ from asyncgrpo.rollout.rewards import reward_func_names
 from asyncgrpo.rollout.scoring import PendingGroup, Scorer
 from asyncgrpo.rollout.server_load import ServerLoads
 from asyncgrpo.rollout.tasks import TaskSupervisor
-from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
+from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord, WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -235,12 +235,16 @@ class AsyncRolloutLoop:
         wants_candidates = self._servers.wants_candidates(server, settings.truncated,
                                                           settings.describe_truncation())
         params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
-        try:
-            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
-        except ServerRequestError as exc:  # LoRA: the adapter was retired between naming and serving it
-            if exc.status != 404 or not self.lora_name:
-                raise
-            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        while True:
+            try:
+                out = await self._generate(client, prompt_ids, params, context)
+                break
+            except ServerConnectionError as exc:  # several servers: sent again to another one
+                moved = None if context is None or self.lora_name else self._servers.fail_over(server, exc)
+                if moved is None:
+                    raise
+                context.server = server = moved
+                client, _ = await self._server(context)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -248,6 +252,15 @@ class AsyncRolloutLoop:
             output_sampling_mask=out.sampling_mask if params.return_sampling_mask else None,
             output_sampler_logprobs=out.top_logprobs if params.logprobs else None,
         )
+
+    async def _generate(self, client: GenerationClient, prompt_ids: list[int], params: Any,
+                        context: RolloutContext | None) -> Any:
+        try:
+            return await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        except ServerRequestError as exc:  # LoRA: the adapter was retired between naming and serving it
+            if exc.status != 404 or not self.lora_name:
+                raise
+            return await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
 
     # -- run --------------------------------------------------------------------------------------
 
@@ -315,11 +328,16 @@ class AsyncRolloutLoop:
         rollout, the one with the most free capacity), created on first use (custom hooks may never call
         it)."""
         client, info = await self._servers.connect(self._server_index(context))
-        # the vllm_* metrics are logged even when the cap cannot adapt
-        if info.has_metrics and self._poller is None:
-            self._poller = self._spawn(self._servers.poll_forever(lambda: self._admission.in_flight),
-                                       "server-poller")
+        # the vllm_* metrics are logged even when the cap cannot adapt; several servers: it also takes a
+        # server that stopped answering back in
+        if (info.has_metrics or len(self._servers) > 1) and self._poller is None:
+            self._poller = self._spawn(
+                self._servers.poll_forever(lambda: self._admission.in_flight, self._weights_label),
+                "server-poller")
         return client, info
+
+    def _weights_label(self) -> str:
+        return WeightVersion(int(self.channel.model_version.value)).label()
 
     def _server_index(self, context: RolloutContext | None) -> int:
         return context.server if context is not None else self._servers.choose()

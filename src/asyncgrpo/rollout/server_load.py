@@ -11,9 +11,15 @@ flight; the choice of a group's server; the `/metrics` poller.
       poll_forever (SERVER_POLL_S) -> every connected server's /metrics: its cap follows its KV-cache
                                     usage; rollout/vllm_* combined over the servers (`combined_load`),
                                     rollout/concurrency*, and with several servers a split per server
+      a request finds its server gone -> fail_over(i): the server is out (cap 0, a WARNING names it),
+                                    the request goes to the server with the most free capacity, and
+                                    its rollout's later turns with it
+      poll_forever, for an out server -> back in once its /health answers and it serves the weights the
+                                    trainer pushed last (/weight_info: the trainer pushes them first)
 
 The clients are created on first use: a custom `generate_one_turn` may never call a server. With one
-server this is the single-server behaviour and metrics exactly (no split is logged).
+server this is the single-server behaviour and metrics exactly (no split is logged, nothing fails over:
+the last server that answers is never left out).
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from dataclasses import dataclass
 
 from asyncgrpo import metrics as M
 from asyncgrpo.generation.client import GenerationClient
+from asyncgrpo.generation.protocol import ProtocolError
 from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, choose_server
 
 logger = logging.getLogger(__name__)
@@ -109,6 +117,7 @@ class ServerLoad:
         self.client: GenerationClient | None = None
         self.info: ServerInfo | None = None
         self.in_flight = 0  # rollouts of the groups sent here that have not finished
+        self.out = False  # it stopped answering: no request goes here until it is back (ServerLoads)
         self._kv_cap: ConcurrencyCap | None = None
         self._lock = asyncio.Lock()  # binds to the event loop at first use (Python >= 3.10)
         self._warned_candidates = False
@@ -143,7 +152,9 @@ class ServerLoad:
 
     def cap(self) -> int:
         """How many rollouts may be in flight here: the KV cap (once connected) within
-        max_concurrent_rollouts."""
+        max_concurrent_rollouts; 0 while it is out."""
+        if self.out:
+            return 0
         cap = self.max_concurrent_rollouts
         if self._kv_cap is not None:
             cap = min(cap, int(self._kv_cap.cap))
@@ -174,8 +185,8 @@ class ServerLoad:
 
     @property
     def polled(self) -> bool:
-        """Connected to a server that serves /metrics."""
-        return self.client is not None and self.info is not None and self.info.has_metrics
+        """Connected to a server that serves /metrics, and not out."""
+        return self.client is not None and self.info is not None and self.info.has_metrics and not self.out
 
     async def poll(self) -> LoadReading | None:
         """Read the server's /metrics once and move the cap by its KV-cache usage (None: no /metrics)."""
@@ -277,14 +288,63 @@ class ServerLoads:
                 self.record(M.per_server(M.ROLLOUT_CONCURRENCY, i), load.in_flight)
                 self.record(M.per_server(M.ROLLOUT_CONCURRENCY_CAP, i), load.cap())
 
-    async def poll_forever(self, in_flight: Callable[[], int]) -> None:
+    def fail_over(self, index: int, exc: BaseException) -> int | None:
+        """A request to server `index` found it gone (`exc`): the server is out (a WARNING names it, once)
+        and the request's rollout moves, counted in flight, to the server with the most free capacity,
+        whose index is returned. None when no other server answers: the caller raises `exc`."""
+        if not self._leave_out(index, exc):
+            return None
+        target = self.choose()
+        self.loads[index].in_flight -= 1
+        self.loads[target].in_flight += 1
+        return target
+
+    def _leave_out(self, index: int, exc: BaseException) -> bool:
+        """Take server `index` out of the choice (a WARNING names it, once); False when no other server
+        answers (it stays in: the caller raises)."""
+        load = self.loads[index]
+        if not any(other.cap() > 0 for i, other in enumerate(self.loads) if i != index):
+            return False
+        if not load.out:
+            load.out = True
+            logger.warning(
+                "the inference server at %s does not answer (%s): its requests go to the other servers; it "
+                "takes rollouts again once its /health answers and it serves the trainer's weights",
+                load.base_url, str(exc).split(". ")[0],
+            )
+        return True
+
+    async def _rejoin(self, weights_label: str) -> None:
+        """Each out server whose /health answers and that serves `weights_label` (the weights the trainer
+        pushed last: it pushes them to a server that comes back first) is back in."""
+        for load in self.loads:
+            if not load.out or load.client is None:
+                continue
+            try:
+                await load.client.wait_until_ready(1.0)
+                serves = await load.client.weight_info()
+            except (TimeoutError, ServerConnectionError, ServerRequestError, ProtocolError):
+                continue
+            if serves == weights_label:
+                load.out = False
+                logger.warning("the inference server at %s answers again and serves the trainer's weights "
+                               "(%s): it takes rollouts again", load.base_url, serves)
+
+    async def poll_forever(self, in_flight: Callable[[], int], weights_label: Callable[[], str]) -> None:
         """Every SERVER_POLL_S: each connected server's load (its cap moves with its KV-cache usage) and
-        the combined rollout/vllm_* metrics; the servers are read at once."""
+        the combined rollout/vllm_* metrics, the servers read at once; an out server back
+        (`weights_label()`: the label of the weights the trainer pushed last)."""
         while True:
             await asyncio.sleep(SERVER_POLL_S)
+            await self._rejoin(weights_label())
             polled = [(i, load) for i, load in enumerate(self.loads) if load.polled]
-            readings = await asyncio.gather(*(load.poll() for _, load in polled))
-            present = [(i, r) for (i, _), r in zip(polled, readings) if r is not None]
+            readings = await asyncio.gather(*(load.poll() for _, load in polled), return_exceptions=True)
+            for (i, _), reading in zip(polled, readings):
+                if isinstance(reading, BaseException):
+                    if not (isinstance(reading, ServerConnectionError) and self._leave_out(i, reading)):
+                        raise reading
+            present = [(i, r) for (i, _), r in zip(polled, readings)
+                       if r is not None and not isinstance(r, BaseException)]
             if present:
                 for name, value in combined_load([r for _, r in present]):
                     self.record(name, value)
