@@ -321,7 +321,8 @@ class ServerLoads:
             if not load.out or load.client is None:
                 continue
             try:
-                await load.client.wait_until_ready(1.0)
+                if not await load.client.answers():
+                    continue
                 serves = await load.client.weight_info()
             except (TimeoutError, ServerConnectionError, ServerRequestError, ProtocolError):
                 continue
