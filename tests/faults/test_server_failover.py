@@ -34,13 +34,14 @@ def survivor(embedded_server):
 
 class _KillThenRestart(TrainerCallback):
     """Kill `server` at the end of step 1 (before that step's sync), start it again AWAY_S later; stop the
-    run at the first step whose sync comes after the trainer took it back in."""
+    run once the trainer took it back in and the rollout process sent it requests again."""
 
     def __init__(self, server: EmbeddedServer) -> None:
         self.server = server
         self.restarter: threading.Timer | None = None
         self.trainer: AsyncGRPOTrainer | None = None
         self.was_out = False
+        self.generated_after_restart = 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1 and self.restarter is None:
@@ -50,8 +51,18 @@ class _KillThenRestart(TrainerCallback):
             self.restarter.start()
         out = self.trainer.weights.out
         self.was_out = self.was_out or bool(out)
-        if self.was_out and not out:  # back in: this step's sync (after this callback) reaches both servers
-            control.should_training_stop = True
+        if self.was_out and not out:  # back in for the trainer: is it generating again?
+            self.generated_after_restart = _generated_tokens(self.server.url)  # its counters began at 0
+            # this step's sync (after this callback) reaches both servers
+            control.should_training_stop = self.generated_after_restart > 0
+
+
+def _generated_tokens(url: str) -> float:
+    async def fetch():
+        async with GenerationClient(url, timeout_s=30) as client:
+            return (await client.metrics()).generation_tokens or 0.0
+
+    return asyncio.run(fetch())
 
 
 async def _served(url: str) -> tuple[dict[str, str], str]:
@@ -79,12 +90,14 @@ def test_a_dead_server_is_left_out_training_goes_on_and_it_rejoins_with_the_weig
                 callback.restarter.join()
         served = {url: asyncio.run(_served(url)) for url in (survivor.url, lost.url)}
     assert callback.was_out and not trainer.weights.out, "the server never rejoined"
+    assert callback.generated_after_restart > 0, "the rollout process never sent it requests again"
     assert 2 <= trainer.state.global_step < 500  # it stopped once the server was back
     assert f"the inference server at {lost.url} does not answer" in caplog.text
     assert "training goes on with the other 1 server(s)" in caplog.text
     assert f"the inference server at {lost.url} answers again and serves the trainer's weights" in caplog.text
-    rollout_log = capfd.readouterr().err  # the rollout process's requests went to the other server
+    rollout_log = capfd.readouterr().err  # the rollout process's requests went to the other server, then back
     assert f"the inference server at {lost.url} does not answer" in rollout_log, rollout_log[-3000:]
+    assert f"the inference server at {lost.url} answers again" in rollout_log, rollout_log[-3000:]
     ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
     for url, (checksum, version) in served.items():
         assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"

@@ -65,7 +65,7 @@ from asyncgrpo.rollout.rewards import reward_func_names
 from asyncgrpo.rollout.scoring import PendingGroup, Scorer
 from asyncgrpo.rollout.server_load import ServerLoads
 from asyncgrpo.rollout.tasks import TaskSupervisor
-from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord, WeightVersion
+from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -332,12 +332,10 @@ class AsyncRolloutLoop:
         # server that stopped answering back in
         if (info.has_metrics or len(self._servers) > 1) and self._poller is None:
             self._poller = self._spawn(
-                self._servers.poll_forever(lambda: self._admission.in_flight, self._weights_label),
+                self._servers.poll_forever(lambda: self._admission.in_flight,
+                                           lambda: int(self.channel.model_version.value)),
                 "server-poller")
         return client, info
-
-    def _weights_label(self) -> str:
-        return WeightVersion(int(self.channel.model_version.value)).label()
 
     def _server_index(self, context: RolloutContext | None) -> int:
         return context.server if context is not None else self._servers.choose()

@@ -36,6 +36,7 @@ from asyncgrpo.generation.protocol import ProtocolError
 from asyncgrpo.generation.server_info import ServerInfo
 from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.rollout.concurrency import ConcurrencyCap, choose_server
+from asyncgrpo.types import WeightVersion
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +315,11 @@ class ServerLoads:
             )
         return True
 
-    async def _rejoin(self, weights_label: str) -> None:
-        """Each out server whose /health answers and that serves `weights_label` (the weights the trainer
-        pushed last: it pushes them to a server that comes back first) is back in."""
+    async def _rejoin(self, version: int) -> None:
+        """Each out server whose /health answers and that serves the trainer's weights is back in: the
+        weights of `version` (the trainer pushes them to a server that comes back first), or of the next
+        one (a sync pushes them to every server before it publishes the version)."""
+        labels = (WeightVersion(version).label(), WeightVersion(version).next().label())
         for load in self.loads:
             if not load.out or load.client is None:
                 continue
@@ -326,18 +329,18 @@ class ServerLoads:
                 serves = await load.client.weight_info()
             except (TimeoutError, ServerConnectionError, ServerRequestError, ProtocolError):
                 continue
-            if serves == weights_label:
+            if serves in labels:
                 load.out = False
                 logger.warning("the inference server at %s answers again and serves the trainer's weights "
                                "(%s): it takes rollouts again", load.base_url, serves)
 
-    async def poll_forever(self, in_flight: Callable[[], int], weights_label: Callable[[], str]) -> None:
+    async def poll_forever(self, in_flight: Callable[[], int], model_version: Callable[[], int]) -> None:
         """Every SERVER_POLL_S: each connected server's load (its cap moves with its KV-cache usage) and
-        the combined rollout/vllm_* metrics, the servers read at once; an out server back
-        (`weights_label()`: the label of the weights the trainer pushed last)."""
+        the combined rollout/vllm_* metrics, the servers read at once; an out server back once it serves
+        the weights of `model_version()` (the version the trainer published last)."""
         while True:
             await asyncio.sleep(SERVER_POLL_S)
-            await self._rejoin(weights_label())
+            await self._rejoin(model_version())
             polled = [(i, load) for i, load in enumerate(self.loads) if load.polled]
             readings = await asyncio.gather(*(load.poll() for _, load in polled), return_exceptions=True)
             for (i, _), reading in zip(polled, readings):
