@@ -113,8 +113,9 @@ class AsyncGRPOConfig(TrainingArguments):
             of the same model (on the command line, space-separated after the flag). With several, each
             group of rollouts goes to the server with the most free capacity (its concurrency cap minus
             its rollouts in flight) and stays there, turns and tools included; every weight sync pauses
-            all of them, pushes the weights to each and resumes them. A malformed URL, an empty list, a
-            server listed twice or a comma-joined string is refused at construction.
+            all of them, pushes the weights to each and resumes them; one that stops answering is left
+            out until it answers again (docs/serving.md, "Several servers"). A malformed URL, an empty
+            list, a server listed twice or a comma-joined string is refused at construction.
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.

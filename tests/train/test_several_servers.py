@@ -49,7 +49,8 @@ def test_a_run_spreads_its_groups_over_two_servers_and_leaves_both_serving_its_w
     generated_before = [_served(url)[0] for url in urls]
     trainer = AsyncGRPOTrainer(
         model=MODEL, reward_funcs=spread_reward, train_dataset=arithmetic.make_dataset(64, seed=0),
-        args=short_run_config(tmp_path / "out", urls, max_steps=3),
+        # rows of a few groups (token_budget): a step waits for less generation
+        args=short_run_config(tmp_path / "out", urls, max_steps=3, token_budget=256),
     )
     trainer.train()
 

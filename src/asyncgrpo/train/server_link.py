@@ -360,7 +360,10 @@ class ServerLinks:
             return seconds, failures
         if not failures:
             return seconds, {}
-        index, exc = next(iter(failures.items()))
+        # name the failure that is an error: with spare_unreachable, one that is not a lost connection
+        index, exc = next(((i, e) for i, e in failures.items()
+                           if not (spare_unreachable and isinstance(e, ServerConnectionError))),
+                          next(iter(failures.items())))
         if what == "pause" and seconds:
             try:
                 self._on_every_server("resume", ServerLink.resume, list(seconds), False)
