@@ -167,8 +167,8 @@ class ServerLink:
         """Pause (keep; dropping the KV of requests in flight unless `keep_kv`), run the coroutine `push()`
         returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure
         leaves the server resumed and raises; a server that restarted since the last push (its
-        weight-transfer group gone with it) is `ServerRestartedError`. A link `held` by
-        `ServerLinks.paused` only pushes (pause_s and resume_s are 0): the group pauses and resumes it."""
+        weight-transfer group gone with it) is `ServerRestartedError`."""
+        # a link `held` by ServerLinks.paused only pushes (pause_s and resume_s 0): the group pauses it
         t0 = t_paused = time.perf_counter()
         if not self.held:
             self._run(self.pause())

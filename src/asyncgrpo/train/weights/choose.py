@@ -1,5 +1,7 @@
 """The one factory of weight transports: which one this process uses, from where it trains, what it
-trains and what the server reports. `make_transport` is asked once, at start, on rank 0:
+trains and what the server reports (with several servers, `make_transports`: one transport per server,
+each chosen so, and `EveryServer`, every_server.py, over them). `make_transport` is asked once per
+server, at start, on rank 0:
 
     a PEFT model and a server that serves LoRA adapters at run time      -> AdapterSync (adapters.py)
     otherwise the full weights, through the transport for where the two run, wrapped in ServerRestarts:
@@ -15,9 +17,6 @@ and on the other ranks (no server link) it gives `OtherRank`. NCCL refuses two r
 (`ncclCommInitRank ... invalid usage`), hence IPC there. The embedded server reports its GPU's UUID;
 vLLM does not, so with vLLM "same GPU" is known only when this host has a single GPU (all visible to
 the trainer) and the server is local. `choose_transport` is pure; `same_gpu` gathers the facts.
-
-With several servers, `make_transports` makes one transport per server this way (each server its own
-choice) and `EveryServer` (every_server.py) pushes to all of them.
 """
 
 from __future__ import annotations
@@ -103,30 +102,6 @@ def make_transport(
             )
     full = full_weight_transport(link, settings.device, dtype, info.device)
     return ServerRestarts(full, link, world_size=settings.world_size)
-
-
-def make_transports(
-    links: ServerLinks | None,
-    infos: Sequence[ServerInfo],
-    model: torch.nn.Module,
-    settings: WeightSettings,
-    *,
-    peft_config: Any = None,
-) -> WeightTransport:
-    """The weight transport of this process for every server of the run (`infos` in the order of
-    `vllm_server_base_url`): `make_transport` for each, and with several servers `EveryServer` pushing
-    to all of them. `links` is rank 0's (None on the other ranks: one `OtherRank` per server, so that
-    they take part in each server's push). One server: its transport alone, as `make_transport` gives it."""
-    if links is None:
-        transports = [make_transport(None, info, model, settings) for info in infos]
-    else:
-        assert len(links) == len(infos), "one server description per link"
-        transports = [make_transport(link, info, model, settings, peft_config=peft_config)
-                      for link, info in zip(links, infos)]
-    if len(transports) == 1:
-        return transports[0]
-    # one training process: a server that stops answering is left out (several must push alike)
-    return EveryServer(transports, links, failover=settings.world_size == 1)
 
 
 def full_weight_transport(link: ServerLink, device: torch.device, dtype: torch.dtype,
@@ -234,3 +209,27 @@ def _is_local(url: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def make_transports(
+    links: ServerLinks | None,
+    infos: Sequence[ServerInfo],
+    model: torch.nn.Module,
+    settings: WeightSettings,
+    *,
+    peft_config: Any = None,
+) -> WeightTransport:
+    """The weight transport of this process for every server of the run (`infos` in the order of
+    `vllm_server_base_url`): `make_transport` for each, and with several servers `EveryServer` pushing
+    to all of them. `links` is rank 0's (None on the other ranks: one `OtherRank` per server, so that
+    they take part in each server's push). One server: its transport alone, as `make_transport` gives it."""
+    if links is None:
+        transports = [make_transport(None, info, model, settings) for info in infos]
+    else:
+        assert len(links) == len(infos), "one server description per link"
+        transports = [make_transport(link, info, model, settings, peft_config=peft_config)
+                      for link, info in zip(links, infos)]
+    if len(transports) == 1:
+        return transports[0]
+    # one training process: a server that stops answering is left out (several must push alike)
+    return EveryServer(transports, links, failover=settings.world_size == 1)
