@@ -168,26 +168,24 @@ class ServerLink:
         returns on the link's loop, resume; the push returns at least `bytes` and `num_chunks`. A failure
         leaves the server resumed and raises; a server that restarted since the last push (its
         weight-transfer group gone with it) is `ServerRestartedError`."""
-        # a link `held` by ServerLinks.paused only pushes (pause_s and resume_s 0): the group pauses it
-        t0 = t_paused = time.perf_counter()
-        if not self.held:
-            self._run(self.pause())
-            t_paused = time.perf_counter()
+        t0 = time.perf_counter()
+        if self.held:  # ServerLinks.paused paused it with the other servers, and resumes it: push only
+            return self._push_held(push, t0)
+        self._run(self.client.pause(mode="keep", clear_cache=not self.keep_kv))
+        t_paused = time.perf_counter()
         try:
             pushed = self._run(push())
         except BaseException as exc:
-            if not self.held:
-                self._resume_after_failure()
+            self._resume_after_failure()
             if isinstance(exc, Exception) and self.restarted():
                 raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no "
                                                           "trainer "
                                            "pushed") from exc
             raise
         self._pushes += 1
-        t_pushed = t_done = time.perf_counter()
-        if not self.held:
-            self._run(self.resume())
-            t_done = time.perf_counter()
+        t_pushed = time.perf_counter()
+        self._run(self.client.resume())
+        t_done = time.perf_counter()
         return {
             "pause_s": t_paused - t0,
             "transfer_s": t_pushed - t_paused,
@@ -196,6 +194,21 @@ class ServerLink:
             "bytes": pushed["bytes"],
             "num_chunks": pushed["num_chunks"],
         }
+
+    def _push_held(self, push: Callable[[], Coroutine], t0: float) -> dict[str, float]:
+        """`while_paused`'s push into a server `ServerLinks.paused` holds paused: no pause or resume here
+        (pause_s and resume_s are 0); what the push returns is passed on."""
+        try:
+            pushed = self._run(push())
+        except Exception as exc:
+            if self.restarted():
+                raise ServerRestartedError(self.base_url, "failed a weight push and serves weights no "
+                                                          "trainer pushed") from exc
+            raise
+        self._pushes += 1
+        transfer_s = time.perf_counter() - t0
+        return {**{k: v for k, v in pushed.items() if k != "transfer_s"},
+                "pause_s": 0.0, "transfer_s": transfer_s, "resume_s": 0.0, "total_s": transfer_s}
 
     def restarted(self) -> bool:
         """Whether the server serves its initial weights although this link pushed weights into it: it
