@@ -108,6 +108,9 @@ def test_the_timings_add_the_pushes_and_take_the_longest_pause_and_resume():
         "total_s/0": 1.8, "total_s/2": 0.85,  # by server index: server 1 was not pushed
     })
     assert every_server_timings({0: {}, 1: {}}, pause_s={}, resume_s={}, total_s=0.1) == {}  # other ranks
+    flagged = every_server_timings({0: {**part, "delta": 1.0}, 1: {**part, "delta": 0.0}}, pause_s={},
+                                   resume_s={}, total_s=3.0)
+    assert flagged["delta"] == 0.5 and flagged["bytes"] == 20.0  # a flag is averaged, a size added up
 
 
 def test_one_server_gets_its_transport_alone_several_get_one_each_behind_every_server():

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 PER_SERVER_TOTAL = "total_s/{index}"
 """The timing key of server `index`'s part of a sync: its pause, its push and its resume, in seconds."""
 REJOIN_EVERY_S = 5.0  # how often a server that stopped answering is asked for its /health
+_ADDED_UP = ("transfer_s", "bytes", "num_chunks", "num_tensors", "write_s", "load_s")  # sizes and times
 _REJOIN_ERRORS = (ServerConnectionError, ServerRequestError, ProtocolError, TimeoutError, RuntimeError)
 
 
@@ -57,16 +58,20 @@ def every_server_timings(parts: Mapping[int, dict[str, float]], *, pause_s: Mapp
     """One sync's timings (pure; the keys of `WeightTransport.push`) from each pushed server's `parts`
     and its `pause_s` and `resume_s` (all keyed by server index; a missing pause or resume is 0): the
     pauses and resumes ran at once (their longest counts), the pushes one after the other (their times
-    and sizes add up); plus `total_s/<i>`, server i's own pause + push + resume. {} when no part timed
-    anything (the other ranks of a replicated model)."""
+    and sizes add up; any other value is averaged); plus `total_s/<i>`, server i's own pause + push +
+    resume. {} when no part timed anything (the other ranks of a replicated model)."""
     if not any(parts.values()):
         return {}
     timings = {"total_s": total_s, "pause_s": max(pause_s.values(), default=0.0),
                "resume_s": max(resume_s.values(), default=0.0), "transfer_s": 0.0}
+    others: dict[str, list[float]] = {}
     for part in parts.values():
         for key, value in part.items():
-            if key not in ("total_s", "pause_s", "resume_s"):  # transfer_s, bytes, num_chunks, write_s, ...
+            if key in _ADDED_UP:
                 timings[key] = timings.get(key, 0.0) + value
+            elif key not in timings:  # a flag or a fraction a transport reports: its mean over the servers
+                others.setdefault(key, []).append(value)
+    timings.update({key: sum(values) / len(values) for key, values in others.items()})
     for i, part in parts.items():
         timings[PER_SERVER_TOTAL.format(index=i)] = (pause_s.get(i, 0.0) + part.get("total_s", 0.0)
                                                      + resume_s.get(i, 0.0))
