@@ -108,9 +108,14 @@ class AsyncGRPOConfig(TrainingArguments):
             be stopped: it keeps one of the `max_concurrent_rollouts` tool threads until it returns.
 
     Parameters that control the inference server:
-        vllm_server_base_url (`str`, defaults to "http://localhost:8000"): Base URL of the vLLM (or
-            embedded) server used for generation: one http(s) URL; a comma-joined list or a malformed
-            URL is refused at construction (several servers come in a later release).
+        vllm_server_base_url (`str` or `list[str]`, defaults to "http://localhost:8000"): Base URL of the
+            vLLM (or embedded) server used for generation: one http(s) URL, or a list of several servers
+            of the same model (on the command line, space-separated after the flag). With several, each
+            group of rollouts goes to the server with the most free capacity (its concurrency cap minus
+            its rollouts in flight) and stays there, turns and tools included; every weight sync pauses
+            all of them, pushes the weights to each and resumes them; one that stops answering is left
+            out until it answers again (docs/serving.md, "Several servers"). A malformed URL, an empty
+            list, a server listed twice or a comma-joined string is refused at construction.
         vllm_server_timeout (`float`, defaults to 1800.0): Seconds for server calls: waiting for the
             server at start-up, each generation request and each weight-sync call. Waiting and
             weight-sync calls raise on timeout; a timed-out generation request is retried.
@@ -300,11 +305,13 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # -- inference server --------------------------------------------------------------------------
-    vllm_server_base_url: str = field(
+    vllm_server_base_url: str | list[str] = field(
         default="http://localhost:8000",
         metadata={
-            "help": "Base URL of the vLLM (or embedded) server used for generation: one http(s) URL (a "
-            "comma-joined list or a malformed URL is refused)."
+            "help": "Base URL of the vLLM (or embedded) server used for generation: one http(s) URL, or "
+            "several (space-separated) to spread the rollout groups over them; each weight sync reaches all.",
+            # HfArgumentParser takes a list field's default only from here (it reads default_factory alone)
+            "default": "http://localhost:8000",
         },
     )
     vllm_server_timeout: float = field(
@@ -417,6 +424,8 @@ class AsyncGRPOConfig(TrainingArguments):
             self.vllm_server_api_key = os.environ.get(API_KEY_ENV) or None
         self.model_init_kwargs = parse_dict("model_init_kwargs", self.model_init_kwargs)
         self.chat_template_kwargs = parse_dict("chat_template_kwargs", self.chat_template_kwargs)
+        if isinstance(self.vllm_server_base_url, tuple):  # a list, as JSON and the command line give it
+            self.vllm_server_base_url = list(self.vllm_server_base_url)
         super().__post_init__()
         validate(self)
 

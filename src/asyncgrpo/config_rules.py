@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -129,10 +130,7 @@ def server_url_problem(url: str) -> str | None:
         return f"needs a scheme: pass {'http://' + str(url)!r}"
     if "," in url or url.count("://") > 1:
         first = url.split(",")[0].strip()
-        return (
-            f"is several URLs in one string; one server is supported: pass one URL, e.g. {first!r} "
-            "(a list of URLs, to spread rollouts over several servers, comes in a later release)"
-        )
+        return f"is several URLs in one string; pass one URL here, e.g. {first!r}"
     if url != url.strip() or any(c.isspace() for c in url):
         return f"contains a space; pass the URL without spaces, {example}"
     try:
@@ -149,9 +147,59 @@ def server_url_problem(url: str) -> str | None:
     return None
 
 
-def _require_server_url(url: str) -> None:
-    problem = server_url_problem(url)
-    _require(problem is None, f"vllm_server_base_url={url!r}: {problem}")
+def server_urls(value: str | Sequence[str]) -> list[str]:
+    """`vllm_server_base_url` as the list of servers it names: one URL, or the list given (validated by
+    `server_urls_problem` when the config was built)."""
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _same_server_key(url: str) -> tuple[str, str, int | None, str]:
+    """What makes two valid URLs name one server: the scheme, the host (case-insensitive), the port (the
+    scheme's default when absent) and the path without its trailing slash."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
+def _joined_urls_problem(text: str) -> str:
+    """What to write instead of several URLs joined by commas in one string."""
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    return (f"is several URLs in one string; pass them as a list, vllm_server_base_url={urls!r} (on the "
+            f"command line: --vllm_server_base_url {' '.join(urls)})")
+
+
+def server_urls_problem(value: Any) -> str | None:
+    """What is wrong with `vllm_server_base_url` (one URL, or a non-empty list of distinct ones), or None;
+    the message starts with the field and the value it names."""
+    field_name = "vllm_server_base_url"
+    if isinstance(value, str):
+        problem = server_url_problem(value)
+        if problem is not None and "several URLs" in problem:
+            problem = _joined_urls_problem(value)
+        return None if problem is None else f"{field_name}={value!r}: {problem}"
+    if not isinstance(value, (list, tuple)):
+        return (f"{field_name}={value!r} must be a URL string or a list of them, got {type(value).__name__}; "
+                "e.g. 'http://localhost:8000' or ['http://host-a:8000', 'http://host-b:8000']")
+    if not value:
+        return (f"{field_name}=[] names no server; pass at least one URL, e.g. 'http://localhost:8000' (or a "
+                "list of several to spread generation over them)")
+    for i, url in enumerate(value):
+        if not isinstance(url, str):
+            return f"{field_name}[{i}]={url!r} must be a URL string, got {type(url).__name__}"
+        problem = server_url_problem(url)
+        if problem is not None and "several URLs" in problem:
+            problem = _joined_urls_problem(url)
+        if problem is not None:
+            return f"{field_name}[{i}]={url!r}: {problem}"
+    seen: dict[tuple, int] = {}
+    for i, url in enumerate(value):
+        first = seen.setdefault(_same_server_key(url), i)
+        if first != i:
+            return (
+                f"{field_name} lists one server twice: [{first}]={value[first]!r} and [{i}]={url!r}; list "
+                "each server once (the trainer pushes the weights to every entry, one lease per server)"
+            )
+    return None
 
 
 def validate(args: AsyncGRPOConfig) -> None:
@@ -223,7 +271,8 @@ def validate(args: AsyncGRPOConfig) -> None:
         f"tool_call_timeout={args.tool_call_timeout} must be > 0 seconds (a hung tool call would otherwise "
         "hang its rollout forever); use a large value for slow tools",
     )
-    _require_server_url(args.vllm_server_base_url)
+    problem = server_urls_problem(args.vllm_server_base_url)
+    _require(problem is None, str(problem))
     _require(args.vllm_server_timeout > 0,
              f"vllm_server_timeout={args.vllm_server_timeout} must be > 0 seconds")
     _require(args.vllm_server_restart_timeout >= 0,

@@ -166,6 +166,15 @@ def tool_failure_count(tool_name: str) -> str:
     return f"tools/{tool_name}/failure_count"
 
 
+def per_server(name: str, index: int) -> str:
+    """`{name}/{index}`: server `index`'s share of a metric (its place in `vllm_server_base_url`), logged
+    beside the total when there are several servers. Only a mean is split: with the index as its last
+    path part the split reduces as a mean whatever the name's words say, so counts, maxima and minima are
+    not split."""
+    assert reduction_for(name) == MEAN, f"{name!r} is not reduced as a mean: it has no per-server split"
+    return f"{name}/{index}"
+
+
 HARNESS_COUNTS = (HARNESS_FAILED_COUNT, HARNESS_TIMEOUT_COUNT, HARNESS_NO_CALL_COUNT)
 
 

@@ -514,3 +514,35 @@ def test_readiness_timeout_when_nothing_listens():
 
     with pytest.raises(TimeoutError, match="vllm_server_timeout"):
         run(main())
+
+
+def test_answers_asks_health_once_without_retrying():
+    state = {"status": 200}
+
+    async def health(request):
+        return web.Response(status=state["status"])
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner, url = await start_app(app)
+        try:
+            async with GenerationClient(url, backoff_s=5.0) as client:
+                healthy = await client.answers()
+                state["status"] = 503
+                t0 = time.monotonic()
+                unhealthy = await client.answers()
+                return healthy, unhealthy, time.monotonic() - t0
+        finally:
+            await runner.cleanup()
+
+    healthy, unhealthy, took_s = run(main())
+    assert healthy and not unhealthy and took_s < 2  # a 503 is not retried
+
+    async def nothing_listens():
+        async with GenerationClient(f"http://127.0.0.1:{_free_port()}", backoff_s=5.0) as client:
+            t0 = time.monotonic()
+            return await client.answers(), time.monotonic() - t0
+
+    answered, took_s = run(nothing_listens())
+    assert not answered and took_s < 2

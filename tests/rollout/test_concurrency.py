@@ -1,6 +1,6 @@
 import pytest
 
-from asyncgrpo.rollout.concurrency import ConcurrencyCap, initial_cap
+from asyncgrpo.rollout.concurrency import ConcurrencyCap, choose_server, initial_cap
 
 
 def test_initial_cap_is_requests_fitting_the_kv_cache_clipped():
@@ -50,3 +50,35 @@ def test_invalid_limits():
         ConcurrencyCap(0, None, None)
     with pytest.raises(ValueError, match="max_model_len"):
         initial_cap(100, 0, 4)
+
+
+# -- the server a new group goes to ------------------------------------------------------------------
+
+
+def test_a_group_goes_to_the_server_with_the_most_free_capacity():
+    assert choose_server([8, 8], [6, 2]) == 1  # 2 free against 6
+    assert choose_server([4, 16], [0, 8]) == 1  # 8 free against 4, though it runs more
+    assert choose_server([16, 4, 8], [15, 0, 2]) == 2  # 1, 4 and 6 free
+    assert choose_server([10], [25]) == 0  # one server takes every group, full or not
+
+
+def test_a_tie_goes_to_the_lowest_index_so_groups_alternate_between_equal_servers():
+    assert choose_server([8, 8, 8], [0, 0, 0]) == 0
+    assert choose_server([8, 8, 8], [4, 0, 0]) == 1
+    assert choose_server([8, 4], [4, 0]) == 0  # 4 free each
+    caps, in_flight, chosen = [8, 8], [0, 0], []
+    for _ in range(4):  # groups of 4 rollouts starting one after the other
+        index = choose_server(caps, in_flight)
+        in_flight[index] += 4
+        chosen.append(index)
+    assert chosen == [0, 1, 0, 1]
+
+
+def test_with_every_server_full_the_least_overloaded_one_takes_the_group():
+    assert choose_server([4, 4], [8, 6]) == 1  # -4 and -2 free
+
+
+def test_a_server_without_capacity_is_skipped_even_when_it_runs_nothing():
+    assert choose_server([0, 4], [0, 4]) == 1  # both have 0 free: the cap of 0 takes server 0 out
+    assert choose_server([4, 0, 2], [3, 0, 0]) == 2
+    assert choose_server([0, 0], [0, 0]) is None  # no server to send a group to

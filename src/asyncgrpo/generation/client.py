@@ -351,6 +351,16 @@ class GenerationClient(ServerTransport):
                     await on_event(json.loads(payload))
             return resp.status, None
 
+    async def answers(self, timeout_s: float = 2.0) -> bool:
+        """Whether GET /health answers 200 within `timeout_s`: one attempt, no retry (is a server that
+        stopped answering back?)."""
+        try:
+            status, _ = await self._request("GET", "/health", timeout_s=timeout_s, retry_transient=False,
+                                            pass_statuses=frozenset(range(400, 600)))
+        except (ServerConnectionError, TimeoutError):
+            return False
+        return status == 200
+
     async def metrics(self) -> ServerMetrics | None:
         """Parsed /metrics, or None when the server has no such route."""
         status, text = await self._request("GET", "/metrics", pass_statuses=frozenset({404}))

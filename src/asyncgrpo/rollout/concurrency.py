@@ -9,12 +9,17 @@ Two of the limits on starting more work live here (the staleness allowance is in
                               usage > 0.8; without /metrics it is fixed at max_concurrent_rollouts
     2. resources              max_concurrent_rollouts, the user's upper bound for both
 
+With several servers each has its own cap (`rollout.server_load.ServerLoad`), the limit on starting
+a group is their sum (within max_concurrent_rollouts), and `choose_server` sends a new group to the one
+with the most room.
+
 Nothing here reads a clock or does I/O: the loop polls `/metrics` and calls these.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 RAISE_BELOW_USAGE = 0.6
 CUT_ABOVE_USAGE = 0.8
@@ -81,3 +86,18 @@ class ConcurrencyCap:
             self.cap = new_cap
             self.finished_since_change = 0
         return self.cap
+
+
+def choose_server(caps: Sequence[int], in_flight: Sequence[int]) -> int | None:
+    """The index of the server a new group goes to: the most free capacity (its cap minus its rollouts in
+    flight, which may be negative) among the servers whose cap is above 0; a tie goes to the lowest index.
+    None when no server has a cap (every one is out).
+
+    A group stays on its server (its prompt prefix is cached there once), so the choice is made when the
+    group starts, against what each server holds then."""
+    assert len(caps) == len(in_flight), "one cap and one in-flight count per server"
+    best: int | None = None
+    for i, (cap, busy) in enumerate(zip(caps, in_flight)):
+        if cap > 0 and (best is None or cap - busy > caps[best] - in_flight[best]):
+            best = i
+    return best

@@ -126,8 +126,8 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
     ) -> tuple[int, Any]:
         """One call of a harness: to the server with the trainer's sampling, recorded into `session`;
         streamed to the harness chunk by chunk when `emit` is given."""
-        client, info = await self._server()
         context = session.context
+        client, info = await self._server(context)  # the server of the rollout's group
         position, index = (context.position, context.rollout_index) if context is not None else (-1, 0)
         seed = request_seed(int(self.config.seed), position, index, session.num_requests)
         session.num_requests += 1

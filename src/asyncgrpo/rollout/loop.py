@@ -5,6 +5,7 @@
                                    | slot freed / allowance moved    v
                               heartbeat (1 s)                  score queue (bounded: score_block_s)
                               server poller (/metrics, 5 s)          |
+                              (a group runs on one server: the one with the most free capacity)
                               run(): stop_event, task failures       v
                                                               scorer: rewards -> compute_advantages
                                                                 -> drop zero-std -> Samples
@@ -22,7 +23,7 @@ This module keeps the hooks, `run`, the dispatcher and the group tasks. The rest
 
     admission.py        the rule a group is admitted by (pure; the trainer's side of it too)
     admission_gate.py   the dispatcher's wait on that rule, and the `RolloutIdle` markers it sends
-    server_load.py      the server client, the /metrics poller and the KV cap
+    server_load.py      per server a client and a KV cap; the choice of a group's server; the poller
     scoring.py          the scorer
     tasks.py            task supervision
 
@@ -43,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from asyncgrpo import metrics as M
+from asyncgrpo.config_rules import server_urls
 from asyncgrpo.data.prompts import PromptItem, end_position, prompt_stream, row_reward_kwargs
 from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.generation.server_info import ServerInfo
-from asyncgrpo.generation.transport import ServerRequestError
+from asyncgrpo.generation.transport import ServerConnectionError, ServerRequestError
 from asyncgrpo.rollout import advantages as adv
 from asyncgrpo.rollout.admission import Admission, Started, oldest_fresh_version
 from asyncgrpo.rollout.admission_gate import AdmissionGate
@@ -61,7 +63,7 @@ from asyncgrpo.rollout.reconcile import reconcile_turns
 from asyncgrpo.rollout.requests import CURRENT_ROLLOUT, RequestSeeds, RequestSettings, RolloutContext
 from asyncgrpo.rollout.rewards import reward_func_names
 from asyncgrpo.rollout.scoring import PendingGroup, Scorer
-from asyncgrpo.rollout.server_load import ServerLoad
+from asyncgrpo.rollout.server_load import ServerLoads
 from asyncgrpo.rollout.tasks import TaskSupervisor
 from asyncgrpo.types import Rollout, RolloutGroup, TurnRecord
 
@@ -154,8 +156,8 @@ class AsyncRolloutLoop:
         self._has_tools = bool(self.tools) or self._environments is not None
         # runtime state, created in run() on the loop's own event loop
         self._executor: ThreadPoolExecutor | None = None
-        self._server_load = ServerLoad(
-            base_url=config.vllm_server_base_url,
+        self._servers = ServerLoads(
+            server_urls(config.vllm_server_base_url),
             timeout_s=float(config.vllm_server_timeout),
             restart_timeout_s=float(config.vllm_server_restart_timeout),
             api_key=config.vllm_server_api_key,
@@ -188,7 +190,7 @@ class AsyncRolloutLoop:
         and the trainer's resume settings after construction, before `run()`."""
         self.channel = channel
         self.dataset_skip_positions = frozenset(dataset_skip_positions)
-        self._server_load.expects_pushed_weights = expects_pushed_weights
+        self._servers.set_expects_pushed_weights(expects_pushed_weights)
 
     # -- hooks ------------------------------------------------------------------------------------
 
@@ -224,19 +226,25 @@ class AsyncRolloutLoop:
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings and a unique seed."""
-        client, _ = await self._server()
-        settings = self._request_settings
-        wants_candidates = self._server_load.wants_candidates(settings.truncated,
-                                                              settings.describe_truncation())
-        params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
+        """One sampling request with the config's sampling settings and a unique seed, to the server of the
+        rollout's group."""
         context = CURRENT_ROLLOUT.get()
-        try:
-            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
-        except ServerRequestError as exc:  # LoRA: the adapter was retired between naming and serving it
-            if exc.status != 404 or not self.lora_name:
-                raise
-            out = await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        server = self._server_index(context)
+        client, _ = await self._server(context)
+        settings = self._request_settings
+        wants_candidates = self._servers.wants_candidates(server, settings.truncated,
+                                                          settings.describe_truncation())
+        params = settings.params(seed=self._seeds.next(), return_sampling_mask=wants_candidates)
+        while True:
+            try:
+                out = await self._generate(client, prompt_ids, params, context)
+                break
+            except ServerConnectionError as exc:  # several servers: sent again to another one
+                moved = None if context is None or self.lora_name else self._servers.fail_over(server, exc)
+                if moved is None:
+                    raise
+                context.server = server = moved
+                client, _ = await self._server(context)
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=list(out.token_ids),
@@ -244,6 +252,15 @@ class AsyncRolloutLoop:
             output_sampling_mask=out.sampling_mask if params.return_sampling_mask else None,
             output_sampler_logprobs=out.top_logprobs if params.logprobs else None,
         )
+
+    async def _generate(self, client: GenerationClient, prompt_ids: list[int], params: Any,
+                        context: RolloutContext | None) -> Any:
+        try:
+            return await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
+        except ServerRequestError as exc:  # LoRA: the adapter was retired between naming and serving it
+            if exc.status != 404 or not self.lora_name:
+                raise
+            return await client.generate(list(prompt_ids), params, **self._model_kwargs(context))
 
     # -- run --------------------------------------------------------------------------------------
 
@@ -255,7 +272,7 @@ class AsyncRolloutLoop:
         """
         self._supervisor = TaskSupervisor()
         self._gate = AdmissionGate(
-            admission=self._admission, channel=self.channel, cap=self._server_load.cap, record=self._record
+            admission=self._admission, channel=self.channel, cap=self._servers.cap, record=self._record
         )
         self._scorer = Scorer(
             channel=self.channel,
@@ -295,7 +312,7 @@ class AsyncRolloutLoop:
         try:
             await asyncio.wait_for(self.close(), timeout=60.0)
         finally:
-            await self._server_load.close()
+            await self._servers.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -306,14 +323,22 @@ class AsyncRolloutLoop:
 
     # -- the server -------------------------------------------------------------------------------
 
-    async def _server(self) -> tuple[GenerationClient, ServerInfo]:
-        """The generation client and server info, created on first use (custom hooks may never call it)."""
-        client, info = await self._server_load.connect()
-        # the vllm_* metrics are logged even when the cap cannot adapt
-        if info.has_metrics and self._poller is None:
-            self._poller = self._spawn(self._server_load.poll_forever(lambda: self._admission.in_flight),
-                                       "server-poller")
+    async def _server(self, context: RolloutContext | None = None) -> tuple[GenerationClient, ServerInfo]:
+        """The generation client and server info of the rollout's server (`context.server`; outside a
+        rollout, the one with the most free capacity), created on first use (custom hooks may never call
+        it)."""
+        client, info = await self._servers.connect(self._server_index(context))
+        # the vllm_* metrics are logged even when the cap cannot adapt; several servers: it also takes a
+        # server that stopped answering back in
+        if (info.has_metrics or len(self._servers) > 1) and self._poller is None:
+            self._poller = self._spawn(
+                self._servers.poll_forever(lambda: self._admission.in_flight,
+                                           lambda: int(self.channel.model_version.value)),
+                "server-poller")
         return client, info
+
+    def _server_index(self, context: RolloutContext | None) -> int:
+        return context.server if context is not None else self._servers.choose()
 
     def _model_kwargs(self, context: RolloutContext | None) -> dict[str, Any]:
         """The served model to ask: the base model, or the LoRA adapter `lora_name`. A "{version}" in
@@ -361,23 +386,25 @@ class AsyncRolloutLoop:
                 return
             group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
             started = self._admission.on_group_started(self.num_generations)
-            self._record(M.ROLLOUT_CONCURRENCY, self._admission.in_flight)
-            self._record(M.ROLLOUT_CONCURRENCY_CAP, self._server_load.cap())
-            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started),
+            server = self._servers.start_group(self.num_generations)
+            self._servers.record_concurrency(self._admission.in_flight)
+            self._spawn(self._run_group(item.position, item.row_index, item.row, group_id, started, server),
                         f"group-{group_id}")
 
     # -- one group --------------------------------------------------------------------------------
 
     async def _run_group(
-        self, position: int, row_index: int, row: dict[str, Any], group_id: int, started: Started
+        self, position: int, row_index: int, row: dict[str, Any], group_id: int, started: Started, server: int
     ) -> None:
+        """The group's rollouts, all on server `server` (its prompt is cached there once)."""
         model_version = int(self.channel.model_version.value)
         prompt = list(row.get("prompt") or [])
         reward_kwargs = row_reward_kwargs(row, self.num_generations)
         try:
             results = await asyncio.gather(
                 *(
-                    self._run_rollout(prompt, row, RolloutContext(position, i, model_version, row=row),
+                    self._run_rollout(prompt, row,
+                                      RolloutContext(position, i, model_version, row=row, server=server),
                                       group_id)
                     for i in range(self.num_generations)
                 )
@@ -425,7 +452,7 @@ class AsyncRolloutLoop:
         finally:
             self._admission.on_rollout_finished()
             self._gate.on_progress()
-            self._server_load.on_rollout_finished()
+            self._servers.on_rollout_finished(context.server)
             self._record(M.ROLLOUT_DURATION_S, time.perf_counter() - start)
 
     @staticmethod

@@ -84,6 +84,7 @@ class RolloutContext:
     model_version: int
     num_turns: int = 0
     row: dict | None = None  # the prompt's dataset row (a harness gets it)
+    server: int = 0  # its group's server (an index into vllm_server_base_url): every turn goes there
 
 
 CURRENT_ROLLOUT: contextvars.ContextVar[RolloutContext | None] = contextvars.ContextVar(

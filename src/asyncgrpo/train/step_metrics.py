@@ -133,6 +133,10 @@ class StepTotals:
             if step_s > 0:
                 window.record_ratio(M.PERF_WALL_CLOCK_MFU, flops, step_s * capacity)
         if sync_s:  # the barrier before the push is part of the sync's time
+            for key, seconds in sync_s.items():  # several servers: each one's part (`total_s/<i>`)
+                prefix, _, index = key.partition("/")
+                if prefix == "total_s" and index:
+                    r(M.per_server(M.PERF_WEIGHT_SYNC_S, int(index)), seconds)
             r(M.PERF_WEIGHT_SYNC_S, sync_s["total_s"] + self.sync_barrier_s)
             r(M.PERF_WEIGHT_SYNC_PAUSE_S, sync_s["pause_s"])
             r(M.PERF_WEIGHT_SYNC_TRANSFER_S, sync_s["transfer_s"])

@@ -16,7 +16,11 @@ This module wires; the math lives in `asyncgrpo.train.logprobs` and `asyncgrpo.t
 packing in `asyncgrpo.packing`, the model's preparation in `asyncgrpo.train.startup`, the logged
 metrics in `asyncgrpo.train.step_metrics`.
 
-Several processes (torchrun / accelerate launch): rank 0 owns the server link and the rollout process,
+Several inference servers (a list in `vllm_server_base_url`): rank 0 holds one link per server
+(`ServerLinks`); each sync pauses them all, pushes to each and resumes them
+(`train/weights/every_server.py`); the rollout process sends each group to one of them.
+
+Several processes (torchrun / accelerate launch): rank 0 owns the server links and the rollout process,
 tells the other ranks the packing budget and serving dtype, and sends each rank one row per
 micro-batch; the loss is normalised by the trained tokens of all rows. A DDP replica syncs from rank 0
 alone; an FSDP2-sharded model is gathered bucket by bucket at each sync, every rank taking part
@@ -36,6 +40,7 @@ from asyncgrpo import metrics as M
 from asyncgrpo.capture_gate import device_work
 from asyncgrpo.checkpoint import ROLLOUT_STATE_FILE, RolloutState, read_rollout_pending, read_rollout_state
 from asyncgrpo.config import AsyncGRPOConfig
+from asyncgrpo.config_rules import server_urls
 from asyncgrpo.data.prompts import end_position
 from asyncgrpo.packing.attention import TreeMask, tree_attention_context
 from asyncgrpo.packing.batcher import TokenBudgetBatcher
@@ -61,12 +66,13 @@ from asyncgrpo.train.progress import TrainedPrompts
 from asyncgrpo.train.rollout_batches import MicroBatchInput, RolloutBatches
 from asyncgrpo.train.rollout_process import RolloutProcess
 from asyncgrpo.train.row_loss import LossSettings, row_loss
-from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.server_link import ServerLinks
 from asyncgrpo.train.serving import token_budget, training_dtype, warn_server_mismatches
 from asyncgrpo.train.sigterm import sigterm_stops_training
 from asyncgrpo.train.startup import fit_accelerator, prepare_policy_and_tokenizer
 from asyncgrpo.train.step_metrics import TrainerMetrics
-from asyncgrpo.train.weights import WeightSettings, WeightTransport, make_transport
+from asyncgrpo.train.weights import WeightSettings, WeightTransport
+from asyncgrpo.train.weights.choose import make_transports
 from asyncgrpo.types import WeightVersion
 
 
@@ -137,7 +143,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self.add_callback(_PipelineCallback(self))
         fit_accelerator(self.accelerator, args, is_fsdp_enabled=self.is_fsdp_enabled)
         self._metrics = TrainerMetrics(policy.flop_model)
-        self._server: ServerLink | None = None
+        self._servers: ServerLinks | None = None  # rank 0's, one link per server
         self.weights: WeightTransport | None = None  # set by train(): how the weights reach the server
         self._rollout: RolloutProcess | None = None  # rank 0's, set by train()
         self._batches: RolloutBatches | None = None
@@ -179,24 +185,25 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             matmul_dtype = training_dtype(
                 bf16=args.bf16, fp16=args.fp16, weights_dtype=next(self.model.parameters()).dtype
             )
-            # rank 0 talks to the server; every rank needs the packing budget and the serving dtype
-            info = broadcast_from_rank0(
+            # rank 0 talks to the servers; every rank needs the packing budget and the serving dtype
+            infos = broadcast_from_rank0(
                 lambda: self._connect(matmul_dtype), "connecting to the inference server"
             )
-            if self._server is None:  # another rank: rank 0 sends; it takes part in a sharded model's gathers
-                self.weights = make_transport(None, info, self.model, WeightSettings.from_config(args))
+            info = infos[0]  # the servers serve one model with one max_model_len (ServerLinks.connect)
+            if self._servers is None:  # another rank: rank 0 sends; it joins a sharded model's gathers
+                self.weights = make_transports(None, infos, self.model, WeightSettings.from_config(args))
             self._token_budget = token_budget(args.token_budget, info)
             self._metrics.window.declare_counts(M.count_metrics(  # logged as 0 in windows without events
                 tool_names=[callable_name(t) for t in self.tools],
                 has_tools=bool(self.tools) or self.environment_factory is not None,
-                server_has_metrics=info.has_metrics,
+                server_has_metrics=any(i.has_metrics for i in infos),
                 has_harness=self.runs_harness,
             ))
             self._metrics.peak_flops = peak_flops(args.device, matmul_dtype)
             total_positions = end_position(args.max_steps, args.num_train_epochs, self.prompt_dataset)
-            # the server serves exactly the weights being trained
+            # every server serves exactly the weights being trained
             self.weights.push(self.model, self.model_version)
-            if self._server is not None:  # the rollout process sees the user's max_steps
+            if self._servers is not None:  # the rollout process sees the user's max_steps
                 self._start_rollout(info, resumed, skip={it.position for it in resumed_samples})
             if args.max_steps <= 0:
                 if total_positions is None:
@@ -211,19 +218,22 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             args.max_steps = user_max_steps
             self._shutdown()
 
-    def _connect(self, matmul_dtype: torch.dtype) -> Any:
-        """Rank 0: open the server link, wait for the server, read what it serves, set up the weight
-        transport (adapter-only when the server serves LoRA adapters at run time, else the full weights)."""
+    def _connect(self, matmul_dtype: torch.dtype) -> list:
+        """Rank 0: open a link to every server, wait for each, read what it serves, set up the weight
+        transport (adapter-only when the server serves LoRA adapters at run time, else the full weights;
+        one per server). Returns the servers' descriptions, in order."""
         args = self.args
-        self._server = ServerLink(args.vllm_server_base_url, timeout_s=args.vllm_server_timeout,
-                                  api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs,
-                                  restart_timeout_s=args.vllm_server_restart_timeout)
-        info = self._server.connect()
-        warn_server_mismatches(matmul_dtype, args.max_completion_length, info)
-        self.weights = make_transport(self._server, info, self.model, WeightSettings.from_config(args),
-                                      peft_config=self._peft_config)
+        self._servers = ServerLinks.open(server_urls(args.vllm_server_base_url),
+                                         timeout_s=args.vllm_server_timeout,
+                                         api_key=args.vllm_server_api_key, keep_kv=args.keep_kv_across_syncs,
+                                         restart_timeout_s=args.vllm_server_restart_timeout)
+        infos = self._servers.connect()
+        for info in {info.dtype: info for info in infos}.values():  # said once per serving dtype
+            warn_server_mismatches(matmul_dtype, args.max_completion_length, info)
+        self.weights = make_transports(self._servers, infos, self.model, WeightSettings.from_config(args),
+                                       peft_config=self._peft_config)
         self.weights.init()
-        return info
+        return infos
 
     def _check_picklable(self) -> None:
         """Before anything starts: everything the spawned rollout process receives pickles and can be
@@ -295,9 +305,9 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             self._rollout = None
         if self.weights is not None:  # leaves the transfer group; LoRA: unloads the adapter versions
             self.weights.close()  # (closed, it stays readable: ServerRestarts.recoveries)
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._servers is not None:
+            self._servers.close()
+            self._servers = None
 
     # -- the Trainer hooks ---------------------------------------------------------------------
 

@@ -20,6 +20,8 @@
                    can use it (`choose_lora_sync`)
     restarts.py    `ServerRestarts`: wraps a full-weight transport; a server that restarted gets the
                    transfer set up again and the weights back
+    every_server.py  `EveryServer`: several servers, one transport each (`choose.make_transports`),
+                   all paused, pushed one after the other, resumed
 
 `ServerLink` (train/server_link.py) is the HTTP side the transports share: the client and its event
 loop, the trainer lease, and the pause around a push. The wire format of both sides is `asyncgrpo.sync`.

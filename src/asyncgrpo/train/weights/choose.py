@@ -1,5 +1,7 @@
 """The one factory of weight transports: which one this process uses, from where it trains, what it
-trains and what the server reports. `make_transport` is asked once, at start, on rank 0:
+trains and what the server reports (with several servers, `make_transports`: one transport per server,
+each chosen so, and `EveryServer`, every_server.py, over them). `make_transport` is asked once per
+server, at start, on rank 0:
 
     a PEFT model and a server that serves LoRA adapters at run time      -> AdapterSync (adapters.py)
     otherwise the full weights, through the transport for where the two run, wrapped in ServerRestarts:
@@ -27,6 +29,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -35,11 +38,12 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.server_info import ServerDevice, ServerInfo
-from asyncgrpo.train.server_link import ServerLink
+from asyncgrpo.train.server_link import ServerLink, ServerLinks
 from asyncgrpo.train.serving import serving_dtype
 from asyncgrpo.train.weights.adapters import AdapterSync, choose_lora_sync
 from asyncgrpo.train.weights.base import FullWeights, OtherRank, WeightTransport
 from asyncgrpo.train.weights.collective import CollectiveTransport
+from asyncgrpo.train.weights.every_server import EveryServer
 from asyncgrpo.train.weights.gather import is_sharded
 from asyncgrpo.train.weights.ipc import INSECURE_RISK, VLLM_IPC_RESTART, IpcTransport
 from asyncgrpo.train.weights.restarts import ServerRestarts
@@ -239,3 +243,27 @@ def _is_local(url: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def make_transports(
+    links: ServerLinks | None,
+    infos: Sequence[ServerInfo],
+    model: torch.nn.Module,
+    settings: WeightSettings,
+    *,
+    peft_config: Any = None,
+) -> WeightTransport:
+    """The weight transport of this process for every server of the run (`infos` in the order of
+    `vllm_server_base_url`): `make_transport` for each, and with several servers `EveryServer` pushing
+    to all of them. `links` is rank 0's (None on the other ranks: one `OtherRank` per server, so that
+    they take part in each server's push). One server: its transport alone, as `make_transport` gives it."""
+    if links is None:
+        transports = [make_transport(None, info, model, settings) for info in infos]
+    else:
+        assert len(links) == len(infos), "one server description per link"
+        transports = [make_transport(link, info, model, settings, peft_config=peft_config)
+                      for link, info in zip(links, infos)]
+    if len(transports) == 1:
+        return transports[0]
+    # one training process: a server that stops answering is left out (several must push alike)
+    return EveryServer(transports, links, failover=settings.world_size == 1)
