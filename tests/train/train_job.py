@@ -4,6 +4,8 @@ few steps against a running server, then writes what it saw to `<out>/rank<r>.js
 
     python -m torch.distributed.run --nproc_per_node N tests/train/train_job.py URL OUT [CONFIG_JSON]
 
+URL may name several servers, comma-joined: the run trains against all of them and rank 0 checks each.
+
 CONFIG_JSON overrides the AsyncGRPOConfig below (the short-run settings of test_trainer.py). It needs
 only the package's runtime (no `datasets`, no math-verify): the dataset is a list of rows and the
 reward the arithmetic task's own check.
@@ -97,11 +99,12 @@ async def _served(url: str, what: str):
         return await client.weight_checksum(), await client.weight_info()
 
 
-def main(url: str, out: Path, overrides: dict) -> None:
+def main(urls: list[str], out: Path, overrides: dict) -> None:
+    url = urls[0]
     watch = WatchRollout()
     trainer = RecordingTrainer(
         model=MODEL, reward_funcs=arithmetic_reward, train_dataset=arithmetic.make_dataset(64, seed=0),
-        args=config(url, out, overrides), callbacks=[watch],
+        args=config(url if len(urls) == 1 else urls, out, overrides), callbacks=[watch],
     )
     trainer.micro_batches = []
     allowance = WatchAllowance(trainer)
@@ -122,6 +125,11 @@ def main(url: str, out: Path, overrides: dict) -> None:
     }
     if rank == 0:
         served, version = asyncio.run(_served(url, "checksum"))
+        record["servers"] = []
+        for other in urls:
+            other_served, other_version = asyncio.run(_served(other, "checksum"))
+            record["servers"].append({"url": other, "version": other_version,
+                                      "checksum_mismatches": checksum_mismatches(after, other_served)})
         record.update(
             num_weights=len(after),
             checksum_mismatches=checksum_mismatches(after, served),
@@ -135,4 +143,4 @@ def main(url: str, out: Path, overrides: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
+    main(sys.argv[1].split(","), Path(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})

@@ -18,6 +18,7 @@ import datetime
 import ipaddress
 import logging
 import socket
+import urllib.parse
 
 import torch
 from torch.distributed import (
@@ -43,6 +44,26 @@ def host_store(master_address: str, timeout_s: float) -> TCPStore:
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def address_toward(server_url: str) -> str:
+    """The address of this host that a server at `server_url` reaches it at: 127.0.0.1 for a server on
+    this host, else the address of the interface the route to the server leaves by (a UDP `connect`
+    sends nothing; it only picks the route). Rank 0 hosts the group's store there."""
+    host = urllib.parse.urlsplit(server_url).hostname or "127.0.0.1"
+    try:
+        info = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return "127.0.0.1"  # the server's name does not resolve here: the requests will say so
+    family, _, _, _, sockaddr = info[0]
+    if ipaddress.ip_address(sockaddr[0]).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((sockaddr[0], 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def _device_for(address: str) -> ProcessGroupGloo.Device:

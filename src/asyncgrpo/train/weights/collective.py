@@ -55,10 +55,13 @@ class CollectiveTransport(FullWeights):
 
     def init(self) -> None:
         """Form the group (raises with the fix when NCCL refuses it)."""
+        from asyncgrpo.sync.gloo import address_toward
         from asyncgrpo.sync.sender import WeightSender
 
+        address = address_toward(self.link.base_url) if self.backend == "gloo" else "127.0.0.1"
         self.sender = WeightSender(self.link.client, backend=self.backend, device=self.device,
-                                   buffer_size_bytes=self.bucket_bytes, timeout_s=self.link.timeout_s)
+                                   buffer_size_bytes=self.bucket_bytes, timeout_s=self.link.timeout_s,
+                                   master_address=address)
         if self.last is not None:  # a new group (a restarted server): the next push is full
             self.last.forget()
         try:
