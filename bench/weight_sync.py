@@ -8,19 +8,23 @@ sync it checks the server's weights against the trainer's: sha256 of every tenso
 server's GET /weight_checksum).
 
     python bench/weight_sync.py          # CPU: random tiny Qwen3, server and trainer on CPU (~30 s)
+    python bench/weight_sync.py --servers 3    # the same push into three servers (EveryServer)
     # 2 GPUs: server on GPU 0, trainer on GPU 1, a random Qwen3-0.6B shape (bf16)
     NCCL_NVLS_ENABLE=0 python bench/weight_sync.py --random-qwen3 0.6b \
         --server-device cuda:0 --trainer-device cuda:1 --syncs 10
 
-`--server-device cuda:N` starts the server with CUDA_VISIBLE_DEVICES=N; `--trainer-device cuda:M` is a
-device of this process. `--model-dir` keeps the random model (see bench/serve_throughput.py). Writes
-bench/results/weight_sync_<trainer device type>.json.
+With `--servers K` the trainer's own several-server path runs (`ServerLinks` + `EveryServer`): every
+server paused at once, the weights pushed into each in turn, every server resumed; each server's
+weights are checked. `--server-device cuda:N` starts the server with CUDA_VISIBLE_DEVICES=N;
+`--trainer-device cuda:M` is a device of this process. `--model-dir` keeps the random model (see
+bench/serve_throughput.py). Writes bench/results/weight_sync_<trainer device type>[_<K>servers].json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -67,21 +71,25 @@ def one_sync(transport, model: torch.nn.Module, version: int) -> dict:
     return timings
 
 
-def compare_checksums(url: str, model: torch.nn.Module, dtype: torch.dtype) -> dict:
+def compare_checksums(urls: list[str], model: torch.nn.Module, dtype: torch.dtype) -> dict:
     from asyncgrpo.generation.client import GenerationClient
     from asyncgrpo.sync.checksum import checksum_mismatches, weights_checksum
     from asyncgrpo.train.weights.gather import weights_for_server
 
-    async def served() -> tuple[dict[str, str], str]:
+    async def served(url: str) -> tuple[dict[str, str], str]:
         async with GenerationClient(url, timeout_s=600) as client:
             return await client.weight_checksum(), await client.weight_info()
 
     t0 = time.perf_counter()
-    server_digests, version = asyncio.run(served())
     trainer_digests = weights_checksum(weights_for_server(model, dtype))
-    mismatches = checksum_mismatches(trainer_digests, server_digests)
+    mismatches, versions = [], []
+    for url in urls:
+        server_digests, version = asyncio.run(served(url))
+        mismatches += [f"{url}: {name}" for name in checksum_mismatches(trainer_digests, server_digests)]
+        versions.append(version)
     return {"ok": not mismatches, "num_tensors": len(trainer_digests), "mismatches": mismatches,
-            "server_version": version, "seconds": time.perf_counter() - t0}
+            "server_version": versions[0] if len(set(versions)) == 1 else versions,
+            "seconds": time.perf_counter() - t0}
 
 
 def print_table(syncs: list[dict], checksum: dict) -> None:
@@ -105,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         "--server-device", default="cpu", help="cpu or cuda:N (the server gets CUDA_VISIBLE_DEVICES=N)."
     )
     p.add_argument("--trainer-device", default="cpu", help="cpu or cuda:M (this process).")
+    p.add_argument("--servers", type=int, default=1, help="Embedded servers pushed into at each sync.")
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="Syncs run first and not reported.")
     p.add_argument("--output", default=None)
@@ -113,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.launch import EmbeddedServer
-    from asyncgrpo.train.server_link import ServerLink
+    from asyncgrpo.train.server_link import ServerLinks
     from asyncgrpo.train.weights.collective import CollectiveTransport
+    from asyncgrpo.train.weights.every_server import EveryServer
 
+    if args.servers < 1:
+        p.error(f"--servers {args.servers}: at least 1")
     tmp = tempfile.TemporaryDirectory() if args.model_dir is None else None
     path = Path(args.model_dir or tmp.name)
     if not (path / "config.json").exists():
@@ -123,18 +135,25 @@ def main(argv: list[str] | None = None) -> int:
         build_random_qwen3(args.random_qwen3, path)
     kind, server_env = server_placement(args.server_device)
     trainer_device = torch.device(args.trainer_device)
-    log = Path(tempfile.gettempdir()) / "weight_sync_server.log"
     serve_args = ["--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-tokens", "4096"]
-    print(f"embedded server on {args.server_device} (log: {log}); trainer on {trainer_device}", flush=True)
-    with EmbeddedServer(str(path), device=kind, extra_args=serve_args, log_path=log, env=server_env,
-                        startup_timeout_s=600) as server:
-        link = ServerLink(server.url, timeout_s=600)
+    print(f"{args.servers} embedded server(s) on {args.server_device}; trainer on {trainer_device}",
+          flush=True)
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(args.servers):
+            log = Path(tempfile.gettempdir()) / f"weight_sync_server{i}.log"
+            servers.append(stack.enter_context(EmbeddedServer(
+                str(path), device=kind, extra_args=serve_args, log_path=log, env=server_env,
+                startup_timeout_s=600)))
+        urls = [server.url for server in servers]
+        links = ServerLinks.open(urls, timeout_s=600)
         transport = None
         try:
-            info = link.connect()
+            info = links.connect()[0]
             dtype = getattr(torch, str(info.dtype).removeprefix("torch."))
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(trainer_device)
-            transport = CollectiveTransport(link, trainer_device, dtype)
+            each = [CollectiveTransport(link, trainer_device, dtype) for link in links]
+            transport = each[0] if len(each) == 1 else EveryServer(each, links, failover=False)
             t0 = time.perf_counter()
             transport.init()
             init_s = time.perf_counter() - t0
@@ -144,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                 timings = one_sync(transport, model, version=i + 1)
                 if i >= args.warmup:
                     syncs.append(timings)
-            checksum = compare_checksums(server.url, model, dtype)
+            checksum = compare_checksums(urls, model, dtype)
         finally:
             if transport is not None:
                 transport.close()
-            link.close()
+            for link in links:
+                link.close()
     if tmp is not None:
         tmp.cleanup()
 
@@ -165,13 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         "server_device": args.server_device,
         "device_names": names,
         "backend": "nccl" if trainer_device.type == "cuda" else "gloo",
+        "servers": args.servers,
         "dtype": str(dtype).removeprefix("torch."),
         "params": sum(p.numel() for p in model.parameters()),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "args": vars(args),
     }
-    out = Path(args.output or Path(__file__).parent / "results" / f"weight_sync_{trainer_device.type}.json")
+    suffix = "" if args.servers == 1 else f"_{args.servers}servers"
+    out = Path(args.output or Path(__file__).parent / "results"
+               / f"weight_sync_{trainer_device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "init_s": init_s, "syncs": syncs, "summary": summary, "checksum": checksum}
     out.write_text(json.dumps(result, indent=2) + "\n")

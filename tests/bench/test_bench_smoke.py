@@ -204,3 +204,14 @@ def test_the_vllm_response_cost_bench_says_what_it_needs_without_vllm():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode != 0
     assert "vLLM's source or one of its pure-Python dependencies is missing" in proc.stderr
+
+
+@pytest.mark.slow
+def test_weight_sync_bench_pushes_into_two_servers_and_checks_both(tmp_path):
+    out = tmp_path / "sync.json"
+    _run("weight_sync.py", "--servers", "2", "--syncs", "2", "--output", str(out))
+    result = json.loads(out.read_text())
+    assert result["meta"]["servers"] == 2 and result["checksum"]["ok"], result["checksum"]
+    assert result["checksum"]["server_version"] == "v3"  # one warm-up sync, then two
+    for sync in result["syncs"]:
+        assert {"total_s/0", "total_s/1"} <= set(sync) and sync["bytes"] > 0
