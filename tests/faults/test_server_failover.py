@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -98,6 +101,55 @@ def test_a_dead_server_is_left_out_training_goes_on_and_it_rejoins_with_the_weig
     rollout_log = capfd.readouterr().err  # the rollout process's requests went to the other server, then back
     assert f"the inference server at {lost.url} does not answer" in rollout_log, rollout_log[-3000:]
     assert f"the inference server at {lost.url} answers again" in rollout_log, rollout_log[-3000:]
+    ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
+    for url, (checksum, version) in served.items():
+        assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"
+        assert version == trainer.model_version.label(), (url, version)
+
+
+FROZEN_S = 20.0
+
+
+class _FreezeThenThaw(TrainerCallback):
+    """SIGSTOP `server` at the end of step 1 (before that step's sync), SIGCONT it FROZEN_S later."""
+
+    def __init__(self, server: EmbeddedServer) -> None:
+        self.server = server
+        self.thaw: threading.Timer | None = None
+        self.frozen_at = 0.0
+        self.step_ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_ends.append(time.monotonic())
+        if state.global_step == 1 and self.thaw is None:
+            os.kill(self.server.process.pid, signal.SIGSTOP)
+            self.frozen_at = time.monotonic()
+            self.thaw = threading.Timer(FROZEN_S, os.kill, (self.server.process.pid, signal.SIGCONT))
+            self.thaw.start()
+
+
+@pytest.mark.slow  # about 60 s on two cores: a server start, the freeze
+@pytest.mark.timeout(300)
+def test_a_server_frozen_for_20_s_holds_training_up_then_both_serve_the_trainers_weights(tmp_path, survivor):
+    """What a frozen server does today: its requests and the sync's pause wait for it (no request fails,
+    none is sent elsewhere), then training goes on with both servers and nothing is lost."""
+    with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as frozen:
+        callback = _FreezeThenThaw(frozen)
+        trainer = AsyncGRPOTrainer(
+            model=MODEL, reward_funcs=spread_reward, callbacks=[callback],
+            args=short_run_config(tmp_path / "out", [survivor.url, frozen.url], max_steps=4),
+            train_dataset=Dataset.from_list(arithmetic.make_dataset(2000, seed=0)),
+        )
+        try:
+            trainer.train()
+        finally:
+            if callback.thaw is not None:
+                callback.thaw.join()
+                os.kill(frozen.process.pid, signal.SIGCONT)
+        served = {url: asyncio.run(_served(url)) for url in (survivor.url, frozen.url)}
+    assert trainer.state.global_step == 4 and not trainer.weights.out
+    # step 1's sync waited for the thaw
+    assert callback.step_ends[1] - callback.frozen_at >= FROZEN_S - 1, callback.step_ends
     ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
     for url, (checksum, version) in served.items():
         assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"
