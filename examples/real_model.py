@@ -26,7 +26,10 @@ Why these choices (bench/recipe_probe.py measures what the model does before tra
   writes the word itself, which `boxed_format_reward` would pay for.
 - The instruction says `\boxed{}` rather than `\boxed{number}` for the same reason.
 The other defaults (temperature, learning rate, group size, token budget, completion lengths) are the
-ones bench/learning_gpu.py ran with; docs/learning.md has what it measured.
+ones bench/learning_gpu.py ran with; docs/learning.md has what it measured: on one H100 shared by six
+runs, held-out arithmetic accuracy went from 0% to 12-81% (async, three seeds, 36-70 steps in 6 minutes),
+no run diverging. Each run's process held about 14 GiB even with 4096-token rows: to run several on one
+card, pass `--token-budget 4096 --grad-accum 4` (the same tokens per step) and leave about 15 GiB each.
 """
 
 from __future__ import annotations
