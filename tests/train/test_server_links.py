@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from support.fake_links import PAUSE_S, links
 
-from asyncgrpo.generation.server_info import ServerInfo
+from asyncgrpo.generation.server_info import ServerDevice, ServerInfo
 from asyncgrpo.train.server_link import ServerLink, same_model_problem
 
 def test_every_server_is_paused_at_once_before_the_push_and_resumed_after_it():
@@ -125,3 +125,34 @@ def test_servers_of_different_models_or_context_lengths_are_refused_naming_both(
                                  [_info(), _info(), _info(max_model_len=512)])
     assert "http://a and http://c have different max_model_len (256 and 512)" in problem
     assert "--max-model-len" in problem
+
+
+def _device(instance_id: str | None) -> ServerDevice:
+    return ServerDevice(device_type="cpu", device_uuid=None, transfer_backend="gloo", accepts_ipc=False,
+                        embedded=instance_id is not None, instance_id=instance_id)
+
+
+def test_one_server_listed_under_two_addresses_is_refused_naming_both():
+    infos = [_info(device=_device("a1")), _info(device=_device("b2")), _info(device=_device("a1"))]
+    problem = same_model_problem(["http://127.0.0.1:8000", "http://h2:8000", "http://localhost:8000"], infos)
+    assert "http://127.0.0.1:8000 and http://localhost:8000 reach the same inference server" in problem
+    # servers that give no instance id (vLLM) are not told apart: nothing to refuse
+    assert same_model_problem(["http://a", "http://b"], [_info(device=_device(None))] * 2) is None
+
+
+@pytest.mark.process
+def test_a_trainer_given_one_server_twice_stops_at_start_naming_both_addresses(tmp_path, embedded_server):
+    from datasets import Dataset
+    from support.short_run import short_run_config
+
+    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo.rewards import accuracy_reward
+    from asyncgrpo.tasks import arithmetic
+
+    server = embedded_server("asyncgrpo/tiny-chat")  # only connected to: the plain shared server
+    other = server.url.replace("127.0.0.1", "localhost")
+    trainer = AsyncGRPOTrainer(model="asyncgrpo/tiny-chat", reward_funcs=accuracy_reward,
+                               train_dataset=Dataset.from_list(arithmetic.make_dataset(8, seed=0)),
+                               args=short_run_config(tmp_path, [server.url, other], max_steps=1))
+    with pytest.raises(ValueError, match=f"{server.url} and {other} reach the same inference server"):
+        trainer.train()

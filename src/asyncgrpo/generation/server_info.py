@@ -70,7 +70,8 @@ class ServerDevice:
     `VLLM_ALLOW_INSECURE_SERIALIZATION` (its ipc backend unpickles the handles only with it). `pid`: the
     embedded server's process id (equal to the trainer's when it runs inside it), None for vLLM.
     `accepts_deltas`: /update_weights takes a delta of the changed words over NCCL or gloo (the embedded
-    server's extension, `asyncgrpo.sync.delta`; vLLM does not)."""
+    server's extension, `asyncgrpo.sync.delta`; vLLM does not). `instance_id`: a name the embedded
+    server draws at start, the same through every address that reaches it (None for vLLM)."""
 
     device_type: str | None
     device_uuid: str | None
@@ -80,6 +81,7 @@ class ServerDevice:
     insecure_serialization: bool = False
     pid: int | None = None
     accepts_deltas: bool = False
+    instance_id: str | None = None
 
 
 def parse_server_device(body: dict[str, Any]) -> ServerDevice:
@@ -104,6 +106,8 @@ def parse_server_device(body: dict[str, Any]) -> ServerDevice:
         pid=(embedded.get("pid") if isinstance(embedded, dict) and isinstance(embedded.get("pid"), int)
              else None),
         accepts_deltas=isinstance(embedded, dict) and embedded.get("weight_deltas") is True,
+        instance_id=(embedded.get("instance_id") if isinstance(embedded, dict)
+                     and isinstance(embedded.get("instance_id"), str) else None),
     )
 
 

@@ -262,9 +262,19 @@ class ServerLink:
 
 
 def same_model_problem(base_urls: Sequence[str], infos: Sequence[Any]) -> str | None:
-    """What keeps these servers from serving one run (pure), or None: every one must serve the same model
+    """What keeps these servers from serving one run (pure), or None: each is listed once (an embedded
+    server's instance id is the same through every address), and every one must serve the same model
     with the same max_model_len (the trainer pushes one set of weights to all, and the packing budget and
     the prompts' room come from that length)."""
+    seen: dict[str, str] = {}  # instance id -> the first URL that reached it
+    for url, info in zip(base_urls, infos):
+        instance = info.device.instance_id if getattr(info, "device", None) is not None else None
+        if instance is not None and instance in seen:
+            return (f"{seen[instance]} and {url} reach the same inference server: list each server of "
+                    "vllm_server_base_url once (through a second address the trainer would push the same "
+                    "weights into it twice, and the server refuses a second weight transfer group)")
+        if instance is not None:
+            seen[instance] = url
     first_url, first = base_urls[0], infos[0]
     for url, info in zip(base_urls[1:], infos[1:]):
         if info.model_name != first.model_name:

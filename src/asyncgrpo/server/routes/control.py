@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -61,6 +62,8 @@ class ControlRoutes(RouteTable):
         self.info = info
         self.served = served
         self.hold = hold
+        # names this server whatever address reaches it: a trainer listing it twice finds out at start
+        self.instance_id = uuid.uuid4().hex
 
     async def server_info(self, request: web.Request) -> web.Response:
         info, e, s = self.info, self.info.engine, self.served
@@ -111,6 +114,7 @@ class ControlRoutes(RouteTable):
             # /update_weights takes a delta of the changed words over nccl and gloo (asyncgrpo.sync.delta)
             "weight_deltas": True,
             "pid": os.getpid(),  # a trainer sees whether the server runs in its own process (ServerThread)
+            "instance_id": self.instance_id,
         }
         steps = request.query.get("steps")
         if steps is not None:  # the last N steps, oldest first (EngineStats.recent)
