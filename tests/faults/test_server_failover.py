@@ -73,17 +73,29 @@ async def _served(url: str) -> tuple[dict[str, str], str]:
         return await client.weight_checksum(), await client.weight_info()
 
 
+def _two_server_trainer(tmp_path, urls: list[str], callback: TrainerCallback,
+                        max_steps: int) -> AsyncGRPOTrainer:
+    return AsyncGRPOTrainer(
+        model=MODEL, reward_funcs=spread_reward, callbacks=[callback],
+        args=short_run_config(tmp_path / "out", urls, max_steps=max_steps),
+        train_dataset=Dataset.from_list(arithmetic.make_dataset(2000, seed=0)),
+    )
+
+
+def _assert_serving_the_trainers_weights(trainer: AsyncGRPOTrainer, served: dict) -> None:
+    ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
+    for url, (checksum, version) in served.items():
+        assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"
+        assert version == trainer.model_version.label(), (url, version)
+
+
 @pytest.mark.slow  # about 70 s on two cores: a server start, the requests' retries, the server away
 @pytest.mark.timeout(300)
 def test_a_dead_server_is_left_out_training_goes_on_and_it_rejoins_with_the_weights(tmp_path, caplog, capfd,
                                                                                     survivor):
     with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as lost:
         callback = _KillThenRestart(lost)
-        trainer = AsyncGRPOTrainer(
-            model=MODEL, reward_funcs=spread_reward, callbacks=[callback],
-            args=short_run_config(tmp_path / "out", [survivor.url, lost.url], max_steps=500),
-            train_dataset=Dataset.from_list(arithmetic.make_dataset(2000, seed=0)),
-        )
+        trainer = _two_server_trainer(tmp_path, [survivor.url, lost.url], callback, max_steps=500)
         callback.trainer = trainer
         try:
             with caplog.at_level(logging.WARNING):
@@ -101,10 +113,7 @@ def test_a_dead_server_is_left_out_training_goes_on_and_it_rejoins_with_the_weig
     rollout_log = capfd.readouterr().err  # the rollout process's requests went to the other server, then back
     assert f"the inference server at {lost.url} does not answer" in rollout_log, rollout_log[-3000:]
     assert f"the inference server at {lost.url} answers again" in rollout_log, rollout_log[-3000:]
-    ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
-    for url, (checksum, version) in served.items():
-        assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"
-        assert version == trainer.model_version.label(), (url, version)
+    _assert_serving_the_trainers_weights(trainer, served)
 
 
 FROZEN_S = 20.0
@@ -135,11 +144,7 @@ def test_a_server_frozen_for_20_s_holds_training_up_then_both_serve_the_trainers
     none is sent elsewhere), then training goes on with both servers and nothing is lost."""
     with EmbeddedServer(MODEL, log_path=tmp_path / "server.log") as frozen:
         callback = _FreezeThenThaw(frozen)
-        trainer = AsyncGRPOTrainer(
-            model=MODEL, reward_funcs=spread_reward, callbacks=[callback],
-            args=short_run_config(tmp_path / "out", [survivor.url, frozen.url], max_steps=4),
-            train_dataset=Dataset.from_list(arithmetic.make_dataset(2000, seed=0)),
-        )
+        trainer = _two_server_trainer(tmp_path, [survivor.url, frozen.url], callback, max_steps=4)
         try:
             trainer.train()
         finally:
@@ -150,7 +155,4 @@ def test_a_server_frozen_for_20_s_holds_training_up_then_both_serve_the_trainers
     assert trainer.state.global_step == 4 and not trainer.weights.out
     # step 1's sync waited for the thaw
     assert callback.step_ends[1] - callback.frozen_at >= FROZEN_S - 1, callback.step_ends
-    ours = weights_checksum(weights_for_server(trainer.model, torch.float32))
-    for url, (checksum, version) in served.items():
-        assert checksum_mismatches(ours, checksum) == [], f"{url} does not serve the trainer's weights"
-        assert version == trainer.model_version.label(), (url, version)
+    _assert_serving_the_trainers_weights(trainer, served)

@@ -46,32 +46,34 @@ def host_store(master_address: str, timeout_s: float) -> TCPStore:
     )
 
 
+def is_loopback_host(host: str) -> bool:
+    """`host` (a name or an address) resolves to a loopback address of this machine; False when it
+    does not resolve."""
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 def address_toward(server_url: str) -> str:
     """The address of this host that a server at `server_url` reaches it at: 127.0.0.1 for a server on
-    this host, else the address of the interface the route to the server leaves by (a UDP `connect`
-    sends nothing; it only picks the route). Rank 0 hosts the group's store there."""
+    this host (or one whose name does not resolve here: the requests will say so), else the address of
+    the interface the route to the server leaves by (a UDP `connect` sends nothing; it only picks the
+    route). Rank 0 hosts the group's store there."""
     host = urllib.parse.urlsplit(server_url).hostname or "127.0.0.1"
-    try:
-        info = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return "127.0.0.1"  # the server's name does not resolve here: the requests will say so
-    family, _, _, _, sockaddr = info[0]
-    if ipaddress.ip_address(sockaddr[0]).is_loopback:
+    if is_loopback_host(host):
         return "127.0.0.1"
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((sockaddr[0], 9))
             return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+    except OSError:
+        return "127.0.0.1"
 
 
 def _device_for(address: str) -> ProcessGroupGloo.Device:
-    try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
-    except (OSError, ValueError):
-        loopback = False
-    if loopback:
+    if is_loopback_host(address):
         return ProcessGroupGloo.create_device(hostname="127.0.0.1")
     return ProcessGroupGloo.create_default_device()
 

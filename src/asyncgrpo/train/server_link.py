@@ -268,7 +268,7 @@ def same_model_problem(base_urls: Sequence[str], infos: Sequence[Any]) -> str | 
     the prompts' room come from that length)."""
     seen: dict[str, str] = {}  # instance id -> the first URL that reached it
     for url, info in zip(base_urls, infos):
-        instance = info.device.instance_id if getattr(info, "device", None) is not None else None
+        instance = info.device.instance_id if info.device is not None else None
         if instance is not None and instance in seen:
             return (f"{seen[instance]} and {url} reach the same inference server: list each server of "
                     "vllm_server_base_url once (through a second address the trainer would push the same "

@@ -25,10 +25,8 @@ model; or CUDA IPC, or adapter-only LoRA sync).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +36,7 @@ import torch
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.generation.server_info import ServerDevice, ServerInfo
+from asyncgrpo.sync.gloo import is_loopback_host
 from asyncgrpo.train.server_link import ServerLink, ServerLinks
 from asyncgrpo.train.serving import serving_dtype
 from asyncgrpo.train.weights.adapters import AdapterSync, choose_lora_sync
@@ -238,11 +237,7 @@ def all_gpus_visible() -> bool:
 
 
 def _is_local(url: str) -> bool:
-    host = urlparse(url).hostname or ""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
+    return is_loopback_host(urlparse(url).hostname or "")
 
 
 def make_transports(
