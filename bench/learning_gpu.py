@@ -85,6 +85,9 @@ class Snapshots(TrainerCallback):
     def start(self) -> None:
         """Call right before train(): the clock starts there."""
         self.started, self.paused_s, self.taken = time.perf_counter(), 0.0, []
+        # what the process holds before its first step: the model, and the embedded server's weights,
+        # KV cache and graphs (the peaks in `memory_gib` less this are the training steps')
+        self.cuda_reserved_at_start = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         t = self.elapsed()
@@ -193,13 +196,14 @@ def train_trl(
 
     from asyncgrpo.modeling.load import load_causal_lm
 
-    num_gen = args.num_generations
+    # one optimizer step per generation round, over --grad-accum micro-batches as asyncgrpo's steps
+    completions = args.trl_prompts_per_step * args.num_generations
     config = GRPOConfig(
         output_dir=str(work / f"trl-{seed}"),
         learning_rate=args.learning_rate,
-        num_generations=num_gen,
-        per_device_train_batch_size=args.trl_prompts_per_step * num_gen,
-        gradient_accumulation_steps=1,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=completions // args.grad_accum,
+        gradient_accumulation_steps=args.grad_accum,
         max_completion_length=real_model.TASKS[args.task]["max_completion_length"],
         temperature=args.temperature,
         max_steps=100_000,
@@ -261,13 +265,14 @@ def finish(trainer: Any, snapshots: Snapshots) -> dict:
         "nonfinite_logged": sorted(set(nonfinite)),
         "weights_finite": weights_finite,
         "mean_groups_per_step": statistics.fmean(groups) if groups else None,
-        "memory_gib": memory_gib(trainer),
+        "memory_gib": memory_gib(trainer, snapshots.cuda_reserved_at_start),
     }
 
 
-def memory_gib(trainer: Any) -> dict[str, float]:
-    """Where the trainer's memory goes: its weights, gradients and optimizer state, and on CUDA the
-    process's peaks (the embedded server in this process included: its weights, KV cache and graphs)."""
+def memory_gib(trainer: Any, cuda_reserved_at_start: int | None = None) -> dict[str, float]:
+    """Where the trainer's memory goes: its weights, gradients and optimizer state, and on CUDA what the
+    process held before its first step and its peaks (the embedded server in this process included: its
+    weights, KV cache and graphs)."""
     gib = 2**30
     params = list(trainer.model.parameters())
     state = getattr(trainer.optimizer, "state", {}) if trainer.optimizer is not None else {}
@@ -281,6 +286,8 @@ def memory_gib(trainer: Any) -> dict[str, float]:
     if device.type == "cuda":
         found["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device) / gib
         found["cuda_max_reserved"] = torch.cuda.max_memory_reserved(device) / gib
+        if cuda_reserved_at_start is not None:
+            found["cuda_reserved_at_start"] = cuda_reserved_at_start / gib
     return {k: round(v, 3) for k, v in found.items()}
 
 
@@ -548,6 +555,12 @@ def main() -> None:
         "already in it for other settings are kept.",
     )
     args = p.parse_args()
+    if "trl" in args.settings and (args.trl_prompts_per_step * args.num_generations) % args.grad_accum:
+        p.error(
+            f"TRL's step is --trl-prompts-per-step x --num-generations = "
+            f"{args.trl_prompts_per_step * args.num_generations} completions in --grad-accum "
+            f"{args.grad_accum} micro-batches: choose values whose product divides evenly"
+        )
     args.model = args.model or real_model.smollm2_gguf()
     cuda = args.device != "cpu"
     gpu = torch.cuda.get_device_name().split()[1].lower() if cuda else "cpu"
