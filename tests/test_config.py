@@ -45,7 +45,7 @@ SEED_FIELDS = {
 # fields of ours that the seed lacks (each says why in its docstring)
 EXTENSION_FIELDS = {"tool_call_timeout": 300.0, "vllm_server_api_key": None,  # beyond the reference's fields
                     "keep_kv_across_syncs": False, "vllm_server_restart_timeout": 0.0,
-                    "activation_memory_budget": None, "flex_attention_backend": "triton",
+                    "activation_memory_budget": None, "flex_attention_backend": "auto",
                     "harness_timeout": 600.0, "max_concurrent_harnesses": None, "weight_push": "full"}
 
 
@@ -165,7 +165,8 @@ def test_bad_json_dict_names_the_field(value):
          ["activation_memory_budget=1.5", "(0, 1]"]),
         ({"activation_memory_budget": 0.0, "torch_compile": True},
          ["activation_memory_budget=0.0", "(0, 1]"]),
-        ({"flex_attention_backend": "flash"}, ["flex_attention_backend='flash'", "torch_compile=True"]),
+        ({"flex_attention_backend": "flash", "torch_compile": False},
+         ["flex_attention_backend='flash'", "torch_compile at None"]),
         ({"flex_attention_backend": "cudnn", "torch_compile": True},
          ["flex_attention_backend='cudnn'", "'triton'"]),
         ({"learning_rate": -1e-6}, ["learning_rate=-1e-06", ">= 0"]),

@@ -49,11 +49,16 @@ class AsyncGRPOConfig(TrainingArguments):
       skip-and-replay resume does not apply to a live rollout queue; `rollout_state.json` is used.
     - `report_to`: "none".
 
-    `torch_compile` (with `torch_compile_backend`, `torch_compile_mode`) compiles each decoder layer in
-    place, for any row length, and the elementwise work of the log-prob head, instead of the whole
-    model (`asyncgrpo.train.compiled_layers`); the first steps take longer while the graphs compile.
-    With it, `activation_memory_budget` replaces whole-layer gradient checkpointing by selective
-    recomputation (see the field).
+    `torch_compile` compiles each decoder layer in place, for any row length, and the elementwise work
+    of the log-prob head, instead of the whole model (`asyncgrpo.train.compiled_layers`). Its default
+    differs too: None instead of False, meaning "where it runs": on a CUDA process without FSDP the
+    trainer compiles the layers and checks them against the eager ones on one packed row before
+    training (`asyncgrpo.train.fast_paths`; the probe's time, compile included, is logged and is the
+    run's one-time compile cost), and trains on the eager layers with a warning saying why when the
+    check fails; on CPU the layers stay eager. True compiles without the check, False never does
+    (`torch_compile_backend` or `torch_compile_mode` set means True). With compiled layers,
+    `activation_memory_budget` replaces whole-layer gradient checkpointing by selective recomputation
+    (see the field).
 
     Training length: `num_train_epochs` counts passes over the prompt dataset (distinct prompts
     trained, however many samples their rollouts fork into); an explicit `max_steps > 0` becomes the
@@ -75,10 +80,12 @@ class AsyncGRPOConfig(TrainingArguments):
             whole-layer checkpointing at about 3x its activation memory (docs/performance.md,
             "Training speed").
             None (default): `gradient_checkpointing` as set.
-        flex_attention_backend (`str`, defaults to "triton"): The kernels of the tree attention on CUDA
+        flex_attention_backend (`str`, defaults to "auto"): The kernels of the tree attention on CUDA
             (FlexAttention): "triton", its own Triton kernels; "flash", its FlashAttention-4 backend (the
-            `flash-attn-4` package, optional; a Hopper or Blackwell GPU; needs `torch_compile=True`).
-            "flash" measured 10-19 % more tokens/s (docs/performance.md, "Training speed").
+            `flash-attn-4` package, optional; a Hopper or Blackwell GPU; compiled layers, so not with
+            `torch_compile=False`); "auto", "flash" where the layers are compiled and it can run (the
+            start-up check tries it first), "triton" otherwise. "flash" measured 10-19 % more tokens/s
+            (docs/performance.md, "Training speed").
         router_aux_loss_coef (`float`, optional): Weight of a Mixture-of-Experts model's load-balancing
             loss added to the training loss (logged before scaling as `aux_loss`). None: the model
             config's value; 0.0 disables it; a positive value on a model without a router is an error.
@@ -252,11 +259,22 @@ class AsyncGRPOConfig(TrainingArguments):
             "gradient_checkpointing is then off."
         },
     )
-    flex_attention_backend: str = field(
-        default="triton",
+    torch_compile: bool | None = field(
+        default=None,
         metadata={
-            "help": "Tree attention kernels on CUDA: 'triton' (FlexAttention's own) or 'flash' (its "
-            "FlashAttention-4 backend: the flash-attn-4 package, a Hopper or Blackwell GPU, torch_compile).",
+            "help": "Compile each decoder layer and the log-prob head. None (the default): on a CUDA process "
+            "without FSDP, checked against the eager layers at start (eager, with a warning, if the check "
+            "fails); off on CPU.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
+    flex_attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Tree attention kernels on CUDA: 'triton' (FlexAttention's own), 'flash' (its "
+            "FlashAttention-4 backend: the flash-attn-4 package, a Hopper or Blackwell GPU, compiled layers) "
+            "or 'auto' ('flash' where it runs, else 'triton').",
             "choices": list(FLEX_BACKENDS),
         },
     )

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncgrpo.config")
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-# flex_attention_backend: FlexAttention's Triton kernels, or FlashAttention-4
-FLEX_BACKENDS = ("triton", "flash")
+# flex_attention_backend: FlexAttention's Triton kernels, FlashAttention-4, or the latter where it runs
+FLEX_BACKENDS = ("auto", "triton", "flash")
 # weight_push: every served weight, or the words changed since the last push
 WEIGHT_PUSHES = ("full", "delta")
 _TRAINING_ARGUMENT_FIELDS = {f.name for f in dataclasses.fields(TrainingArguments)}
@@ -222,9 +222,9 @@ def validate(args: AsyncGRPOConfig) -> None:
     _require(args.flex_attention_backend in FLEX_BACKENDS,
              f"flex_attention_backend={args.flex_attention_backend!r} is not one of {FLEX_BACKENDS}; "
              "pick one of them")
-    _require(args.flex_attention_backend != "flash" or bool(args.torch_compile),
-             "flex_attention_backend='flash' runs in the compiled layers: set torch_compile=True as well, or "
-             "leave flex_attention_backend='triton'")
+    _require(args.flex_attention_backend != "flash" or args.torch_compile is not False,
+             "flex_attention_backend='flash' runs in the compiled layers: leave torch_compile at None or set "
+             "it True, or set flex_attention_backend='triton'")
     _require(
         args.router_aux_loss_coef is None or args.router_aux_loss_coef >= 0,
         f"router_aux_loss_coef={args.router_aux_loss_coef} must be >= 0 (0.0 disables it) or None",

@@ -93,24 +93,37 @@ def compile_decoder_layers(model: torch.nn.Module, *, backend: str | None = "ind
     return len(layers)
 
 
-def flex_backend_options(backend: str, device: torch.device | str) -> dict | None:
-    """FlexAttention's kernel_options for `flex_attention_backend` (None: its Triton kernels), checked at
-    start: "flash" needs a Hopper or Blackwell GPU and the flash-attn-4 package."""
-    if backend == "triton":
-        return None
+def flash_attention_problem(device: torch.device | str) -> str | None:
+    """Why FlashAttention-4 cannot run the tree attention on `device` (None: it can)."""
+    found = _flash_attention_problem(device)
+    return None if found is None else found[1]
+
+
+def _flash_attention_problem(device: torch.device | str) -> tuple[type[Exception], str] | None:
+    """FlashAttention-4 needs a Hopper or Blackwell GPU and the flash-attn-4 package."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
-        where = f"trains on {device}" if device.type != "cuda" else "has no CUDA device"
-        raise ValueError(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and this "
-                         f"process {where}: set flex_attention_backend='triton'")
+        return ValueError, (f"this process trains on {device}" if device.type != "cuda"
+                            else "this process has no CUDA device")
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        raise ValueError(f"flex_attention_backend={backend!r}: FlashAttention-4 runs on Hopper or Blackwell "
-                         f"GPUs (compute capability 9.0 or later), and {torch.cuda.get_device_name(device)} "
-                         f"is {major}.{minor}: set flex_attention_backend='triton'")
+        return ValueError, (f"FlashAttention-4 runs on Hopper or Blackwell GPUs (compute capability 9.0 or "
+                            f"later), and {torch.cuda.get_device_name(device)} is {major}.{minor}")
     try:
         import flash_attn.cute  # noqa: F401 -- FlexAttention imports it when it lowers the FLASH backend
     except ImportError as exc:
-        raise ImportError(f"flex_attention_backend={backend!r} needs the flash-attn-4 package ({exc}): pip "
-                          "install flash-attn-4, or set flex_attention_backend='triton'") from None
+        return ImportError, f"the flash-attn-4 package is missing ({exc}): pip install flash-attn-4"
+    return None
+
+
+def flex_backend_options(backend: str, device: torch.device | str) -> dict | None:
+    """FlexAttention's kernel_options for the tree attention's `backend`, "triton" (None: its own Triton
+    kernels) or "flash" (FlashAttention-4), checked: a "flash" that cannot run is refused with the fix."""
+    if backend == "triton":
+        return None
+    found = _flash_attention_problem(device)
+    if found is not None:
+        error, problem = found
+        raise error(f"flex_attention_backend={backend!r} runs FlashAttention-4 on a CUDA GPU, and {problem}: "
+                    "set flex_attention_backend='triton'")
     return {"BACKEND": "FLASH"}

@@ -37,13 +37,13 @@ class LossSettings:
     num_processes: int
     logit_scale: float
     logit_softcapping: float | None
-    # torch_compile: the head's elementwise work compiled (train/logprob_epilogue.py)
+    # with the compiled layers: the head's elementwise work compiled (train/logprob_epilogue.py)
     fused_logprob_head: bool = False
 
     @classmethod
     def from_config(
         cls, args: AsyncGRPOConfig, *, logit_processing: dict[str, float | None], router_aux_loss_coef: float,
-        num_processes: int,
+        num_processes: int, fused_logprob_head: bool = False,
     ) -> LossSettings:
         return cls(
             temperature=args.temperature,
@@ -57,7 +57,7 @@ class LossSettings:
             num_processes=num_processes,
             logit_scale=logit_processing["logit_scale"],
             logit_softcapping=logit_processing["logit_softcapping"],
-            fused_logprob_head=bool(args.torch_compile),
+            fused_logprob_head=fused_logprob_head,
         )
 
 

@@ -3,7 +3,8 @@
     model id or PreTrainedModel --prepare_policy--> checked for tree packing, tree attention on,
                                                     of a vision-language model only the text model trains
         read from it before PEFT: FLOP model, MoE aux-loss weight, logit processing
-        --wrap_peft (peft_config)--> --compile_decoder_layers (torch_compile)--> the model to train
+        --wrap_peft (peft_config)--> --choose_fast_paths (torch_compile, flex_attention_backend)--> the model
+                                     to train: layers compiled where asked or where "auto" probes them
     processing_class, or the model's own tokenizer --prepare_chat_template--> the tokenizer
 
 `prepare_policy_and_tokenizer` runs before the Trainer is built; `fit_accelerator` right after, once the
@@ -21,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncgrpo.config import AsyncGRPOConfig
 from asyncgrpo.data.chat_templates import prepare_chat_template
-from asyncgrpo.train.compiled_layers import compile_decoder_layers, flex_backend_options
+from asyncgrpo.train.fast_paths import FastPaths, check_explicit_backend, choose_fast_paths
 from asyncgrpo.train.flops import FlopModel
 from asyncgrpo.train.inputs import check_fsdp_version
 from asyncgrpo.train.model_setup import (
@@ -39,12 +40,11 @@ logger = logging.getLogger(__name__)
 class PreparedPolicy:
     """The model and tokenizer to hand to the Trainer, and what the loss and perf/*_mfu read of the model."""
 
-    model: torch.nn.Module  # PEFT-wrapped and layer-compiled when asked
+    model: torch.nn.Module  # PEFT-wrapped, its layers compiled where fast_paths says so
     model_id: str
     tokenizer: PreTrainedTokenizerBase
     flop_model: FlopModel | None  # of the base model: adapters are not the model's FLOPs
-    # FlexAttention's kernel_options for the tree attention (flex_attention_backend)
-    flex_options: dict | None
+    fast_paths: FastPaths  # compiled layers and fused head, the tree attention's kernels
     router_aux_loss_coef: float
     logit_processing: dict[str, float | None]
 
@@ -56,9 +56,11 @@ def prepare_policy_and_tokenizer(
     processing_class: PreTrainedTokenizerBase | None,
     peft_config: Any,
     tools_enabled: bool,
+    fsdp: bool,
 ) -> PreparedPolicy:
-    """The policy loaded (or taken) and prepared, and its tokenizer (loaded from the model when None)."""
-    flex_options = flex_backend_options(args.flex_attention_backend, args.device)  # before loading anything
+    """The policy loaded (or taken) and prepared, and its tokenizer (loaded from the model when None).
+    `fsdp`: the model is sharded later (no fast-path probe on the whole model)."""
+    check_explicit_backend(args)  # before loading anything
     model, model_id = prepare_policy(model, args)
     aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
     flop_model = FlopModel.for_model(model)  # before PEFT: adapters are not the model's FLOPs
@@ -78,17 +80,17 @@ def prepare_policy_and_tokenizer(
     )
     if peft_config is not None:
         model = wrap_peft(model, peft_config)
-    if args.torch_compile:  # each decoder layer, not the whole model (train/compiled_layers.py)
-        compile_decoder_layers(model, backend=args.torch_compile_backend, mode=args.torch_compile_mode,
-                               activation_memory_budget=args.activation_memory_budget)
-    return PreparedPolicy(model, model_id, processing_class, flop_model, flex_options, aux_loss_coef,
+    # each decoder layer, not the whole model (train/compiled_layers.py)
+    fast_paths = choose_fast_paths(model, args, fsdp=fsdp)
+    logger.info("trainer: %s", fast_paths.describe())
+    return PreparedPolicy(model, model_id, processing_class, flop_model, fast_paths, aux_loss_coef,
                           logit_proc)
 
 
 def fit_accelerator(accelerator: Any, args: AsyncGRPOConfig, *, is_fsdp_enabled: bool) -> None:
     """Once the Trainer built its accelerator: no second compile of the whole model, FSDP2 only, and a
     warning when `fsdp` has no effect."""
-    if args.torch_compile:  # the layers are compiled already: accelerate must not compile the whole model
+    if args.torch_compile is not False:  # compiled per layer here, or not at all: never the whole model
         from accelerate.utils import DynamoBackend
 
         accelerator.state.dynamo_plugin.backend = DynamoBackend.NO

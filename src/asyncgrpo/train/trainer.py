@@ -118,10 +118,11 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         args = check_args(args)
         policy = prepare_policy_and_tokenizer(
             model, args, processing_class=processing_class, peft_config=peft_config,
-            tools_enabled=bool(tools) or environment_factory is not None,
+            tools_enabled=bool(tools) or environment_factory is not None, fsdp=bool(args.fsdp),
         )
         self.model_id = policy.model_id
-        self._flex_options = policy.flex_options  # FlexAttention's kernels (flex_attention_backend)
+        self.fast_paths = policy.fast_paths
+        self._flex_options = policy.fast_paths.flex_options  # FlexAttention's kernels
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
 
         self.reward_funcs = reward_func_list(reward_funcs)
@@ -154,7 +155,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         self._step_skipped = False  # the current optimizer step had a non-finite loss or gradient
         self._loss_settings = LossSettings.from_config(
             args, logit_processing=policy.logit_processing, router_aux_loss_coef=policy.router_aux_loss_coef,
-            num_processes=self.accelerator.num_processes,
+            num_processes=self.accelerator.num_processes, fused_logprob_head=policy.fast_paths.compiled,
         )
 
     # -- set-up and tear-down of the pipeline ------------------------------------------------------

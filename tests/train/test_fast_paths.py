@@ -1,0 +1,124 @@
+"""Tests for asyncgrpo.train.fast_paths: where torch_compile=None compiles, the start-up probe that checks
+the compiled layers against the eager ones, and the fall-back to eager layers when it fails."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packing"))
+from test_tree_attention import tiny_model
+
+from asyncgrpo.packing.attention import enable_tree_attention
+from asyncgrpo.train.compiled_layers import decoder_layers
+from asyncgrpo.train.fast_paths import (
+    PROBE_COMPLETION_TOKENS,
+    PROBE_PROMPT_TOKENS,
+    auto_compiles,
+    choose_fast_paths,
+    probe_row,
+)
+
+pytestmark = pytest.mark.engine
+
+
+def _model():
+    model = tiny_model("qwen3")  # one sliding-window and one full-attention layer
+    enable_tree_attention(model)
+    return model
+
+
+def _args(**overrides):
+    fields = {"device": "cpu", "torch_compile": None, "flex_attention_backend": "auto",
+              "torch_compile_backend": "aot_eager", "torch_compile_mode": None, "activation_memory_budget": None,
+              "token_budget": 2048, "bf16": False, "fp16": False}
+    return types.SimpleNamespace(**{**fields, **overrides})
+
+
+def _compiled(model) -> list[bool]:
+    return [layer._compiled_call_impl is not None for layer in decoder_layers(model)]
+
+
+def _scaled_outputs(factor):
+    """A dynamo backend that runs the graph and scales its floating outputs: a wrong kernel."""
+    def backend(gm, example_inputs):
+        def run(*args):
+            out = gm(*args)
+            return type(out)(o * factor if torch.is_tensor(o) and o.is_floating_point() else o for o in out)
+        return run
+    return backend
+
+
+def _failing(gm, example_inputs):
+    raise RuntimeError("no kernel for this graph")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_auto_compiles_on_one_cuda_process_only():
+    assert auto_compiles(torch.device("cuda", 0), fsdp=False)
+    assert not auto_compiles(torch.device("cuda", 0), fsdp=True)
+    assert not auto_compiles(torch.device("cpu"), fsdp=False)
+
+
+def test_the_probe_row_shares_a_prompt_long_enough_for_flex_masks():
+    row = probe_row(vocab_size=151)
+    assert 512 <= row.num_tokens <= PROBE_PROMPT_TOKENS + 2 * PROBE_COMPLETION_TOKENS + 1  # the prompt once
+    assert row.num_trained == 2 * PROBE_COMPLETION_TOKENS
+    assert int(row.input_ids.max()) < 151
+
+
+def test_auto_on_cpu_keeps_the_eager_layers_and_triton_kernels():
+    model = _model()
+    paths = choose_fast_paths(model, _args(), fsdp=False)
+    assert (paths.compiled, paths.flex_options, paths.probe_s) == (False, None, None)
+    assert _compiled(model) == [False, False]
+
+
+def test_auto_where_it_compiles_probes_and_keeps_compiled_layers_that_match():
+    model = _model()
+    paths = choose_fast_paths(model, _args(), fsdp=False, compiles=lambda device: True)
+    assert paths.compiled and paths.flex_options is None and paths.probe_s > 0
+    assert _compiled(model) == [True, True]
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
+    assert "compile included" in paths.describe()
+
+
+@pytest.mark.parametrize(("backend", "says"), [
+    (_scaled_outputs(1.5), "compiled hidden differ from eager ones"),
+    (_failing, "no kernel for this graph"),
+])
+def test_compiled_layers_that_disagree_or_fail_fall_back_to_eager_saying_why(backend, says, caplog):
+    model = _model()
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.train.fast_paths"):
+        paths = choose_fast_paths(model, _args(torch_compile_backend=backend), fsdp=False,
+                                  compiles=lambda device: True)
+    assert (paths.compiled, paths.flex_options) == (False, None)
+    assert _compiled(model) == [False, False]
+    assert "failed the start-up probe" in caplog.text and says in caplog.text
+    assert "torch_compile=False" in caplog.text
+
+
+def test_an_explicit_choice_is_obeyed_without_a_probe():
+    model = _model()
+    paths = choose_fast_paths(model, _args(torch_compile=True, torch_compile_backend=_failing), fsdp=False)
+    assert paths.compiled and paths.probe_s is None and _compiled(model) == [True, True]
+    model = _model()
+    paths = choose_fast_paths(model, _args(torch_compile=False), fsdp=False, compiles=lambda device: True)
+    assert not paths.compiled and _compiled(model) == [False, False]
+
+
+def test_flash_is_refused_where_it_cannot_run_and_auto_says_why_it_is_off():
+    with pytest.raises(ValueError, match="trains on cpu: set flex_attention_backend='triton'"):
+        choose_fast_paths(_model(), _args(flex_attention_backend="flash"), fsdp=False)
