@@ -587,6 +587,7 @@ def main() -> None:
                     "grad_accum",
                     "eval_prompts",
                     "eval_samples",
+                    "torch_compile",
                 )
             },
             "train_seconds": args.train_seconds,

@@ -58,6 +58,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "arithmetic": {"module": arithmetic, "kinds": arithmetic.SMALL_MODEL_KINDS, "max_completion_length": 128},
     "word_problems": {"module": word_problems, "kinds": None, "max_completion_length": 256},
 }
+TORCH_COMPILE = {"auto": None, "on": True, "off": False}  # --torch-compile: AsyncGRPOConfig.torch_compile
 DEFAULTS = {
     "temperature": 0.7,
     "learning_rate": 2e-5,
@@ -134,6 +135,7 @@ def make_config(
         "bf16": cuda,
         "use_cpu": not cuda,
         "gradient_checkpointing": False,
+        "torch_compile": TORCH_COMPILE[args.torch_compile],
         "save_strategy": "no",
         "report_to": "none",
         "logging_steps": 1,
@@ -181,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=at_least(1), default=DEFAULTS["token_budget"])
     p.add_argument("--grad-accum", type=at_least(1), default=DEFAULTS["grad_accum"])
     p.add_argument("--max-staleness", type=at_least(0), default=DEFAULTS["max_staleness"])
+    p.add_argument("--torch-compile", choices=sorted(TORCH_COMPILE), default="auto",
+                   help="Compiled decoder layers: 'auto' (the trainer's default: on a GPU, checked at "
+                   "start), 'on' or 'off'.")
     p.add_argument("--seed", type=int, default=0)
 
 

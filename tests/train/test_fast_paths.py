@@ -36,7 +36,8 @@ def _model():
 
 def _args(**overrides):
     fields = {"device": "cpu", "torch_compile": None, "flex_attention_backend": "auto",
-              "torch_compile_backend": "aot_eager", "torch_compile_mode": None, "activation_memory_budget": None,
+              "torch_compile_backend": "aot_eager", "torch_compile_mode": None,
+              "activation_memory_budget": None,
               "token_budget": 2048, "bf16": False, "fp16": False}
     return types.SimpleNamespace(**{**fields, **overrides})
 

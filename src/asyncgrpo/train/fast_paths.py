@@ -61,7 +61,8 @@ class FastPaths:
     probe_s: float | None = None
 
     def describe(self) -> str:
-        layers = "compiled decoder layers and fused log-prob head" if self.compiled else "eager decoder layers"
+        layers = ("compiled decoder layers and fused log-prob head" if self.compiled
+                  else "eager decoder layers")
         attention = "FlashAttention-4" if self.flex_options else "FlexAttention (Triton)"
         probe = "" if self.probe_s is None else f"; start-up probe, compile included: {self.probe_s:.1f} s"
         return f"{layers}, {attention} tree attention on CUDA{probe}"
@@ -109,8 +110,8 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
     for kernel_options in tries:
         started = time.perf_counter()
         try:
-            probe_compiled_layers(model, device, token_budget=args.token_budget, kernel_options=kernel_options,
-                                  autocast_dtype=_autocast_dtype(args))
+            probe_compiled_layers(model, device, token_budget=args.token_budget,
+                                  kernel_options=kernel_options, autocast_dtype=_autocast_dtype(args))
         except Exception as exc:  # any failure of the fast path: say it, and train on the path that works
             failures.append(f"{'FlashAttention-4' if kernel_options else 'Triton'} kernels: "
                             f"{type(exc).__name__}: {exc}")
@@ -122,8 +123,8 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
                            f"start-up probe ({'; '.join(failures)}): set flex_attention_backend='triton' "
                            "or 'auto'")
     logger.warning("torch_compile=None (auto): the compiled decoder layers failed the start-up probe, so "
-                   "training runs the eager layers (%s). Set torch_compile=False to skip the probe, or report "
-                   "the error with your model and torch versions.", "; ".join(failures))
+                   "training runs the eager layers (%s). Set torch_compile=False to skip the probe, or "
+                   "report the error with your model and torch versions.", "; ".join(failures))
     return FastPaths(False, None)
 
 
