@@ -49,7 +49,7 @@ import os
 from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.cli import at_least, server_url
+from asyncgrpo.cli_args import at_least, auto_bool, server_url
 from asyncgrpo.config_rules import FLEX_BACKENDS
 from asyncgrpo.launch import start_server as start_server_on
 from asyncgrpo.rewards import accuracy_reward
@@ -112,17 +112,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="The embedded server's share.")
     p.add_argument("--server-process", action="store_true",
                    help="Run the embedded server in its own process (always so on CPU).")
-    p.add_argument("--torch-compile", action="store_true",
-                   help="Compile the trainer's decoder layers (1.7-2.2x its forward + backward in "
-                        "bench/packing.py on an H100; tens of seconds of compilation at the first step).")
+    p.add_argument("--torch-compile", type=auto_bool, nargs="?", const=True, default=None,
+                   help="Compiled decoder layers: auto (the trainer's default: on a GPU, checked at "
+                        "start), on or off (1.7-2.2x the forward + backward in bench/packing.py on an "
+                        "H100; tens of seconds of compilation at start).")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="With --torch-compile: recompute selectively instead of whole layers, keeping this "
                         "fraction of the activation memory (0.5: 9-16%% more tokens/s than checkpointing, "
                         "~3x its memory).")
-    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
-                   help="With --torch-compile on a Hopper or Blackwell GPU: 'flash' runs the tree attention "
+    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="auto",
+                   help="With compiled layers on a Hopper or Blackwell GPU: 'flash' runs the tree attention "
                         "on FlashAttention-4 (pip install flash-attn-4; 10-19%% more tokens/s in "
-                        "bench/packing.py).")
+                        "bench/packing.py); 'auto' where it runs.")
     p.add_argument("--max-model-len", type=at_least(1), default=2048)
     p.add_argument("--max-steps", type=at_least(1), default=200)
     p.add_argument("--learning-rate", type=at_least(0, float), default=1e-6)

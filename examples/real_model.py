@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.cli import at_least, server_url
+from asyncgrpo.cli_args import at_least, auto_bool, server_url
 from asyncgrpo.demo import HeldOut, HeldOutAccuracy
 from asyncgrpo.launch import start_server
 from asyncgrpo.rewards import accuracy_reward, boxed_number_format_reward
@@ -58,7 +58,6 @@ TASKS: dict[str, dict[str, Any]] = {
     "arithmetic": {"module": arithmetic, "kinds": arithmetic.SMALL_MODEL_KINDS, "max_completion_length": 128},
     "word_problems": {"module": word_problems, "kinds": None, "max_completion_length": 256},
 }
-TORCH_COMPILE = {"auto": None, "on": True, "off": False}  # --torch-compile: AsyncGRPOConfig.torch_compile
 DEFAULTS = {
     "temperature": 0.7,
     "learning_rate": 2e-5,
@@ -135,7 +134,7 @@ def make_config(
         "bf16": cuda,
         "use_cpu": not cuda,
         "gradient_checkpointing": False,
-        "torch_compile": TORCH_COMPILE[args.torch_compile],
+        "torch_compile": args.torch_compile,
         "save_strategy": "no",
         "report_to": "none",
         "logging_steps": 1,
@@ -183,9 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=at_least(1), default=DEFAULTS["token_budget"])
     p.add_argument("--grad-accum", type=at_least(1), default=DEFAULTS["grad_accum"])
     p.add_argument("--max-staleness", type=at_least(0), default=DEFAULTS["max_staleness"])
-    p.add_argument("--torch-compile", choices=sorted(TORCH_COMPILE), default="auto",
-                   help="Compiled decoder layers: 'auto' (the trainer's default: on a GPU, checked at "
-                   "start), 'on' or 'off'.")
+    p.add_argument("--torch-compile", type=auto_bool, nargs="?", const=True, default=None,
+                   help="Compiled decoder layers: auto (the trainer's default: on a GPU, checked at start), "
+                   "on or off.")
     p.add_argument("--seed", type=int, default=0)
 
 

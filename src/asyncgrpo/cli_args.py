@@ -182,6 +182,17 @@ def _checked(kind: type, ok: Callable[[Any], bool], requirement: str) -> Callabl
     return parse
 
 
+AUTO_BOOL = {"auto": None, "on": True, "true": True, "off": False, "false": False}
+
+
+def auto_bool(text: str) -> bool | None:
+    """An argparse type for a field whose None means "where it runs" (`torch_compile`): auto, on or off."""
+    value = text.strip().lower()
+    if value not in AUTO_BOOL:
+        raise argparse.ArgumentTypeError(f"must be auto, on or off, got {text!r}")
+    return AUTO_BOOL[value]
+
+
 def server_url(text: str) -> str:
     """An argparse type: an inference server's http(s) base URL."""
     from asyncgrpo.config_rules import server_url_problem
