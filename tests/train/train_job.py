@@ -9,6 +9,10 @@ URL may name several servers, comma-joined: the run trains against all of them a
 CONFIG_JSON overrides the AsyncGRPOConfig below (the short-run settings of test_trainer.py). It needs
 only the package's runtime (no `datasets`, no math-verify): the dataset is a list of rows and the
 reward the arithmetic task's own check.
+
+With RECORD_FIRST_STEP=1 each rank also saves, to `<out>/first_step_rank<r>.pt`, the first step's
+micro-batches (its samples, the global trained-token count, the loss) and the gradient the optimizer
+is about to apply (after the data-parallel reduction), for a comparison with one process.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +70,7 @@ class RecordingTrainer(AsyncGRPOTrainer):
     global trained-token count it normalises by."""
 
     micro_batches: list
+    first_step: list  # the first step's micro-batches: samples, global trained tokens, loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         local = sum(int(sum(s.trained_mask)) for s in inputs.samples)
@@ -74,7 +80,24 @@ class RecordingTrainer(AsyncGRPOTrainer):
             "forwarded": row.num_tokens, "raw": row.num_raw_tokens, "samples": len(inputs.samples),
             "groups": sorted({s.group_id for s in inputs.samples}),
         })
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.state.global_step == 0:
+            self.first_step.append({"samples": list(inputs.samples), "loss": float(loss),
+                                    "global": inputs.num_trained_tokens_global})
+        return loss
+
+
+class SaveFirstGradient(TrainerCallback):
+    """Saves the first step's micro-batches and the gradient the optimizer is about to apply."""
+
+    def __init__(self, trainer: RecordingTrainer, path: Path) -> None:
+        self.trainer, self.path = trainer, path
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in self.trainer.model.named_parameters()
+                     if p.grad is not None}
+            torch.save({"micro_batches": self.trainer.first_step, "grads": grads}, self.path)
 
 
 class WatchAllowance(TrainerCallback):
@@ -106,9 +129,11 @@ def main(urls: list[str], out: Path, overrides: dict) -> None:
         model=MODEL, reward_funcs=arithmetic_reward, train_dataset=arithmetic.make_dataset(64, seed=0),
         args=config(url if len(urls) == 1 else urls, out, overrides), callbacks=[watch],
     )
-    trainer.micro_batches = []
+    trainer.micro_batches, trainer.first_step = [], []
     allowance = WatchAllowance(trainer)
     trainer.add_callback(allowance)
+    if os.environ.get("RECORD_FIRST_STEP") == "1":
+        trainer.add_callback(SaveFirstGradient(trainer, out / f"first_step_rank{dist.get_rank()}.pt"))
     dtype = getattr(torch, asyncio.run(_served(url, "dtype")))  # what the syncs send
     before = weights_checksum(weights_for_server(trainer.model, dtype))
     trainer.train()
