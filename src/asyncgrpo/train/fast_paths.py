@@ -54,17 +54,22 @@ PROBE_COMPLETION_TOKENS = 160
 @dataclass(frozen=True)
 class FastPaths:
     """What the trainer runs: compiled layers (and fused log-prob head), the tree attention's kernel
-    options (None: FlexAttention's Triton kernels), and the probe's seconds (None: no probe ran)."""
+    options (None: FlexAttention's Triton kernels), and the probe's seconds and its differences from
+    the eager path (None: no probe ran)."""
 
     compiled: bool
     flex_options: dict | None
     probe_s: float | None = None
+    probe_differences: dict[str, float] | None = None
 
     def describe(self) -> str:
         layers = ("compiled decoder layers and fused log-prob head" if self.compiled
                   else "eager decoder layers")
         attention = "FlashAttention-4" if self.flex_options else "FlexAttention (Triton)"
         probe = "" if self.probe_s is None else f"; start-up probe, compile included: {self.probe_s:.1f} s"
+        if self.probe_differences:
+            found = ", ".join(f"{k} {v:.3g}" for k, v in self.probe_differences.items())
+            probe += f" (against eager: {found})"
         return f"{layers}, {attention} tree attention on CUDA{probe}"
 
 
@@ -110,13 +115,13 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
     for kernel_options in tries:
         started = time.perf_counter()
         try:
-            probe_compiled_layers(model, device, token_budget=args.token_budget,
+            differences = probe_compiled_layers(model, device, token_budget=args.token_budget,
                                   kernel_options=kernel_options, autocast_dtype=_autocast_dtype(args))
         except Exception as exc:  # any failure of the fast path: say it, and train on the path that works
             failures.append(f"{'FlashAttention-4' if kernel_options else 'Triton'} kernels: "
                             f"{type(exc).__name__}: {exc}")
             continue
-        return FastPaths(True, kernel_options, round(time.perf_counter() - started, 2))
+        return FastPaths(True, kernel_options, round(time.perf_counter() - started, 2), differences)
     uncompile_decoder_layers(model)
     if args.flex_attention_backend == "flash":
         raise RuntimeError("flex_attention_backend='flash' runs in the compiled layers, and they failed the "
@@ -166,10 +171,12 @@ def probe_row(vocab_size: int, seed: int = 0):
 
 def probe_compiled_layers(model: torch.nn.Module, device: torch.device | str, *, token_budget: int | None,
                           kernel_options: dict | None, autocast_dtype: torch.dtype | None,
-                          rtol: float = PROBE_RTOL, min_grad_cosine: float = PROBE_MIN_GRAD_COSINE) -> None:
+                          rtol: float = PROBE_RTOL, min_grad_cosine: float = PROBE_MIN_GRAD_COSINE,
+                          ) -> dict[str, float]:
     """Raise unless the compiled layers (already compiled in place) and the fused log-prob head give what
-    the eager ones give on one packed row: forward, log-probs and gradients. Moves the model to `device`
-    (where the Trainer puts it next) and leaves no gradient behind."""
+    the eager ones give on one packed row: forward, log-probs and gradients. Returns the differences
+    (relative ones of the hidden states and log-probs, the largest log-prob difference, the gradients'
+    cosine). Moves the model to `device` (where the Trainer puts it next) and leaves no gradient."""
     device = torch.device(device)
     model.to(device)
     row = probe_row(model.config.get_text_config().vocab_size).to(device)
@@ -183,15 +190,20 @@ def probe_compiled_layers(model: torch.nn.Module, device: torch.device | str, *,
     finally:
         model.train(was_training)
         model.zero_grad(set_to_none=True)
+    differences = {}
     for name in ("hidden", "logprobs"):
         error = _relative_error(got[name], want[name])
         if not error <= rtol:  # also catches NaN
             raise AssertionError(f"compiled {name} differ from eager ones by {error:.3g} (relative; at most "
                                  f"{rtol} expected)")
+        differences[f"{name}_relative"] = error
+    differences["logprob_max_abs"] = (got["logprobs"] - want["logprobs"]).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(got["grad"], want["grad"], dim=0).item()
     if not cosine >= min_grad_cosine:
         raise AssertionError(f"compiled gradients point elsewhere than eager ones (cosine {cosine:.4f}, at "
                              f"least {min_grad_cosine} expected)")
+    differences["grad_cosine"] = cosine
+    return differences
 
 
 def _forward_backward(model, row, capacity, kernel_options, autocast_dtype, *, fused: bool) -> dict:
