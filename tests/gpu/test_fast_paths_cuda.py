@@ -28,14 +28,24 @@ from test_tree_attention import grpo_like_samples, tiny_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_the_default_compiles_on_cuda_after_the_probe_and_training_rows_reuse_its_graphs():
-    full = {"layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
-    model = tiny_model("qwen3", **full)
+# FlexAttention's compiled kernels take head dimensions of 16 or more (test_compiled_training_step's shape)
+SHAPE = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+         "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
+ARGS = {"device": "cuda", "torch_compile": None, "flex_attention_backend": "auto",
+        "torch_compile_backend": None, "torch_compile_mode": None, "activation_memory_budget": None,
+        "token_budget": 4096, "bf16": True, "fp16": False}
+
+
+def _model(**shape):
+    model = tiny_model("qwen3", **shape)
     model.config.use_cache = False
     enable_tree_attention(model)
-    args = types.SimpleNamespace(device="cuda", torch_compile=None, flex_attention_backend="auto",
-                                 torch_compile_backend=None, torch_compile_mode=None,
-                                 activation_memory_budget=None, token_budget=4096, bf16=True, fp16=False)
+    return model
+
+
+def test_the_default_compiles_on_cuda_after_the_probe_and_training_rows_reuse_its_graphs():
+    model = _model(**SHAPE)
+    args = types.SimpleNamespace(**ARGS)
     torch._dynamo.reset()
     paths = choose_fast_paths(model, args, fsdp=False)
     assert paths.compiled and paths.probe_s > 0, paths
@@ -55,3 +65,14 @@ def test_the_default_compiles_on_cuda_after_the_probe_and_training_rows_reuse_it
     lp.target_logprobs.sum().backward()
     assert torch.isfinite(lp.target_logprobs).all()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= graphs + 1, "the layers compiled again"
+
+
+def test_a_model_the_compiled_kernels_refuse_trains_eager_with_the_reason(caplog):
+    """Seen on an H100 (2026-12-07): the tiny shapes' head dimension of 8 is below what FlexAttention's
+    compiled kernels take; the probe catches inductor's refusal and the run keeps the eager layers."""
+    model = _model(**{**SHAPE, "head_dim": 8})
+    torch._dynamo.reset()
+    paths = choose_fast_paths(model, types.SimpleNamespace(**ARGS), fsdp=False)
+    assert not paths.compiled and paths.flex_options is None
+    assert not any(layer._compiled_call_impl for layer in decoder_layers(model))
+    assert "failed the start-up probe" in caplog.text and "at least 16" in caplog.text
