@@ -25,11 +25,13 @@ Why these choices (bench/recipe_probe.py measures what the model does before tra
 - The format reward asks for a number in the box, not any box: asked for `\boxed{number}` this model
   writes the word itself, which `boxed_format_reward` would pay for.
 - The instruction says `\boxed{}` rather than `\boxed{number}` for the same reason.
-The other defaults (temperature, learning rate, group size, token budget, completion lengths) are the
-ones bench/learning_gpu.py ran with; docs/learning.md has what it measured: on one H100 shared by six
-runs, held-out arithmetic accuracy went from 0% to 12-81% (async, three seeds, 36-70 steps in 6 minutes),
-no run diverging. Each run's process held about 14 GiB even with 4096-token rows: to run several on one
-card, pass `--token-budget 4096 --grad-accum 4` (the same tokens per step) and leave about 15 GiB each.
+The other defaults (temperature, learning rate, group size, completion lengths) are the ones
+bench/learning_gpu.py ran with; docs/learning.md has what it measured: on one H100 shared by six runs
+(async and on-policy, three seeds each, 6 minutes), held-out arithmetic accuracy went from 0% to
+30-78% async (mean +59 points, 26-49 steps) and 25-72% on-policy (mean +55, 16-27 steps), no run
+diverging. One run takes about 14 GiB with the default 8192-token rows (no gradient checkpointing, for
+speed); to run several on one card, pass `--token-budget 2048 --grad-accum 8` (the same tokens per
+step; about 12 GiB each with the server).
 """
 
 from __future__ import annotations
