@@ -28,8 +28,9 @@ from asyncgrpo.train.fast_paths import (
 pytestmark = pytest.mark.engine
 
 
-def _model():
-    model = tiny_model("qwen3")  # one sliding-window and one full-attention layer
+def _model(head_dim=16):
+    # one sliding-window and one full-attention layer; FlexAttention compiles head dimensions >= 16
+    model = tiny_model("qwen3", head_dim=head_dim)
     enable_tree_attention(model)
     return model
 
@@ -126,3 +127,16 @@ def test_an_explicit_choice_is_obeyed_without_a_probe():
 def test_flash_is_refused_where_it_cannot_run_and_auto_says_why_it_is_off():
     with pytest.raises(ValueError, match="trains on cpu: set flex_attention_backend='triton'"):
         choose_fast_paths(_model(), _args(flex_attention_backend="flash"), fsdp=False)
+
+
+def test_auto_keeps_eager_layers_without_a_probe_where_the_compiled_attention_is_known_to_fail(caplog):
+    """Inductor's FlexAttention refuses head dimensions below 16 (the probe saw it on an H100 with the tiny
+    shapes): auto says so at info level and compiles nothing; an explicit True still compiles."""
+    model = _model(head_dim=8)
+    with caplog.at_level(logging.INFO, logger="asyncgrpo.train.fast_paths"):
+        paths = choose_fast_paths(model, _args(torch_compile_backend=_failing), fsdp=False,
+                                  compiles=lambda device: True)
+    assert not paths.compiled and paths.probe_s is None and _compiled(model) == [False, False]
+    assert "head dimension, 8, is below the 16" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert choose_fast_paths(_model(head_dim=8), _args(torch_compile=True), fsdp=False).compiled

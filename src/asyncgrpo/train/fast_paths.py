@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 # kernel is off by far more)
 PROBE_RTOL = 0.05
 PROBE_MIN_GRAD_COSINE = 0.99
+# inductor's FlexAttention lowering refuses smaller query/key/value dimensions
+MIN_COMPILED_HEAD_DIM = 16
 PROBE_PROMPT_TOKENS = 384
 PROBE_COMPLETION_TOKENS = 160
 
@@ -78,6 +80,16 @@ def auto_compiles(device: torch.device, *, fsdp: bool) -> bool:
     return device.type == "cuda" and not fsdp
 
 
+def compiled_attention_problem(model: torch.nn.Module) -> str | None:
+    """Why FlexAttention's compiled kernels cannot run this model's attention (None: no known reason)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < MIN_COMPILED_HEAD_DIM:
+        return (f"its head dimension, {head_dim}, is below the {MIN_COMPILED_HEAD_DIM} that FlexAttention's "
+                "compiled kernels take")
+    return None
+
+
 def check_explicit_backend(args: Any) -> None:
     """Before anything loads: an explicit flex_attention_backend="flash" that cannot run is refused."""
     if args.flex_attention_backend == "flash":
@@ -93,6 +105,10 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
     auto = requested is None
     if auto:
         compile_it = compiles(device) if compiles is not None else auto_compiles(device, fsdp=fsdp)
+        problem = compiled_attention_problem(model) if compile_it else None
+        if problem is not None:  # known to fail: no probe, no warning, the eager layers
+            logger.info("torch_compile=None (auto): the decoder layers stay eager: %s", problem)
+            compile_it = False
     else:
         compile_it = bool(requested)
     backend = args.flex_attention_backend
