@@ -20,7 +20,8 @@ from asyncgrpo.generation.client import GenerationClient
 from asyncgrpo.modeling.load import load_tokenizer
 from asyncgrpo.rollout import harness_calls
 from asyncgrpo.rollout.harness import FAILED, TIMEOUT, HarnessCommand, HarnessRun, run_harness
-from asyncgrpo.rollout.harness_proxy import RecordedCall, RecordingProxy
+from asyncgrpo.rollout.harness_loop import record_call
+from asyncgrpo.rollout.harness_proxy import RecordingProxy
 from asyncgrpo.rollout.requests import RequestSettings
 
 pytestmark = pytest.mark.process
@@ -46,37 +47,16 @@ def _settings(**overrides) -> RequestSettings:
 
 
 async def _with_proxy(server, tokenizer, harness_body, settings=None):
-    """Run `harness_body(session)` against a proxy whose forward is the harness loop's logic."""
+    """Run `harness_body(session)` against a proxy whose forward is the harness loop's own call step."""
     settings = settings or _settings()
     client = GenerationClient(server.url, timeout_s=60, api_key=None)
     await client.start()
 
     async def forward(path, body, session, emit):
-        upstream, asked, _ = harness_calls.upstream_body(
-            path, body, settings=settings, seed=len(session.calls) + 7, model=MODEL
-        )
-        def decode(t):
-            return tokenizer.decode([t])
-
-        if emit is None:
-            status, reply = await client.openai_request(path, upstream)
-            if status >= 400:
-                return status, reply
-        else:
-            gathered = harness_calls.StreamedReply(path)
-
-            async def on_chunk(chunk):
-                gathered.add(chunk)
-                if chunk.get("choices") or harness_calls.wants_usage_chunk(body):
-                    await emit(harness_calls.harness_view(path, chunk, asked, decode))
-
-            status, error = await client.openai_stream(path, harness_calls.stream_body(upstream), on_chunk)
-            if status >= 400:
-                return status, error
-            reply = gathered.reply()
-        turns = harness_calls.recorded_turns(path, reply, num_logprobs=settings.num_logprobs)
-        session.calls.append(RecordedCall(path, upstream, reply, turns))
-        return status, None if emit is not None else harness_calls.harness_view(path, reply, asked, decode)
+        status, reply, _ = await record_call(client, path, body, session, emit, settings=settings,
+                                             seed=len(session.calls) + 7, model=MODEL,
+                                             decode=lambda t: tokenizer.decode([t]))
+        return status, reply
 
     proxy = RecordingProxy(forward, model=MODEL)
     await proxy.start()

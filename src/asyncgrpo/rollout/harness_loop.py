@@ -21,6 +21,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,42 @@ logger = logging.getLogger(__name__)
 
 _COUNTS = {FAILED: M.HARNESS_FAILED_COUNT, TIMEOUT: M.HARNESS_TIMEOUT_COUNT, NO_CALL: M.HARNESS_NO_CALL_COUNT}
 _EMPTY_COMPLETION = ({"role": "assistant", "content": ""},)
+
+
+async def record_call(
+    client: Any, path: str, body: dict[str, Any], session: ProxySession, emit: Emit | None, *,
+    settings: Any, seed: int, model: str, decode: Callable[[int], str],
+) -> tuple[int, Any, dict[str, Any]]:
+    """One harness call sent to `client` with the trainer's sampling `settings` and `seed`, its turns
+    recorded into `session`: (status, the reply as the harness sees it (None once streamed through
+    `emit`), the harness's sampling fields that were overridden)."""
+    upstream, asked, overridden = harness_calls.upstream_body(path, body, settings=settings, seed=seed,
+                                                              model=model)
+    if emit is None:
+        status, reply = await client.openai_request(path, upstream)
+        if status >= 400:
+            return status, reply, overridden
+    else:
+        gathered = harness_calls.StreamedReply(path)
+        usage_chunk = harness_calls.wants_usage_chunk(body)
+
+        async def on_chunk(chunk: dict[str, Any]) -> None:
+            gathered.add(chunk)
+            if chunk.get("choices") or usage_chunk:
+                await emit(harness_calls.harness_view(path, chunk, asked, decode))
+
+        status, error = await client.openai_stream(path, harness_calls.stream_body(upstream), on_chunk)
+        if status >= 400:
+            return status, error, overridden
+        reply = gathered.reply()
+    if not session.open:  # the rollout ended while the call ran: nothing recorded
+        gone = {"error": {"message": "this harness session is over", "type": "Gone", "code": 410}}
+        return 410, gone, overridden
+    turns = harness_calls.recorded_turns(path, reply, num_logprobs=settings.num_logprobs)
+    session.calls.append(RecordedCall(path, upstream, reply, turns))
+    if emit is not None:
+        return status, None, overridden
+    return status, harness_calls.harness_view(path, reply, asked, decode), overridden
 
 
 class HarnessRolloutLoop(AsyncRolloutLoop):
@@ -132,35 +169,12 @@ class HarnessRolloutLoop(AsyncRolloutLoop):
         seed = request_seed(int(self.config.seed), position, index, session.num_requests)
         session.num_requests += 1
         model = self._model_kwargs(context).get("model", info.model_name)
-        settings = self._request_settings
-        upstream, asked, overridden = harness_calls.upstream_body(
-            path, body, settings=settings, seed=seed, model=model
+        status, reply, overridden = await record_call(
+            client, path, body, session, emit, settings=self._request_settings, seed=seed, model=model,
+            decode=self._decode_token,
         )
         self._warn_overrides(overridden)
-        if emit is None:
-            status, reply = await client.openai_request(path, upstream)
-            if status >= 400:
-                return status, reply
-        else:
-            gathered = harness_calls.StreamedReply(path)
-            usage_chunk = harness_calls.wants_usage_chunk(body)
-
-            async def on_chunk(chunk: dict[str, Any]) -> None:
-                gathered.add(chunk)
-                if chunk.get("choices") or usage_chunk:
-                    await emit(harness_calls.harness_view(path, chunk, asked, self._decode_token))
-
-            status, error = await client.openai_stream(path, harness_calls.stream_body(upstream), on_chunk)
-            if status >= 400:
-                return status, error
-            reply = gathered.reply()
-        if not session.open:  # the rollout ended while the call ran: nothing recorded
-            return 410, {"error": {"message": "this harness session is over", "type": "Gone", "code": 410}}
-        turns = harness_calls.recorded_turns(path, reply, num_logprobs=settings.num_logprobs)
-        session.calls.append(RecordedCall(path, upstream, reply, turns))
-        if emit is not None:
-            return status, None
-        return status, harness_calls.harness_view(path, reply, asked, self._decode_token)
+        return status, reply
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
