@@ -48,6 +48,7 @@ class AsyncGRPOConfig(TrainingArguments):
     - `ignore_data_skip`: always True (a False value is overridden with a warning): the base Trainer's
       skip-and-replay resume does not apply to a live rollout queue; `rollout_state.json` is used.
     - `report_to`: "none".
+    - `torch_compile`: None ("where it runs", below) instead of False.
 
     `torch_compile` compiles each decoder layer in place, for any row length, and the elementwise work
     of the log-prob head, instead of the whole model (`asyncgrpo.train.compiled_layers`). Its default
