@@ -132,10 +132,13 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
         started = time.perf_counter()
         try:
             differences = probe_compiled_layers(model, device, token_budget=args.token_budget,
-                                  kernel_options=kernel_options, autocast_dtype=_autocast_dtype(args))
+                                                kernel_options=kernel_options,
+                                                autocast_dtype=_autocast_dtype(args))
         except Exception as exc:  # any failure of the fast path: say it, and train on the path that works
+            # its first lines: a compiler's error goes on to dump whole graphs
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             failures.append(f"{'FlashAttention-4' if kernel_options else 'Triton'} kernels: "
-                            f"{type(exc).__name__}: {exc}")
+                            f"{type(exc).__name__}: {' '.join(lines[:2])[:500]}")
             continue
         return FastPaths(True, kernel_options, round(time.perf_counter() - started, 2), differences)
     uncompile_decoder_layers(model)
