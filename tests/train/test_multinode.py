@@ -73,10 +73,6 @@ def one_process_trainer(url: str, out: Path, overrides: dict):
     sys.path.insert(0, str(JOB.parent))
     import train_job
 
-    from asyncgrpo.tasks import arithmetic
-
-    trainer = train_job.AsyncGRPOTrainer(model=train_job.MODEL, reward_funcs=train_job.arithmetic_reward,
-                                         train_dataset=arithmetic.make_dataset(64, seed=0),
-                                         args=train_job.config(url, out / "one", overrides))
+    trainer = train_job.make_trainer(url, out / "one", overrides)
     trainer.model.zero_grad(set_to_none=True)
     return trainer

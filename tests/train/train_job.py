@@ -122,14 +122,20 @@ async def _served(url: str, what: str):
         return await client.weight_checksum(), await client.weight_info()
 
 
+def make_trainer(url: str | list[str], out: Path, overrides: dict, callbacks=None) -> RecordingTrainer:
+    """The job's trainer: the tiny model on arithmetic against `url`, with the settings of `config`."""
+    trainer = RecordingTrainer(
+        model=MODEL, reward_funcs=arithmetic_reward, train_dataset=arithmetic.make_dataset(64, seed=0),
+        args=config(url, out, overrides), callbacks=callbacks,
+    )
+    trainer.micro_batches, trainer.first_step = [], []
+    return trainer
+
+
 def main(urls: list[str], out: Path, overrides: dict) -> None:
     url = urls[0]
     watch = WatchRollout()
-    trainer = RecordingTrainer(
-        model=MODEL, reward_funcs=arithmetic_reward, train_dataset=arithmetic.make_dataset(64, seed=0),
-        args=config(url if len(urls) == 1 else urls, out, overrides), callbacks=[watch],
-    )
-    trainer.micro_batches, trainer.first_step = [], []
+    trainer = make_trainer(url if len(urls) == 1 else urls, out, overrides, callbacks=[watch])
     allowance = WatchAllowance(trainer)
     trainer.add_callback(allowance)
     if os.environ.get("RECORD_FIRST_STEP") == "1":

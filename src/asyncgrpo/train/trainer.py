@@ -121,8 +121,7 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
             tools_enabled=bool(tools) or environment_factory is not None, fsdp=bool(args.fsdp),
         )
         self.model_id = policy.model_id
-        self.fast_paths = policy.fast_paths
-        self._flex_options = policy.fast_paths.flex_options  # FlexAttention's kernels
+        self.fast_paths = policy.fast_paths  # compiled layers, the tree attention's kernels
         self._peft_config = peft_config  # read at train() to choose the sync (adapter only or merged)
 
         self.reward_funcs = reward_func_list(reward_funcs)
@@ -345,8 +344,8 @@ class AsyncGRPOTrainer(StagedCheckpoints, Trainer):
         mask = TreeMask.from_row(
             row,
             device,
-            mask_capacity=self._token_budget if self._flex_options else None,
-            kernel_options=self._flex_options,
+            mask_capacity=self._token_budget if self.fast_paths.flex_options else None,
+            kernel_options=self.fast_paths.flex_options,
         )
         # device_work: no graph capture of a server in this process meanwhile (compilation may sync the
         # device)
