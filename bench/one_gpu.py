@@ -228,6 +228,10 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
                 # one progress line per step instead of the log dicts
                 trainer.remove_callback(PrinterCallback)
                 recorder.trainer = trainer
+                paths = trainer.fast_paths  # what the defaults chose on this machine, and the probe's cost
+                run["fast_paths"] = {"compiled": paths.compiled, "flash_attention": paths.flex_options is not None,
+                                     "probe_s": paths.probe_s, "probe_differences": paths.probe_differences,
+                                     "described": paths.describe()}
                 bench.result["shapes"][shape]["num_parameters"] = sum(
                     p.numel() for p in trainer.model.parameters())
                 trainer.train()
@@ -360,6 +364,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from asyncgrpo.cli_args import auto_bool
     from asyncgrpo.config_rules import FLEX_BACKENDS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -399,14 +404,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-start-timeout", type=float, default=600.0)
     p.add_argument("--learning-rate", type=float, default=1e-6)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
-    p.add_argument("--torch-compile", action="store_true",
-                   help="The trainer's torch_compile=True (compiled decoder layers, fused log-prob head).")
+    p.add_argument("--torch-compile", type=auto_bool, nargs="?", const=True, default=None,
+                   help="The trainer's torch_compile: auto (the default: compiled decoder layers and fused "
+                   "log-prob head where the start-up probe passes), on (the bare flag) or off.")
     p.add_argument("--activation-memory-budget", type=float, default=None,
-                   help="The trainer's activation_memory_budget (with --torch-compile): selective "
-                   "recomputation.")
-    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="triton",
-                   help="The trainer's flex_attention_backend (with --torch-compile): 'flash' is "
-                   "FlashAttention-4.")
+                   help="The trainer's activation_memory_budget (compiled layers): selective recomputation.")
+    p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="auto",
+                   help="The trainer's flex_attention_backend (compiled layers): 'flash' is FlashAttention-4, "
+                   "'auto' (the default) picks it where it runs.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
