@@ -8,8 +8,9 @@ moving by CUDA IPC. Settings:
     on_policy   AsyncGRPOTrainer, max_staleness=0 (every sample from the weights being trained)
     trl         TRL's GRPOTrainer with transformers generation (`pip install trl`; --trl-generation says
                 whether generate() or the continuous batching engine), the same model, rows,
-                rewards, group size, learning rate, temperature, completion length and seed, and as many
-                prompts per step as asyncgrpo's runs took on average (--trl-prompts-per-step)
+                rewards, group size, learning rate, temperature, completion length and seed, and
+                --trl-prompts-per-step prompts a step (asyncgrpo's steps take as many groups as
+                --token-budget x --grad-accum hold: `mean_groups_per_step` in each run)
 
 One server serves every run: a run's trainer pushes its starting weights when it starts. Per seed the
 settings alternate. With --concurrent, every setting and seed runs at the same time instead, one process
@@ -78,6 +79,7 @@ class Snapshots(TrainerCallback):
         self.started = 0.0
         self.paused_s = 0.0
         self.taken: list[dict] = []  # {"t_s", "step", "state"}
+        self.history: list[dict] = []  # the trainer's log, kept here so that a run that fails still has it
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started - self.paused_s
@@ -90,6 +92,7 @@ class Snapshots(TrainerCallback):
         self.cuda_reserved_at_start = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.history = state.log_history
         t = self.elapsed()
         done = t >= self.train_s
         if done or t >= self.every_s * (len(self.taken) + 1):
@@ -235,8 +238,39 @@ def train_trl(
 
 def finish(trainer: Any, snapshots: Snapshots) -> dict:
     """What a run leaves besides its snapshots: time, steps, the logged curves, whether it stayed finite."""
-    train_s = snapshots.elapsed()
     history = trainer.state.log_history
+    log, nonfinite = logged(history)
+    weights_finite = all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+    groups = [e["batch/groups_per_step"] for e in history if "batch/groups_per_step" in e]
+    return {
+        "train_s": round(snapshots.elapsed(), 2),
+        "steps": trainer.state.global_step,
+        "log": log,
+        "nonfinite_logged": nonfinite,
+        "weights_finite": weights_finite,
+        "mean_groups_per_step": statistics.fmean(groups) if groups else None,
+        "memory_gib": memory_gib(trainer, snapshots.cuda_reserved_at_start),
+    }
+
+
+def failed(exc: BaseException, snapshots: Snapshots) -> dict:
+    """A run that raised: the error, and what it logged before. A loss or gradient norm that turned
+    non-finite before the error is a divergence (NaN weights then fail the next sampling step)."""
+    log, nonfinite = logged(snapshots.history)
+    first_bad = next((e for e in log for k in nonfinite if not math.isfinite(float(e.get(k, 0.0)))), None)
+    return {
+        "status": "failed",
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+        "train_s": round(snapshots.elapsed(), 2) if snapshots.started else None,
+        "steps": log[-1]["step"] if log else 0,
+        "log": log,
+        "nonfinite_logged": nonfinite,
+        "diverged_at_step": None if first_bad is None else first_bad["step"],
+    }
+
+
+def logged(history: list[dict]) -> tuple[list[dict], list[str]]:
+    """The log entries a run keeps (one per step), and which of loss and gradient norm went non-finite."""
     keep = (
         "loss",
         "reward",
@@ -256,17 +290,7 @@ def finish(trainer: Any, snapshots: Snapshots) -> dict:
     )
     log = [{"step": e.get("step"), **{k: e[k] for k in keep if k in e}} for e in history if "loss" in e]
     nonfinite = [k for e in log for k in ("loss", "grad_norm") if k in e and not math.isfinite(float(e[k]))]
-    weights_finite = all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
-    groups = [e["batch/groups_per_step"] for e in history if "batch/groups_per_step" in e]
-    return {
-        "train_s": round(train_s, 2),
-        "steps": trainer.state.global_step,
-        "log": log,
-        "nonfinite_logged": sorted(set(nonfinite)),
-        "weights_finite": weights_finite,
-        "mean_groups_per_step": statistics.fmean(groups) if groups else None,
-        "memory_gib": memory_gib(trainer, snapshots.cuda_reserved_at_start),
-    }
+    return log, sorted(set(nonfinite))
 
 
 def memory_gib(trainer: Any, cuda_reserved_at_start: int | None = None) -> dict[str, float]:
@@ -310,12 +334,23 @@ def mean_curve(curves: list[list[dict]]) -> list[dict]:
     ]
 
 
+def failure(run: dict) -> str:
+    if run.get("diverged_at_step") is not None:
+        return f"diverged at step {run['diverged_at_step']}"
+    return (run.get("error") or "failed").splitlines()[0][:300]
+
+
 def summarize(report: dict) -> dict:
     runs = [r for r in report["runs"] if r.get("status") == "ok"]
     initial = report["initial"]["accuracy"]
     summary: dict[str, Any] = {}
     by_setting = {s: {r["seed"]: r for r in runs if r["setting"] == s} for s in SETTINGS}
     for setting, seeds in by_setting.items():
+        # runs that raised: a divergence that ended in an error, or the error's first line (out of memory...)
+        fails = {r["seed"]: failure(r) for r in report["runs"]
+                 if r["setting"] == setting and r.get("status") == "failed"}
+        if fails:
+            summary.setdefault("failed", {})[setting] = fails
         if not seeds:
             continue
         gains = {seed: (r["curve"][-1]["accuracy"] - initial) * 100 for seed, r in seeds.items()}
@@ -464,7 +499,7 @@ def run_here(args: argparse.Namespace, report: dict, out: Path) -> None:
                     )
                 except Exception as exc:  # recorded, and the next run goes on
                     logger.exception("%s seed %d failed", setting, seed)
-                    run.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+                    run.update(failed(exc, snapshots))
                 report["runs"].append(run)
                 report["summary"] = summarize(report)
                 out.write_text(json.dumps(report, indent=1) + "\n")

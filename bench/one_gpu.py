@@ -229,9 +229,11 @@ def train_once(bench: Bench, shape: str, preset: dict[str, int], setting: tuple[
                 trainer.remove_callback(PrinterCallback)
                 recorder.trainer = trainer
                 paths = trainer.fast_paths  # what the defaults chose on this machine, and the probe's cost
-                run["fast_paths"] = {"compiled": paths.compiled, "flash_attention": paths.flex_options is not None,
-                                     "probe_s": paths.probe_s, "probe_differences": paths.probe_differences,
-                                     "described": paths.describe()}
+                run["fast_paths"] = {
+                    "compiled": paths.compiled, "flash_attention": paths.flex_options is not None,
+                    "probe_s": paths.probe_s, "probe_differences": paths.probe_differences,
+                    "described": paths.describe(),
+                }
                 bench.result["shapes"][shape]["num_parameters"] = sum(
                     p.numel() for p in trainer.model.parameters())
                 trainer.train()
@@ -410,8 +412,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="The trainer's activation_memory_budget (compiled layers): selective recomputation.")
     p.add_argument("--flex-attention-backend", choices=FLEX_BACKENDS, default="auto",
-                   help="The trainer's flex_attention_backend (compiled layers): 'flash' is FlashAttention-4, "
-                   "'auto' (the default) picks it where it runs.")
+                   help="The trainer's flex_attention_backend (compiled layers): 'flash' is "
+                   "FlashAttention-4, 'auto' (the default) picks it where it runs.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)

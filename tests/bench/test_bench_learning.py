@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import real_model
-from learning_gpu import first_time_reaching, mean_curve, memory_gib, summarize
+from learning_gpu import Snapshots, failed, first_time_reaching, mean_curve, memory_gib, summarize
 
 
 def curve(*points: tuple[float, float]) -> list[dict]:
@@ -81,6 +81,26 @@ def test_async_against_trl_is_the_time_each_takes_to_the_lower_final_accuracy():
     assert common == {"accuracy": 0.30, "async_s": 60, "trl_s": 60}
     report["runs"][0]["curve"] = curve((0, 0.0), (30, 0.35), (60, 0.50))
     assert summarize(report)["async_vs_trl"] == {"accuracy": 0.30, "async_s": 30, "trl_s": 60}
+
+
+def test_a_run_whose_gradient_turned_nan_before_it_crashed_is_reported_as_diverged():
+    snapshots = Snapshots(train_s=60, every_s=30)
+    snapshots.start()
+    snapshots.history = [{"step": 1, "loss": 0.1, "grad_norm": 1.5},
+                         {"step": 2, "loss": 0.2, "grad_norm": 2.0},
+                         {"step": 3, "loss": 0.1, "grad_norm": float("nan")}]
+    # NaN weights then make the next sampling step fail on the device
+    crashed = {"setting": "trl", "seed": 0,
+               **failed(RuntimeError("CUDA error: device-side assert triggered"), snapshots)}
+    assert crashed["status"] == "failed" and crashed["diverged_at_step"] == 3 and crashed["steps"] == 3
+    assert crashed["nonfinite_logged"] == ["grad_norm"]
+    out_of_memory = {"setting": "trl", "seed": 1, "status": "failed",
+                     "error": "OutOfMemoryError: CUDA out of memory.\nmore lines"}
+    report = {"initial": {"accuracy": 0.0},
+              "runs": [crashed, out_of_memory, run("trl", 2, curve((0, 0.0), (9, 0.4)), train_s=9)]}
+    summary = summarize(report)
+    assert summary["failed"] == {"trl": {0: "diverged at step 3", 1: "OutOfMemoryError: CUDA out of memory."}}
+    assert summary["trl"]["seeds"] == [2]
 
 
 def test_first_time_reaching_and_mean_curve():
