@@ -36,7 +36,7 @@ SHAPE = {"hidden_size": 512, "num_attention_heads": 16, "num_key_value_heads": 8
          "layer_types": ["full_attention", "full_attention"], "use_sliding_window": False}
 ARGS = {"device": "cuda", "torch_compile": None, "flex_attention_backend": "auto",
         "torch_compile_backend": None, "torch_compile_mode": None, "activation_memory_budget": None,
-        "token_budget": 4096, "bf16": True, "fp16": False}
+        "token_budget": 4096, "bf16": True, "fp16": False, "gradient_checkpointing": True}
 
 
 def _model(**shape):
@@ -56,6 +56,10 @@ def test_the_default_compiles_on_cuda_after_the_probe_and_training_rows_reuse_it
     assert (paths.flex_options is not None) == (flash_attention_problem("cuda") is None)
     print(paths.describe())
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    # as the Trainer trains: checkpointed layers in train mode (a first GPU run of this test left the
+    # model in eval mode, and the layers compiled again for it)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
     rng = np.random.default_rng(0)
     row = pack_row([s for _ in range(9) for s in grpo_like_samples(rng)]).to("cuda")
     assert row.num_tokens >= 512  # the FlexAttention path, as the probe's row
@@ -67,7 +71,7 @@ def test_the_default_compiles_on_cuda_after_the_probe_and_training_rows_reuse_it
         lp = token_logprobs(hidden[0], model.lm_head.weight, row.pred_index, row.target_ids, fused=True)
     lp.target_logprobs.sum().backward()
     assert torch.isfinite(lp.target_logprobs).all()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= graphs + 1, "the layers compiled again"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "the layers compiled again"
 
 
 def test_a_model_the_compiled_kernels_refuse_trains_eager_with_the_reason(caplog):

@@ -10,9 +10,10 @@ or "triton"/"flash" is obeyed without a probe (and refused early where it cannot
 
 The probe: one packed row of two completions of a shared prompt, long enough for the CUDA path's
 FlexAttention masks (`TreeMask.from_row`'s `min_flex_tokens`), forward and backward through the model
-and its log-prob head, compiled against eager, on the training device and autocast dtype. It compiles
-the graphs training uses (dynamic row length; the flash path's masks padded to the token budget), so
-its time is the run's one-time compile cost, which it reports. A probe that raises or disagrees
+and its log-prob head, compiled against eager, on the training device and autocast dtype, in train mode
+and under activation checkpointing when the run has it. It compiles the graphs training uses (dynamic
+row length; the flash path's masks padded to the token budget), so its time is the run's one-time
+compile cost, which it reports. A probe that raises or disagrees
 turns the fast path off with a warning saying why.
 """
 
@@ -131,9 +132,10 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
     for kernel_options in tries:
         started = time.perf_counter()
         try:
-            differences = probe_compiled_layers(model, device, token_budget=args.token_budget,
-                                                kernel_options=kernel_options,
-                                                autocast_dtype=_autocast_dtype(args))
+            with checkpointed_as_in_training(model, args):
+                differences = probe_compiled_layers(model, device, token_budget=args.token_budget,
+                                                    kernel_options=kernel_options,
+                                                    autocast_dtype=_autocast_dtype(args))
         except Exception as exc:  # any failure of the fast path: say it, and train on the path that works
             # its first lines: a compiler's error goes on to dump whole graphs
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -150,6 +152,26 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
                    "training runs the eager layers (%s). Set torch_compile=False to skip the probe, or "
                    "report the error with your model and torch versions.", "; ".join(failures))
     return FastPaths(False, None)
+
+
+@contextlib.contextmanager
+def checkpointed_as_in_training(model: torch.nn.Module, args: Any):
+    """Activation checkpointing on, as the Trainer will turn it on in train() when the run has it: the
+    layers compile a different graph under it (so the probe compiles the one training uses), and its
+    recompute inside backward is part of what the probe checks. Off again afterwards."""
+    name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, None)),
+                None)
+    enable = getattr(model, f"{name}_enable", None) if name else None
+    if enable is None or getattr(model, "is_gradient_checkpointing", True):
+        yield
+        return
+    kwargs = dict(getattr(args, f"{name}_kwargs", None) or {})
+    layout = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}  # not checkpoint()'s
+    enable(**{f"{name}_kwargs": kwargs or None}, **layout)
+    try:
+        yield
+    finally:
+        getattr(model, f"{name}_disable")()
 
 
 def uncompile_decoder_layers(model: torch.nn.Module) -> None:
