@@ -109,7 +109,8 @@ def test_the_first_training_step_reuses_the_probes_graphs():
     (seen on an H100: a 20 s step 1 at 0.6B) and the probe never checked the recompute inside backward."""
     model = _model()
     model.eval()  # as loaded: the Trainer puts it in train mode
-    paths = choose_fast_paths(model, _args(gradient_checkpointing=True), fsdp=False, compiles=lambda device: True)
+    paths = choose_fast_paths(model, _args(gradient_checkpointing=True), fsdp=False,
+                              compiles=lambda device: True)
     assert paths.compiled and paths.probe_s > 0
     assert not model.is_gradient_checkpointing and not model.training  # left as it was found
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
