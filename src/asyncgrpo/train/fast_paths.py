@@ -159,15 +159,18 @@ def checkpointed_as_in_training(model: torch.nn.Module, args: Any):
     """Activation checkpointing on, as the Trainer will turn it on in train() when the run has it: the
     layers compile a different graph under it (so the probe compiles the one training uses), and its
     recompute inside backward is part of what the probe checks. Off again afterwards."""
-    name = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, None)),
-                None)
-    enable = getattr(model, f"{name}_enable", None) if name else None
-    if enable is None or getattr(model, "is_gradient_checkpointing", True):
+    # the run's setting under either name (newer transformers renamed the training argument and the
+    # model's methods), the model's methods under the name its transformers has
+    wanted = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    name = "activation_checkpointing" if hasattr(model, "activation_checkpointing_enable") else \
+        "gradient_checkpointing"
+    if not wanted or not hasattr(model, f"{name}_enable") or getattr(model, f"is_{name}", True):
         yield
         return
-    kwargs = dict(getattr(args, f"{name}_kwargs", None) or {})
     layout = {k: kwargs.pop(k) for k in ("every_n_layers", "offload") if k in kwargs}  # not checkpoint()'s
-    enable(**{f"{name}_kwargs": kwargs or None}, **layout)
+    getattr(model, f"{name}_enable")(**{f"{name}_kwargs": kwargs or None}, **layout)
     try:
         yield
     finally:
