@@ -18,6 +18,7 @@ from test_tree_attention import tiny_model
 
 from asyncgrpo.packing.attention import TreeMask, enable_tree_attention, tree_attention_context
 from asyncgrpo.train.compiled_layers import decoder_layers
+from asyncgrpo.train import fast_paths
 from asyncgrpo.train.fast_paths import (
     PROBE_COMPLETION_TOKENS,
     PROBE_PROMPT_TOKENS,
@@ -91,9 +92,11 @@ def test_auto_on_cpu_keeps_the_eager_layers_and_triton_kernels():
     assert _compiled(model) == [False, False]
 
 
-def test_auto_where_it_compiles_probes_and_keeps_compiled_layers_that_match():
+def test_auto_where_it_compiles_probes_and_keeps_compiled_layers_that_match(monkeypatch, caplog):
+    monkeypatch.setattr(fast_paths, "PROBE_NOTICE_AFTER_S", 0.0)  # the long-compile notice, at once
     model = _model()
     paths = choose_fast_paths(model, _args(), fsdp=False, compiles=lambda device: True)
+    assert "compiling the decoder layers and checking them against the eager ones" in caplog.text
     assert paths.compiled and paths.flex_options is None and paths.probe_s > 0
     assert _compiled(model) == [True, True]
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind

@@ -39,6 +39,7 @@ from asyncgrpo.train.compiled_layers import (
 )
 from asyncgrpo.train.logprobs import token_logprobs
 from asyncgrpo.train.model_setup import hidden_states_and_head
+from asyncgrpo.train.waiting import notice_while_waiting
 from asyncgrpo.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ PROBE_RTOL = 0.05
 PROBE_MIN_GRAD_COSINE = 0.99
 # inductor's FlexAttention lowering refuses smaller query/key/value dimensions
 MIN_COMPILED_HEAD_DIM = 16
+# a probe that compiles takes tens of seconds: say so after this long (and every 30 s)
+PROBE_NOTICE_AFTER_S = 5.0
 PROBE_PROMPT_TOKENS = 384
 PROBE_COMPLETION_TOKENS = 160
 
@@ -132,7 +135,11 @@ def choose_fast_paths(model: torch.nn.Module, args: Any, *, fsdp: bool,
     for kernel_options in tries:
         started = time.perf_counter()
         try:
-            with checkpointed_as_in_training(model, args):
+            with checkpointed_as_in_training(model, args), notice_while_waiting(
+                lambda waited: f"torch_compile=None (auto): compiling the decoder layers and checking them "
+                f"against the eager ones, once per run ({waited:.0f} s so far; torch_compile=False skips it)",
+                first_after_s=PROBE_NOTICE_AFTER_S, every_s=30.0,
+            ):
                 differences = probe_compiled_layers(model, device, token_budget=args.token_budget,
                                                     kernel_options=kernel_options,
                                                     autocast_dtype=_autocast_dtype(args))
