@@ -10,6 +10,10 @@ asynchronous (`max_staleness=4`) and strictly on-policy (`max_staleness=0`) runs
 --max-seconds after its first --warmup-steps steps (start-up and compilation are left out, so both
 settings get windows of the same length) and stops at the first step end past that.
 
+The trainer runs with its defaults unless told otherwise: compiled decoder layers where its start-up probe
+passes, FlashAttention-4 where it runs (`--torch-compile off`, `--flex-attention-backend triton` force the
+other paths); each run records what was chosen and the probe's seconds (`fast_paths`).
+
 Per run (`steady_summary` in bench/one_gpu_probes.py says how each number is computed):
   trained tokens/s, generated tokens/s (the server's own counter, read by a thread every 0.5 s and
   interpolated at each step's end, so that the trainer never waits on the server's /metrics; how
